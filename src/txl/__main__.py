@@ -1,0 +1,3 @@
+from txl.cli import main
+
+raise SystemExit(main())

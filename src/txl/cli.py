@@ -1,0 +1,75 @@
+"""The `txl` command line: one entry point, one subcommand per job.
+
+Each subcommand's arguments are declared by a `configure(parser)` function and carried out by a
+`run(args) -> int` function, both named here as "module:function" strings and imported only when the
+subcommand runs, so `txl --help` stays fast. User errors (`TxlError`) print one line and exit non-zero;
+`--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+# name -> (help, "module:configure", "module:run")
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "data": (
+        "corpora: list, download, prepare (tokenize once into memory-mapped arrays), stats",
+        "txl.data.cli:configure",
+        "txl.data.cli:run",
+    ),
+    "import-hf": (
+        "convert a Hugging Face TransfoXL checkpoint (config.json + pytorch_model.bin or model.safetensors)",
+        "txl.hf_import:configure_cli",
+        "txl.hf_import:run_cli",
+    ),
+}
+
+
+def _load(ref: str) -> Callable:
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="txl",
+        description="Transformer-XL for modern PyTorch: train, evaluate, generate, measure.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (help_text, configure, _run) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        _load(configure)(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from txl.errors import TxlError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv:
+        argv = ["train"] if "train" in COMMANDS else ["--help"]
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    run = _load(COMMANDS[args.command][2])
+    try:
+        return int(run(args) or 0)
+    except TxlError as err:
+        if args.debug:
+            raise
+        print(f"txl {args.command}: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print(f"txl {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

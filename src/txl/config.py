@@ -1,0 +1,262 @@
+"""Typed model configuration with validation and a JSON round-trip.
+
+`TransformerXLConfig` holds the shape of a model and the settings its forward pass reads. Every field
+is checked when the config is built: an impossible value raises `ConfigError` (a `ValueError`) whose
+message names the field. `from_dict` also rejects unknown keys and wrong types by name, so a typo in
+a `config.json` or a TOML preset is never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from txl.errors import ConfigError
+
+# Names, not integer codes (the reference's `attn_type` 0..3 maps to xl, shaw, sinusoidal, learned).
+PositionalName = Literal["xl", "shaw", "sinusoidal", "learned", "rope", "alibi"]
+AttentionName = Literal["full"]
+AttentionImpl = Literal["auto", "eager", "fast"]
+
+POSITIONAL_NAMES: tuple[str, ...] = get_args(PositionalName)
+ATTENTION_NAMES: tuple[str, ...] = get_args(AttentionName)
+ATTENTION_IMPLS: tuple[str, ...] = get_args(AttentionImpl)
+
+
+@dataclass
+class TransformerXLConfig:
+    # --- shape --------------------------------------------------------------------------------
+    vocab_size: int = 256
+    n_layer: int = 12
+    d_model: int = 512
+    n_head: int = 8
+    d_head: int = 64
+    d_inner: int = 2048  # FFN width: Linear(d_model, d_inner) -> ReLU -> Linear(d_inner, d_model)
+    d_embed: int | None = None  # embedding width before projection to d_model; None = d_model
+    # --- regularisation -----------------------------------------------------------------------
+    dropout: float = 0.1  # on embeddings, position embeddings, attention output, FFN
+    dropatt: float = 0.0  # on attention probabilities
+    # --- recurrence and positions -------------------------------------------------------------
+    mem_len: int = 512  # hidden states kept per layer; 0 = vanilla Transformer LM (Al-Rfou et al.)
+    clamp_len: int = 0  # relative distances beyond this share one position vector; 0 = no clamp
+    same_length: bool = False  # every query sees exactly mem_len keys (kimiyoung's convention)
+    pre_lnorm: bool = False  # pre-LN blocks (+ a final LayerNorm); default post-LN as the paper
+    untie_r: bool = False  # per-layer u, v biases (TF large models) instead of shared (PyTorch ref)
+    pos_encoding: PositionalName = "xl"
+    max_relative_distance: int = 64  # shaw: distances beyond this share one embedding
+    shaw_values: bool = False  # shaw: also add the distance embedding on the value side
+    max_positions: int = 1024  # learned: rows of the absolute table (inputs longer than this fail)
+    # --- attention kernel ---------------------------------------------------------------------
+    attention: AttentionName = "full"
+    attention_impl: AttentionImpl = "auto"  # eager = reference einsum path; fast = fused/strided
+    # --- adaptive input / softmax (Baevski & Auli 2019; Grave et al. 2017) ---------------------
+    cutoffs: tuple[int, ...] = ()  # empty = one full softmax; e.g. (20000, 40000, 200000) for wt103
+    div_val: int = 1  # cluster i has d_embed // div_val**i dims
+    tie_weight: bool = True  # output cluster weights = input embedding weights
+    tie_projs: tuple[bool, ...] | None = None  # per cluster; None = (False, True, True, ...) as wt103
+    # --- initialisation (reference: normal init) ----------------------------------------------
+    init_std: float = 0.02
+    proj_init_std: float = 0.01
+    layer_norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        # Accept lists from JSON/TOML for tuple fields.
+        if isinstance(self.cutoffs, list):
+            self.cutoffs = tuple(self.cutoffs)
+        if isinstance(self.tie_projs, list):
+            self.tie_projs = tuple(self.tie_projs)
+        _check_types(self)
+        self._validate()
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def embed_dim(self) -> int:
+        return self.d_model if self.d_embed is None else self.d_embed
+
+    @property
+    def adaptive(self) -> bool:
+        return len(self.cutoffs) > 0
+
+    @property
+    def resolved_tie_projs(self) -> tuple[bool, ...]:
+        if self.tie_projs is not None:
+            return self.tie_projs
+        return (False,) + (True,) * len(self.cutoffs)
+
+    def _validate(self) -> None:
+        positive = ["vocab_size", "n_layer", "d_model", "n_head", "d_head", "d_inner", "div_val"]
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"config.{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_embed is not None and self.d_embed < 1:
+            raise ConfigError(f"config.d_embed must be >= 1 (or null for d_model), got {self.d_embed}")
+        for name in ["mem_len", "clamp_len", "max_relative_distance"]:
+            if getattr(self, name) < 0:
+                raise ConfigError(f"config.{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_positions < 1:
+            raise ConfigError(f"config.max_positions must be >= 1, got {self.max_positions}")
+        for name in ["dropout", "dropatt"]:
+            p = getattr(self, name)
+            if not 0.0 <= p < 1.0:
+                raise ConfigError(f"config.{name} must be in [0, 1), got {p}")
+        for name in ["init_std", "proj_init_std", "layer_norm_eps"]:
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"config.{name} must be > 0, got {getattr(self, name)}")
+        if self.same_length and self.mem_len < 1:
+            raise ConfigError(
+                "config.same_length needs mem_len >= 1 (each query sees exactly mem_len keys); "
+                "set mem_len or same_length=false"
+            )
+        cut = list(self.cutoffs)
+        if cut:
+            if any(c <= 0 for c in cut) or any(b <= a for a, b in zip(cut, cut[1:])):
+                raise ConfigError(f"config.cutoffs must be positive and strictly increasing, got {cut}")
+            if cut[-1] >= self.vocab_size:
+                raise ConfigError(
+                    f"config.cutoffs must all be < vocab_size={self.vocab_size}, got {cut}"
+                )
+            if self.div_val > 1 and self.embed_dim // self.div_val ** len(cut) < 1:
+                raise ConfigError(
+                    f"config.div_val={self.div_val} leaves a cluster with 0 embedding dims "
+                    f"(d_embed={self.embed_dim}, {len(cut)} tail clusters); lower div_val"
+                )
+        elif self.div_val != 1:
+            raise ConfigError("config.div_val > 1 needs cutoffs (adaptive input/softmax clusters)")
+        if self.tie_projs is not None and len(self.tie_projs) != len(cut) + 1:
+            raise ConfigError(
+                f"config.tie_projs needs one entry per cluster ({len(cut) + 1}), got {len(self.tie_projs)}"
+            )
+        if self.pos_encoding == "sinusoidal" and self.d_model % 2:
+            raise ConfigError("config.d_model must be even for pos_encoding='sinusoidal'")
+        if self.pos_encoding == "rope" and self.d_head % 2:
+            raise ConfigError("config.d_head must be even for pos_encoding='rope'")
+        if self.shaw_values and self.pos_encoding != "shaw":
+            raise ConfigError("config.shaw_values only applies to pos_encoding='shaw'")
+        if self.untie_r and self.pos_encoding != "xl":
+            raise ConfigError("config.untie_r only applies to pos_encoding='xl' (the u, v biases)")
+
+    # ------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TransformerXLConfig:
+        if not isinstance(data, dict):
+            raise ConfigError(f"config must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config key {unknown[0]!r} (known keys: {', '.join(sorted(known))})")
+        return cls(**data)
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, source: str | Path) -> TransformerXLConfig:
+        """Read a config from a JSON string or a path to a JSON file."""
+        path = Path(source) if not str(source).lstrip().startswith("{") else None
+        try:
+            text = path.read_text() if path is not None else str(source)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError(f"cannot read config file {path}: {err}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            where = f" in {path}" if path else ""
+            raise ConfigError(f"config is not valid JSON{where}: {err}") from None
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> TransformerXLConfig:
+        return dataclasses.replace(self, **changes)
+
+    def num_parameters_estimate(self) -> int:
+        """Rough non-embedding parameter count (the figure papers quote differs by embeddings)."""
+        per_layer = 4 * self.d_model * self.n_head * self.d_head + 2 * self.d_model * self.d_inner
+        return self.n_layer * per_layer
+
+
+# ---------------------------------------------------------------------------------------------
+# A small runtime type check for dataclass fields (JSON and TOML give us untyped values).
+
+
+def _check_types(obj: Any) -> None:
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if not _matches(value, hints[f.name]):
+            raise ConfigError(
+                f"config.{f.name} must be {_describe(hints[f.name])}, got {value!r} ({type(value).__name__})"
+            )
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    origin = get_origin(tp)
+    if tp is Any:
+        return True
+    if origin is Literal:
+        return isinstance(value, str) and value in get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in get_args(tp))
+    if tp is type(None):
+        return value is None
+    if origin is tuple:
+        args = get_args(tp)
+        if not isinstance(value, tuple):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_matches(v, args[0]) for v in value)
+        return len(args) == len(value) and all(_matches(v, a) for v, a in zip(value, args))
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    if isinstance(tp, type):
+        return isinstance(value, tp)
+    return True
+
+
+def _describe(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(tp))
+    if tp is type(None):
+        return "null"
+    if origin is tuple:
+        args = get_args(tp)
+        return f"a list of {_describe(args[0])}" if len(args) == 2 and args[1] is Ellipsis else "a list"
+    return getattr(tp, "__name__", str(tp))
+
+
+def check_dataclass_types(obj: Any) -> None:
+    """Public helper for other config dataclasses (trainer, data) to share the type check."""
+    _check_types(obj)
+
+
+__all__ = [
+    "TransformerXLConfig",
+    "POSITIONAL_NAMES",
+    "ATTENTION_NAMES",
+    "ATTENTION_IMPLS",
+    "check_dataclass_types",
+]
