@@ -33,7 +33,9 @@ def _load(ref: str) -> Callable:
     return getattr(importlib.import_module(module), name)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The full parser; with `only`, just that subcommand's arguments are declared (faster, and a
+    broken optional module cannot break unrelated subcommands)."""
     parser = argparse.ArgumentParser(
         prog="txl",
         description="Transformer-XL for modern PyTorch: train, evaluate, generate, measure.",
@@ -43,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (help_text, configure, _run) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-        _load(configure)(p)
+        if only is None or only == name:
+            _load(configure)(p)
     return parser
 
 
@@ -51,9 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from txl.errors import TxlError
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
     if not argv:
         argv = ["train"] if "train" in COMMANDS else ["--help"]
+    first = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(only=first if first in COMMANDS else None)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

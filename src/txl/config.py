@@ -45,7 +45,8 @@ class TransformerXLConfig:
     mem_len: int = 512  # hidden states kept per layer; 0 = vanilla Transformer LM (Al-Rfou et al.)
     clamp_len: int = 0  # relative distances beyond this share one position vector; 0 = no clamp
     same_length: bool = False  # every query sees exactly mem_len keys (kimiyoung's convention)
-    pre_lnorm: bool = False  # pre-LN blocks (+ a final LayerNorm); default post-LN as the paper
+    pre_lnorm: bool = False  # pre-LN blocks; default post-LN as the paper
+    final_norm: bool = True  # with pre_lnorm: a final LayerNorm (the reference lacks it; HF imports turn it off)
     untie_r: bool = False  # per-layer u, v biases (TF large models) instead of shared (PyTorch ref)
     pos_encoding: PositionalName = "xl"
     max_relative_distance: int = 64  # shaw: distances beyond this share one embedding

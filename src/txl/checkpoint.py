@@ -1,0 +1,219 @@
+"""Safe, atomic checkpoint files: safetensors for tensors, JSON for everything else.
+
+Nothing here unpickles: a checkpoint from a stranger can at worst fail to load with a
+`CheckpointError`, never run code (the hole that got Hugging Face's TransfoXL removed, CVE-2023-6730).
+Every tensor file carries a SHA-256 of its tensor bytes in the safetensors metadata, so truncation
+and bit flips are detected, not silently loaded. Directories are written to a temporary sibling,
+fsynced, then renamed into place, so a crash leaves either the old directory or the new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from txl.errors import CheckpointError, ConfigError
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+DIGEST_KEY = "txl_sha256"
+
+
+# ---------------------------------------------------------------------------------------------
+# Files and directories
+
+
+def fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # not every file system lets a directory be opened
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_json(path: Path, data: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_json(path: Path, what: str) -> Any:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise CheckpointError(f"{what} not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"cannot read {what} {path}: {err}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{what} {path} is not valid JSON ({err}); the file is corrupt") from None
+
+
+@contextlib.contextmanager
+def atomic_directory(final: str | Path) -> Iterator[Path]:
+    """Yield a temporary directory next to `final`; on success it replaces `final` in one rename.
+
+    On any exception the temporary directory is removed and `final` is untouched.
+    """
+    final = Path(final)
+    parent = final.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
+    except OSError as err:
+        raise CheckpointError(f"cannot write to {parent}: {err.strerror or err}") from None
+    try:
+        yield tmp
+        fsync_dir(tmp)
+        if final.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=parent))
+            os.rename(final, old / final.name)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        fsync_dir(parent)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, OSError):
+            raise CheckpointError(f"cannot write checkpoint {final}: {err.strerror or err}") from None
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors
+
+
+def _tensor_bytes(t: Tensor) -> memoryview:
+    t = t.detach().contiguous().cpu()
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
+
+
+def tensors_digest(tensors: dict[str, Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(_tensor_bytes(t))
+    return h.hexdigest()
+
+
+def save_tensors(path: str | Path, tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file with a digest of its contents in the metadata (fsynced)."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    meta = {"format": "pt", **(metadata or {}), DIGEST_KEY: tensors_digest(tensors)}
+    save_file(tensors, str(path), metadata=meta)
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def load_tensors(path: str | Path, what: str = "tensor file") -> tuple[dict[str, Tensor], dict[str, str]]:
+    """Read a safetensors file, verifying its digest when present. Any damage -> CheckpointError."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{what} not found: {path}")
+    try:
+        tensors = {}
+        with safe_open(str(path), framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                tensors[name] = f.get_tensor(name)
+    except Exception as err:  # safetensors raises several types for a damaged file
+        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(f"{what} {path} is corrupt or truncated ({msg})") from None
+    expected = metadata.get(DIGEST_KEY)
+    if expected is not None and tensors_digest(tensors) != expected:
+        raise CheckpointError(f"{what} {path} is corrupt: its contents do not match the stored SHA-256")
+    return tensors, metadata
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+
+
+def save_model(model, directory: str | Path, *, extra_files: dict[str, Any] | None = None) -> None:
+    """`config.json` + `model.safetensors` (+ optional JSON files), atomically."""
+    with atomic_directory(directory) as tmp:
+        write_model_files(model, tmp, extra_files=extra_files)
+
+
+def write_model_files(model, directory: Path, *, extra_files: dict[str, Any] | None = None) -> None:
+    model = getattr(model, "module", model)  # unwrap DDP
+    model = getattr(model, "_orig_mod", model)  # unwrap torch.compile
+    write_json(directory / CONFIG_NAME, model.config.to_dict())
+    save_tensors(directory / WEIGHTS_NAME, model.state_dict(), {"txl_kind": "model"})
+    for name, data in (extra_files or {}).items():
+        write_json(directory / name, data)
+
+
+def load_config(directory: str | Path):
+    from txl.config import TransformerXLConfig
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {directory}")
+    data = read_json(directory / CONFIG_NAME, "checkpoint config")
+    try:
+        return TransformerXLConfig.from_dict(data)
+    except ConfigError as err:
+        raise CheckpointError(f"{directory / CONFIG_NAME}: {err}") from None
+
+
+def load_model(directory: str | Path, *, map_location: str | torch.device = "cpu", **overrides):
+    from txl.model import TransformerXL
+
+    directory = Path(directory)
+    config = load_config(directory)
+    if overrides:
+        try:
+            config = config.replace(**overrides)
+        except (ConfigError, TypeError) as err:
+            raise CheckpointError(f"cannot apply {sorted(overrides)} to {directory}: {err}") from None
+    tensors, _ = load_tensors(directory / WEIGHTS_NAME, "checkpoint weights")
+    model = TransformerXL(config)
+    state = model.state_dict()
+    check_state_dict(state, tensors, directory)
+    model.load_state_dict({k: v.to(state[k].dtype) for k, v in tensors.items()}, strict=True)
+    return model.to(map_location).eval()
+
+
+def check_state_dict(expected: dict[str, Tensor], found: dict[str, Tensor], where: str | Path) -> None:
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    if missing:
+        raise CheckpointError(
+            f"{where}: tensor {missing[0]!r} is missing ({len(missing)} missing); "
+            "the weights do not match config.json"
+        )
+    if unexpected:
+        raise CheckpointError(
+            f"{where}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} unexpected); "
+            "the weights do not match config.json"
+        )
+    for name, want in expected.items():
+        got = found[name]
+        if tuple(got.shape) != tuple(want.shape):
+            raise CheckpointError(
+                f"{where}: tensor {name!r} has shape {tuple(got.shape)} but config.json implies "
+                f"{tuple(want.shape)}; the weights and config.json disagree"
+            )
+        if not got.dtype.is_floating_point:
+            raise CheckpointError(f"{where}: tensor {name!r} has dtype {got.dtype}, expected a float dtype")

@@ -1,0 +1,218 @@
+"""Import Hugging Face TransfoXL checkpoints (`transfo-xl-wt103` and friends) without `transformers`.
+
+Reads HF's `config.json` and `model.safetensors` or `pytorch_model.bin` (the latter only through
+`torch.load(weights_only=True)`, which refuses anything but tensors and plain containers, so a
+malicious pickle cannot run code) and writes our format: `config.json` + `model.safetensors`.
+
+Name map (HF -> txl), l = layer, i = cluster:
+    transformer.word_emb.emb_layers.i.weight     -> embed.layers.i.weight
+    transformer.word_emb.emb_projs.i             -> embed.projs.i
+    transformer.layers.l.dec_attn.qkv_net.weight -> blocks.l.attn.q_proj.weight (rows [0, HD))
+                                                    blocks.l.attn.kv_proj.weight (rows [HD, 3HD))
+    transformer.layers.l.dec_attn.o_net.weight   -> blocks.l.attn.o_proj.weight
+    transformer.layers.l.dec_attn.layer_norm.*   -> blocks.l.attn_norm.*
+    transformer.layers.l.dec_attn.r_net.weight   -> pos.r_proj.l.weight
+    transformer.layers.l.dec_attn.r_w_bias       -> pos.u[l]   (untie_r; else transformer.r_w_bias -> pos.u[0])
+    transformer.layers.l.dec_attn.r_r_bias       -> pos.v[l]   (untie_r; else transformer.r_r_bias -> pos.v[0])
+    transformer.layers.l.pos_ff.CoreNet.0.*      -> blocks.l.ff.fc1.*
+    transformer.layers.l.pos_ff.CoreNet.3.*      -> blocks.l.ff.fc2.*
+    transformer.layers.l.pos_ff.layer_norm.*     -> blocks.l.ff_norm.*
+    crit.cluster_weight / crit.cluster_bias      -> head.cluster_weight / head.cluster_bias
+    crit.out_layers.i.bias                       -> head.bias[cluster i]
+    crit.out_layers.i.weight                     -> head.weights.i (only when not tied to the embedding)
+    crit.out_projs.i                             -> head.projs.i (only when not tied)
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from txl.checkpoint import atomic_directory, load_tensors, read_json, write_model_files
+from txl.config import TransformerXLConfig
+from txl.errors import CheckpointError, ConfigError
+
+# TransfoXLConfig defaults of transformers 4.35.2, for keys an HF config.json leaves out.
+HF_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 267735,
+    "cutoffs": [20000, 40000, 200000],
+    "d_model": 1024,
+    "d_embed": 1024,
+    "n_head": 16,
+    "d_head": 64,
+    "d_inner": 4096,
+    "div_val": 4,
+    "pre_lnorm": False,
+    "n_layer": 18,
+    "mem_len": 1600,
+    "clamp_len": 1000,
+    "same_length": True,
+    "proj_share_all_but_first": True,
+    "attn_type": 0,
+    "dropout": 0.1,
+    "dropatt": 0.0,
+    "untie_r": True,
+    "init_std": 0.02,
+    "proj_init_std": 0.01,
+    "layer_norm_epsilon": 1e-5,
+    "tie_word_embeddings": True,
+}
+
+
+def convert_config(hf: dict[str, Any]) -> TransformerXLConfig:
+    """HF TransfoXLConfig dict (new or pre-4.x key names) -> TransformerXLConfig."""
+    cfg = {**HF_DEFAULTS, **hf}
+    if "n_token" in hf and "vocab_size" not in hf:  # pre-2020 configs
+        cfg["vocab_size"] = hf["n_token"]
+    if "tie_weight" in hf and "tie_word_embeddings" not in hf:
+        cfg["tie_word_embeddings"] = hf["tie_weight"]
+    if cfg.get("attn_type", 0) != 0:
+        raise ConfigError(
+            f"HF config has attn_type={cfg['attn_type']}; only attn_type 0 (relative positions) is "
+            "supported by transformers and by this importer"
+        )
+    cutoffs = list(cfg["cutoffs"])
+    tie_projs = hf.get("tie_projs")
+    if tie_projs is None:
+        tie_projs = [False] + [bool(cfg["proj_share_all_but_first"])] * len(cutoffs)
+    clamp = int(cfg["clamp_len"])
+    return TransformerXLConfig(
+        vocab_size=int(cfg["vocab_size"]),
+        n_layer=int(cfg["n_layer"]),
+        d_model=int(cfg["d_model"]),
+        n_head=int(cfg["n_head"]),
+        d_head=int(cfg["d_head"]),
+        d_inner=int(cfg["d_inner"]),
+        d_embed=int(cfg["d_embed"]),
+        dropout=float(cfg["dropout"]),
+        dropatt=float(cfg["dropatt"]),
+        mem_len=int(cfg["mem_len"]),
+        clamp_len=max(clamp, 0),  # HF/reference: <= 0 means no clamp
+        same_length=bool(cfg["same_length"]),
+        pre_lnorm=bool(cfg["pre_lnorm"]),
+        final_norm=False,  # the reference has no final LayerNorm after pre-LN blocks
+        untie_r=bool(cfg["untie_r"]),
+        pos_encoding="xl",
+        attention="full",
+        cutoffs=tuple(int(c) for c in cutoffs),
+        div_val=int(cfg["div_val"]),
+        tie_weight=bool(cfg["tie_word_embeddings"]),
+        tie_projs=tuple(bool(t) for t in tie_projs),
+        init_std=float(cfg["init_std"]),
+        proj_init_std=float(cfg["proj_init_std"]),
+        layer_norm_eps=float(cfg["layer_norm_epsilon"]),
+    )
+
+
+def convert_state_dict(hf: dict[str, Tensor], config: TransformerXLConfig) -> dict[str, Tensor]:
+    """Map HF tensor names to ours. Raises CheckpointError naming the first missing HF tensor."""
+    hf = {k.removeprefix("module."): v for k, v in hf.items()}
+
+    def take(name: str) -> Tensor:
+        if name not in hf:
+            raise CheckpointError(f"HF checkpoint has no tensor {name!r}; is it a TransfoXLLMHeadModel?")
+        return hf[name]
+
+    hd = config.n_head * config.d_head
+    n_clusters = len(config.cutoffs) + 1
+    out: dict[str, Tensor] = {}
+    emb_layers = 1 if config.div_val == 1 else n_clusters
+    for i in range(emb_layers):
+        out[f"embed.layers.{i}.weight"] = take(f"transformer.word_emb.emb_layers.{i}.weight")
+    for i in range(n_clusters):
+        name = f"transformer.word_emb.emb_projs.{i}"
+        if name in hf:
+            out[f"embed.projs.{i}"] = hf[name]
+    for layer in range(config.n_layer):
+        src = f"transformer.layers.{layer}."
+        dst = f"blocks.{layer}."
+        qkv = take(src + "dec_attn.qkv_net.weight")
+        out[dst + "attn.q_proj.weight"] = qkv[:hd]
+        out[dst + "attn.kv_proj.weight"] = qkv[hd:]
+        out[dst + "attn.o_proj.weight"] = take(src + "dec_attn.o_net.weight")
+        out[f"pos.r_proj.{layer}.weight"] = take(src + "dec_attn.r_net.weight")
+        for kind in ("weight", "bias"):
+            out[dst + f"attn_norm.{kind}"] = take(src + f"dec_attn.layer_norm.{kind}")
+            out[dst + f"ff_norm.{kind}"] = take(src + f"pos_ff.layer_norm.{kind}")
+            out[dst + f"ff.fc1.{kind}"] = take(src + f"pos_ff.CoreNet.0.{kind}")
+            out[dst + f"ff.fc2.{kind}"] = take(src + f"pos_ff.CoreNet.3.{kind}")
+    if config.untie_r:
+        out["pos.u"] = torch.stack([take(f"transformer.layers.{i}.dec_attn.r_w_bias") for i in range(config.n_layer)])
+        out["pos.v"] = torch.stack([take(f"transformer.layers.{i}.dec_attn.r_r_bias") for i in range(config.n_layer)])
+    else:
+        out["pos.u"] = take("transformer.r_w_bias")[None]
+        out["pos.v"] = take("transformer.r_r_bias")[None]
+    if config.cutoffs:
+        out["head.cluster_weight"] = take("crit.cluster_weight")
+        out["head.cluster_bias"] = take("crit.cluster_bias")
+    out_layers = 1 if config.div_val == 1 else n_clusters
+    out["head.bias"] = torch.cat([take(f"crit.out_layers.{i}.bias") for i in range(out_layers)])
+    if not config.tie_weight:
+        for i in range(out_layers):
+            out[f"head.weights.{i}"] = take(f"crit.out_layers.{i}.weight")
+    tie_projs = config.resolved_tie_projs
+    for i in range(n_clusters):
+        name = f"crit.out_projs.{i}"
+        if not tie_projs[i] and name in hf:
+            out[f"head.projs.{i}"] = hf[name]
+    return out
+
+
+def read_hf_weights(src: Path) -> dict[str, Tensor]:
+    safetensors_file = src / "model.safetensors"
+    bin_file = src / "pytorch_model.bin"
+    if safetensors_file.is_file():
+        tensors, _ = load_tensors(safetensors_file, "HF weights")
+        return tensors
+    if bin_file.is_file():
+        try:
+            # weights_only=True: tensors and plain containers only; never executes pickled code.
+            state = torch.load(bin_file, map_location="cpu", weights_only=True)
+        except Exception as err:
+            msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise CheckpointError(f"cannot read {bin_file} as a tensor-only checkpoint ({msg})") from None
+        if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+            raise CheckpointError(f"{bin_file} is not a state dict of tensors")
+        return state
+    raise CheckpointError(f"{src} has neither model.safetensors nor pytorch_model.bin")
+
+
+def import_hf(src: str | Path, out: str | Path) -> TransformerXLConfig:
+    """Convert HF directory `src` into a txl checkpoint directory `out` (written atomically)."""
+    from txl.model import TransformerXL
+
+    src = Path(src)
+    if not src.is_dir():
+        raise CheckpointError(f"HF checkpoint directory not found: {src}")
+    try:
+        config = convert_config(read_json(src / "config.json", "HF config"))
+    except ConfigError as err:
+        raise CheckpointError(f"{src / 'config.json'}: {err}") from None
+    tensors = convert_state_dict(read_hf_weights(src), config)
+    model = TransformerXL(config)
+    from txl.checkpoint import check_state_dict
+
+    expected = model.state_dict()
+    check_state_dict(expected, tensors, src)
+    model.load_state_dict({k: v.to(expected[k].dtype) for k, v in tensors.items()})
+    with atomic_directory(out) as tmp:
+        write_model_files(model, tmp)
+    return config
+
+
+def configure_cli(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", help="HF TransfoXL directory: config.json + model.safetensors or pytorch_model.bin")
+    parser.add_argument("out", help="output txl checkpoint directory (config.json + model.safetensors)")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    config = import_hf(args.src, args.out)
+    print(
+        f"wrote {args.out}: {config.n_layer} layers, d_model {config.d_model}, vocab {config.vocab_size}, "
+        f"cutoffs {list(config.cutoffs)}, div_val {config.div_val}"
+    )
+    return 0

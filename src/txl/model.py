@@ -1,0 +1,202 @@
+"""Transformer-XL language model (Dai et al. 2019, arXiv 1901.02860).
+
+Reads top to bottom: adaptive embedding -> dropout -> blocks over [memory ; segment] -> (final
+LayerNorm when pre-LN) -> dropout -> adaptive softmax. Tensors are batch-first; memory is explicit
+state passed in and returned (`Memory`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from txl.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
+from txl.attention import Attention
+from txl.config import TransformerXLConfig
+from txl.errors import UsageError
+from txl.memory import Memory, update_memory
+from txl.positional import LayerPositions, build_positional
+
+
+class FeedForward(nn.Module):
+    """Position-wise FFN as the reference: Linear, ReLU, Dropout, Linear, Dropout."""
+
+    def __init__(self, config: TransformerXLConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(config.d_model, config.d_inner)
+        self.fc2 = nn.Linear(config.d_inner, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.fc2(self.drop(F.relu(self.fc1(x)))))
+
+
+class Block(nn.Module):
+    """One decoder layer. Post-LN by default (the paper); pre-LN with `pre_lnorm`."""
+
+    def __init__(self, config: TransformerXLConfig):
+        super().__init__()
+        self.pre_lnorm = config.pre_lnorm
+        self.attn = Attention(config)
+        self.attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.ff = FeedForward(config)
+        self.ff_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+
+    def forward(self, h: Tensor, context: Tensor, *, positions: LayerPositions, window: int | None) -> Tensor:
+        # `context` is [memory ; h]: the keys/values this layer attends over.
+        if self.pre_lnorm:
+            h = h + self.attn(self.attn_norm(h), self.attn_norm(context), positions=positions, window=window)
+            return h + self.ff(self.ff_norm(h))
+        h = self.attn_norm(h + self.attn(h, context, positions=positions, window=window))
+        return self.ff_norm(h + self.ff(h))
+
+
+@dataclass
+class TransformerXLOutput:
+    """What one forward pass returns.
+
+    logits: (b, t, V) raw logits for a full softmax; *log-probabilities* when the adaptive softmax is
+        on (cutoffs set). None when labels were given to an adaptive model and `return_logits` was not
+        asked for (computing every cluster for every token is the expensive part of a large vocab).
+    loss: mean NLL (nats) over tokens whose label is not -100; None without labels.
+    nll: (b, t) float32 per-token NLL in input order, 0 where the label is -100.
+    memory: pass it back as `memory=` with the next segment (None when mem_len is 0).
+    hidden: (b, t, d_model) final hidden states fed to the softmax.
+    """
+
+    logits: Tensor | None
+    loss: Tensor | None
+    nll: Tensor | None
+    memory: Memory | None
+    hidden: Tensor
+
+
+class TransformerXL(nn.Module):
+    """Transformer-XL LM. `out = model(input_ids, memory=None, labels=None)`.
+
+    `labels[b, t]` is the token that should follow `input_ids[b, t]` (already shifted, as the
+    reference's data iterator gives it; -100 = not scored). Runtime settings that do not change the
+    parameters can differ from training: `mem_len` (per call, or `model.mem_len`), `model.clamp_len`
+    and `model.same_length`.
+    """
+
+    def __init__(self, config: TransformerXLConfig):
+        super().__init__()
+        self.config = config
+        self.mem_len = config.mem_len
+        self.clamp_len = config.clamp_len
+        self.same_length = config.same_length
+        self.embed = AdaptiveEmbedding(config)
+        self.drop = nn.Dropout(config.dropout)
+        self.pos = build_positional(config)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        final_norm = config.pre_lnorm and config.final_norm  # post-LN output is already normalised
+        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if final_norm else nn.Identity()
+        self.head = AdaptiveLogSoftmax(config, self.embed)
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------------------------------
+    def reset_parameters(self) -> None:
+        """The reference's normal init: weights N(0, init_std), projections N(0, proj_init_std),
+        LayerNorm weights N(1, init_std), biases 0."""
+        std, proj_std = self.config.init_std, self.config.proj_init_std
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, 0.0, std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, std)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.normal_(module.weight, 1.0, std)
+                nn.init.zeros_(module.bias)
+        for name, param in self.named_parameters():
+            if ".projs." in f".{name}":
+                nn.init.normal_(param, 0.0, proj_std)
+            elif name.startswith("pos.") and not name.startswith("pos.r_proj"):
+                nn.init.normal_(param, 0.0, std)  # u, v, Shaw tables, learned absolute table
+            elif name in ("head.cluster_weight",) or name.startswith("head.weights."):
+                nn.init.normal_(param, 0.0, std)
+            elif name in ("head.bias", "head.cluster_bias"):
+                nn.init.zeros_(param)
+
+    def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
+        params = {id(p): p for p in self.parameters()}
+        if exclude_embeddings:
+            for p in self.embed.parameters():
+                params.pop(id(p), None)
+        return sum(p.numel() for p in params.values())
+
+    # ------------------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: Tensor,
+        memory: Memory | None = None,
+        labels: Tensor | None = None,
+        *,
+        mem_len: int | None = None,
+        return_logits: bool | None = None,
+    ) -> TransformerXLOutput:
+        if input_ids.dim() != 2:
+            raise UsageError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
+        mem_len = self.mem_len if mem_len is None else mem_len
+        if mem_len < 0:
+            raise UsageError(f"mem_len must be >= 0, got {mem_len}")
+        batch, q_len = input_ids.shape
+        if memory is not None and memory.length and memory.batch_size != batch:
+            raise UsageError(f"memory holds batch {memory.batch_size} but input_ids has batch {batch}")
+        m_len = memory.length if memory is not None else 0
+        k_len = m_len + q_len
+        window = None
+        if self.same_length:
+            if mem_len < 1:
+                raise UsageError("same_length needs mem_len >= 1 (each query sees exactly mem_len keys)")
+            window = mem_len
+
+        h = self.drop(self.pos.embed(self.embed(input_ids)))  # (b, t, d_model)
+        pos_state = self.pos.prepare(k_len=k_len, clamp_len=self.clamp_len, device=h.device, dtype=h.dtype)
+        contexts = []
+        for i, block in enumerate(self.blocks):
+            context = h if m_len == 0 else torch.cat([memory.hidden[i].to(h.dtype), h], dim=1)  # (b, n, d)
+            contexts.append(context)
+            h = block(h, context, positions=self.pos.layer(i, pos_state), window=window)
+        h = self.drop(self.norm(h))
+        new_memory = update_memory(contexts, mem_len)
+
+        if return_logits is None:
+            return_logits = labels is None or not self.config.adaptive
+        flat_labels = None if labels is None else labels.reshape(-1)
+        scores, nll = self.head(h.reshape(batch * q_len, -1), flat_labels, want_scores=return_logits)
+        logits = None if scores is None else scores.view(batch, q_len, -1)
+        loss = None
+        if nll is not None:
+            nll = nll.view(batch, q_len)
+            count = (labels != -100).sum()
+            loss = nll.sum() / count.clamp(min=1)
+        return TransformerXLOutput(logits=logits, loss=loss, nll=nll, memory=new_memory, hidden=h)
+
+    # ------------------------------------------------------------------------------------------
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write `config.json` + `model.safetensors` (atomically; nothing pickled)."""
+        from txl.checkpoint import save_model
+
+        save_model(self, directory)
+
+    @classmethod
+    def from_pretrained(
+        cls, directory: str | Path, *, map_location: str | torch.device = "cpu", **overrides
+    ) -> TransformerXL:
+        """Load a directory written by `save_pretrained` (or by the trainer). Validates every tensor
+        against config.json and fails with one clear `CheckpointError` otherwise."""
+        from txl.checkpoint import load_model
+
+        return load_model(directory, map_location=map_location, **overrides)
+
+
+def bits_per_token(nats: float) -> float:
+    return nats / math.log(2)

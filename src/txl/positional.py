@@ -1,0 +1,313 @@
+"""Positional encodings, chosen by name (`config.pos_encoding`).
+
+Every encoding is a model-level module that owns all of its parameters (for all layers) and answers
+three questions for the attention of layer `i` (see `LayerPositions`):
+
+- `content(q, k)`: the query/key pair used for the content score `q·k` (xl adds the global content
+  bias u to q; RoPE rotates both; the others return them unchanged);
+- `score_bias(q, k_len=, rel_shift=)`: an additive term for the attention scores before scaling
+  (xl: the position terms (b)+(d) of Dai et al. 2019; Shaw: q·a_K; ALiBi: -m·distance), or None;
+- `value_term(probs)`: an additive term for the attention output (Shaw's value side), or None.
+
+Absolute encodings (sinusoidal, learned) instead add a table to the input embedding in `embed`.
+
+Queries are always the *last* `q_len` positions of the `k_len` keys they attend to (memory first,
+then the current segment), so the distance between query i and key j is `i + (k_len - q_len) - j`.
+This covers full attention, query-chunked evaluation and windowed blocks with one convention, and it
+is what lets the relative encodings use the rel-shift trick (see `rel_shift_pad`).
+
+Dimension names: b batch, h heads, i queries, j keys, d head dim, n = k_len.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from txl.config import TransformerXLConfig
+from txl.errors import UsageError
+
+RelShift = Callable[[Tensor], Tensor]
+
+
+def sinusoid_table(positions: Tensor, dim: int) -> Tensor:
+    """[len(positions), dim] table: sin in the first half, cos in the second (the reference layout).
+
+    Computed in float64 so long positions (e.g. 3800) keep their precision, then cast to float32.
+    """
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim))
+    angles = torch.outer(positions.to(torch.float64), inv_freq)
+    return torch.cat([angles.sin(), angles.cos()], dim=-1).to(torch.float32)
+
+
+def rel_shift_pad(x: Tensor) -> Tensor:
+    """The reference rel-shift: [.., i, c] scores against distance `n-1-c` -> [.., i, j] against key j.
+
+    Pad a zero column on the left, view the [q, n+1] block as [n+1, q], drop the first row and view
+    it back as [q, n]. Afterwards x[.., i, j] holds the score for distance i + (n - q) - j whenever
+    that distance is >= 0; the upper triangle (j beyond the query, negative distance) is garbage that
+    the causal mask hides. Dai et al. 2019, appendix B; kimiyoung/transformer-xl `_rel_shift`.
+    """
+    *lead, q, n = x.shape
+    padded = F.pad(x, (1, 0))  # (.., q, n+1)
+    padded = padded.view(*lead, n + 1, q)
+    return padded[..., 1:, :].reshape(*lead, q, n)
+
+
+def rel_shift_strided(x: Tensor) -> Tensor:
+    """Same result as `rel_shift_pad` on the valid (causal) entries, as a strided view: no copy.
+
+    For a contiguous [.., q, n] block, the score for key j of query i sits at column j + q-1-i of
+    row i, i.e. at flat offset (q-1) + i*(n-1) + j, which never leaves the block.
+    """
+    x = x.contiguous()
+    *lead, q, n = x.shape
+    lead_strides = list(x.stride()[:-2])
+    return x.as_strided((*lead, q, n), (*lead_strides, n - 1, 1), x.storage_offset() + q - 1)
+
+
+def distances(q_len: int, k_len: int, device: torch.device) -> Tensor:
+    """[q_len, k_len] int64 distance query i -> key j (negative = a future key)."""
+    offset = k_len - q_len
+    return torch.arange(q_len, device=device)[:, None] + offset - torch.arange(k_len, device=device)[None, :]
+
+
+class LayerPositions:
+    """What layer `layer` needs from the positional encoding during one forward pass."""
+
+    def __init__(self, encoding: PositionalEncoding, layer: int, state: dict[str, Tensor]):
+        self.encoding = encoding
+        self.layer = layer
+        self.state = state
+
+    def content(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        return self.encoding.content(self.layer, self.state, q, k)
+
+    def score_bias(self, q: Tensor, *, k_len: int, rel_shift: RelShift = rel_shift_pad) -> Tensor | None:
+        return self.encoding.score_bias(self.layer, self.state, q, k_len=k_len, rel_shift=rel_shift)
+
+    def value_term(self, probs: Tensor) -> Tensor | None:
+        return self.encoding.value_term(self.layer, self.state, probs)
+
+
+class PositionalEncoding(nn.Module):
+    """Base: no position information at all (each subclass overrides what it uses)."""
+
+    name: ClassVar[str] = ""
+    relative: ClassVar[bool] = False  # True: the encoding is a function of distance only
+
+    def __init__(self, config: TransformerXLConfig):
+        super().__init__()
+        self.config = config
+
+    def embed(self, x: Tensor) -> Tensor:
+        """Absolute encodings add their table to the (B, T, d_model) input here."""
+        return x
+
+    def prepare(self, *, k_len: int, clamp_len: int, device: torch.device, dtype: torch.dtype) -> dict:
+        """Per-forward state shared by all layers (e.g. the sinusoid table R)."""
+        return {}
+
+    def layer(self, i: int, state: dict) -> LayerPositions:
+        return LayerPositions(self, i, state)
+
+    def content(self, layer: int, state: dict, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        return q, k
+
+    def score_bias(self, layer: int, state: dict, q: Tensor, *, k_len: int, rel_shift: RelShift):
+        return None
+
+    def value_term(self, layer: int, state: dict, probs: Tensor) -> Tensor | None:
+        return None
+
+
+class XLRelative(PositionalEncoding):
+    """Transformer-XL relative positions (Dai et al. 2019, §3.3).
+
+    A_ij = (q_i + u)·k_j + (q_i + v)·W_kR R_{i-j}, with R the (non-learned) sinusoid table for
+    distances n-1 … 0 clamped at clamp_len, W_kR a per-layer projection (`r_proj`), and u, v learned
+    biases shared by all layers (PyTorch reference) or per layer (`untie_r`, TF large models).
+    Dropout is applied to R once per forward (as the reference does), shared by all layers.
+    """
+
+    name = "xl"
+    relative = True
+
+    def __init__(self, config: TransformerXLConfig):
+        super().__init__(config)
+        n_bias = config.n_layer if config.untie_r else 1
+        hd = (n_bias, config.n_head, config.d_head)
+        self.u = nn.Parameter(torch.zeros(hd))  # global content bias ("r_w_bias")
+        self.v = nn.Parameter(torch.zeros(hd))  # global position bias ("r_r_bias")
+        self.r_proj = nn.ModuleList(
+            nn.Linear(config.d_model, config.n_head * config.d_head, bias=False) for _ in range(config.n_layer)
+        )
+        self.drop = nn.Dropout(config.dropout)
+
+    def prepare(self, *, k_len, clamp_len, device, dtype):
+        pos = torch.arange(k_len - 1, -1, -1, device=device)  # distances n-1 … 0
+        if clamp_len > 0:
+            pos = pos.clamp(max=clamp_len)
+        table = self.drop(sinusoid_table(pos, self.config.d_model).to(dtype))
+        return {"R": table}
+
+    def _bias(self, param: Tensor, layer: int) -> Tensor:
+        return param[layer if param.shape[0] > 1 else 0][:, None, :]  # (h, 1, d)
+
+    def content(self, layer, state, q, k):
+        return q + self._bias(self.u, layer), k
+
+    def projected_table(self, layer: int, state: dict, k_len: int) -> Tensor:
+        """W_kR R for the last k_len distances, (h, n, d)."""
+        table = state["R"][-k_len:]
+        r = self.r_proj[layer](table).view(k_len, self.config.n_head, self.config.d_head)
+        return r.transpose(0, 1)
+
+    def score_bias(self, layer, state, q, *, k_len, rel_shift):
+        r = self.projected_table(layer, state, k_len)  # (h, n, d)
+        raw = torch.einsum("bhid,hjd->bhij", q + self._bias(self.v, layer), r)  # columns = distances
+        return rel_shift(raw)
+
+
+class ShawRelative(PositionalEncoding):
+    """Shaw et al. 2018: learned embeddings of the clipped distance, on the key side (and optionally
+    the value side): e_ij = q_i·(k_j + a^K_{clip(i-j)}), z_i = Σ_j α_ij (v_j + a^V_{clip(i-j)}).
+
+    For a causal LM distances are >= 0, so `max_relative_distance + 1` embeddings per layer and head
+    suffice. This is the paper's ablation row "Shaw et al. (2018)" (Dai et al. 2019, Table 6), pure
+    Shaw without the reference's extra r_w_bias/r_bias terms.
+    """
+
+    name = "shaw"
+    relative = True
+
+    def __init__(self, config: TransformerXLConfig):
+        super().__init__(config)
+        shape = (config.n_layer, config.max_relative_distance + 1, config.n_head, config.d_head)
+        self.key_table = nn.Parameter(torch.zeros(shape))
+        self.value_table = nn.Parameter(torch.zeros(shape)) if config.shaw_values else None
+
+    def _rows(self, k_len: int, device) -> Tensor:
+        return torch.arange(k_len - 1, -1, -1, device=device).clamp(max=self.config.max_relative_distance)
+
+    def score_bias(self, layer, state, q, *, k_len, rel_shift):
+        emb = self.key_table[layer][self._rows(k_len, q.device)].to(q.dtype)  # (n, h, d)
+        raw = torch.einsum("bhid,jhd->bhij", q, emb)
+        return rel_shift(raw)
+
+    def value_term(self, layer, state, probs):
+        if self.value_table is None:
+            return None
+        q_len, k_len = probs.shape[-2:]
+        clip = self.config.max_relative_distance
+        dist = distances(q_len, k_len, probs.device).clamp(0, clip)  # masked (future) keys have prob 0
+        # Sum the probabilities of keys that share a clipped distance, then mix the value embeddings.
+        weights = probs.new_zeros(*probs.shape[:-1], clip + 1)
+        weights.scatter_add_(-1, dist.expand_as(probs), probs)  # (b, h, i, clip+1)
+        return torch.einsum("bhir,rhd->bhid", weights, self.value_table[layer].to(probs.dtype))
+
+
+class SinusoidalAbsolute(PositionalEncoding):
+    """Vaswani et al. 2017 sinusoids added to the input. With memory, positions restart at 0 in every
+    segment, as in the paper's ablation: the same position is reused for different tokens, the
+    "temporal confusion" that motivates relative positions (Dai et al. 2019, §3.3)."""
+
+    name = "sinusoidal"
+
+    def embed(self, x):
+        table = sinusoid_table(torch.arange(x.shape[1], device=x.device), self.config.d_model)
+        return x + table.to(x.dtype)
+
+
+class LearnedAbsolute(PositionalEncoding):
+    """A trainable absolute table added to the input (Al-Rfou et al. 2018, BERT, GPT). No extrapolation:
+    an input longer than `max_positions` is an error. Positions restart every segment."""
+
+    name = "learned"
+
+    def __init__(self, config: TransformerXLConfig):
+        super().__init__(config)
+        self.table = nn.Parameter(torch.zeros(config.max_positions, config.d_model))
+
+    def embed(self, x):
+        if x.shape[1] > self.table.shape[0]:
+            raise UsageError(
+                f"pos_encoding='learned' has {self.table.shape[0]} positions but the input has {x.shape[1]} "
+                "tokens; shorten the segment or raise max_positions"
+            )
+        return x + self.table[: x.shape[1]].to(x.dtype)
+
+
+class Rotary(PositionalEncoding):
+    """RoPE (Su et al. 2021): rotate q and k by their positions so q·k depends on i - j only.
+
+    With memory, key positions are 0 … n-1 and the queries take the last q_len of them, so a segment
+    with memory sees exactly the rotations of one long pass (segment invariance holds)."""
+
+    name = "rope"
+    relative = True
+
+    def prepare(self, *, k_len, clamp_len, device, dtype):
+        d = self.config.d_head
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d))
+        angles = torch.outer(torch.arange(k_len, dtype=torch.float64, device=device), inv_freq)
+        return {"cos": angles.cos().to(dtype), "sin": angles.sin().to(dtype)}  # (n, d/2)
+
+    @staticmethod
+    def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+        return out.flatten(-2)
+
+    def content(self, layer, state, q, k):
+        k_len, q_len = k.shape[-2], q.shape[-2]
+        cos, sin = state["cos"][-k_len:], state["sin"][-k_len:]
+        return self._rotate(q, cos[-q_len:], sin[-q_len:]), self._rotate(k, cos, sin)
+
+
+def alibi_slopes(n_head: int) -> Tensor:
+    """Head slopes of Press et al. 2022: a geometric sequence starting at 2^(-8/n); for a head count
+    that is not a power of two, the power-of-two sequence plus every other slope of the next one."""
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(n_head).is_integer():
+        slopes = power_of_two(n_head)
+    else:
+        closest = 2 ** math.floor(math.log2(n_head))
+        slopes = power_of_two(closest) + power_of_two(2 * closest)[0::2][: n_head - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+class ALiBi(PositionalEncoding):
+    """ALiBi (Press et al. 2022): no position embedding; score -= m_h · (i - j). A function of distance
+    only, so it is memory-compatible with the same key-position convention as RoPE."""
+
+    name = "alibi"
+    relative = True
+
+    def __init__(self, config: TransformerXLConfig):
+        super().__init__(config)
+        self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)
+
+    def score_bias(self, layer, state, q, *, k_len, rel_shift):
+        dist = distances(q.shape[-2], k_len, q.device).to(q.dtype)
+        # Divided by the attention scale so that, after scaling, the bias is exactly -m·distance.
+        scale = self.config.d_head**0.5
+        return (-(self.slopes.to(q.dtype) * scale)[:, None, None] * dist)[None]  # (1, h, i, j)
+
+
+POSITIONAL_ENCODINGS: dict[str, type[PositionalEncoding]] = {
+    cls.name: cls for cls in (XLRelative, ShawRelative, SinusoidalAbsolute, LearnedAbsolute, Rotary, ALiBi)
+}
+
+
+def build_positional(config: TransformerXLConfig) -> PositionalEncoding:
+    return POSITIONAL_ENCODINGS[config.pos_encoding](config)
