@@ -1,0 +1,113 @@
+"""`txl data list | download | prepare | stats`: the command-line face of the data layer.
+
+Imported by `txl.cli` to build the parser, so it must stay light: no torch here (numpy is fine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from txl.errors import DataError
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the `txl data` actions to `parser`."""
+    parser.set_defaults(_data_parser=parser)
+    sub = parser.add_subparsers(dest="data_command", metavar="ACTION")
+
+    p = sub.add_parser("list", help="known corpora and downloads", description="List the known corpus specs.")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = sub.add_parser(
+        "download",
+        help="fetch a benchmark archive (resumable, sha256-checked) and extract it",
+        description="Download NAME (enwik8, text8, wikitext103, wikitext2, ptb), verify its sha256, "
+        "extract the files the readers need into DEST.",
+    )
+    p.add_argument("name", help="enwik8 | text8 | wikitext103 | wikitext2 | ptb")
+    p.add_argument("--dest", help="directory to fill (default: $TXL_CACHE_DIR/downloads/NAME)")
+    p.add_argument("--url", help="download from this URL instead of the canonical mirrors")
+    p.add_argument("--sha256", help="expect this archive sha256 instead of the pinned one")
+    p.add_argument("--retries", type=int, default=3, help="resume attempts after a dropped connection")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds without data before retrying")
+    p.add_argument("--keep-archive", action="store_true", help="keep the verified archive next to the files")
+    p.add_argument("--force", action="store_true", help="download again even if the files are present")
+
+    for action, help_text in (
+        ("prepare", "tokenize a corpus once into the cache (memory-mapped .npy + vocab.json + meta.json)"),
+        ("stats", "token counts per split and vocabulary size"),
+    ):
+        p = sub.add_parser(action, help=help_text, description=help_text)
+        p.add_argument("spec", help="NAME[:PATH][?key=value&...], e.g. ptb-word:data/ptb (see `txl data list`)")
+        p.add_argument("--cache-dir", help="cache root (default: $TXL_CACHE_DIR or ~/.cache/txl)")
+        p.add_argument("--json", action="store_true", help="print JSON")
+        if action == "prepare":
+            p.add_argument("--force", action="store_true", help="prepare again even if the cache is valid")
+            p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    action = getattr(args, "data_command", None)
+    if action is None:
+        args._data_parser.print_help()
+        return 0
+    if action == "list":
+        return _list(args)
+    if action == "download":
+        from txl.data.download import download
+
+        if args.retries < 0:
+            raise DataError(f"--retries must be >= 0, got {args.retries}")
+        download(
+            args.name, args.dest, url=args.url, sha256=args.sha256, retries=args.retries, timeout=args.timeout,
+            keep_archive=args.keep_archive, force=args.force, log=_log,
+        )
+        return 0
+    from txl.data.corpus import open_corpus
+
+    quiet = getattr(args, "quiet", False) or action == "stats" and args.json
+    corpus = open_corpus(args.spec, args.cache_dir, force=getattr(args, "force", False), log=None if quiet else _log)
+    stats = corpus.stats()
+    if args.json:
+        print(json.dumps(stats, indent=2))
+    else:
+        print(format_stats(stats))
+    return 0
+
+
+def format_stats(stats: dict) -> str:
+    """A readable table of `Corpus.stats()`."""
+    rows = [
+        ("corpus", f"{stats['name']}  ({stats['spec']})"),
+        ("metric", stats["metric"]),
+        ("vocab", f"{stats['vocab_size']:,}  ({stats['dtype']})"),
+    ]
+    rows += [(split, f"{n:>14,} tokens") for split, n in stats["tokens"].items()]
+    for split, n in stats.get("sentences", {}).items():
+        rows.append((f"{split} sentences", f"{n:>14,}"))
+    rows += [("fingerprint", stats["fingerprint"][:16]), ("cache", stats["cache"])]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _list(args: argparse.Namespace) -> int:
+    from txl.data.download import SOURCES
+    from txl.data.spec import KNOWN
+
+    if args.json:
+        print(json.dumps({n: {"description": i.description, "metric": i.metric, "download": i.download,
+                              "options": list(i.options)} for n, i in KNOWN.items()}, indent=2))
+        return 0
+    width = max(map(len, KNOWN))
+    print("corpora (spec NAME[:PATH][?key=value&...]):")
+    for name, info in KNOWN.items():
+        opts = f"  options: {', '.join(info.options)}" if info.options else ""
+        print(f"  {name:<{width}}  {info.description}{opts}")
+    print(f"downloads (txl data download NAME --dest DIR): {', '.join(SOURCES)}")
+    return 0

@@ -1,0 +1,203 @@
+"""Data specs: `NAME[:PATH][?key=value&key=value]`, the one string that names a corpus everywhere.
+
+A spec is what a user types on the command line and writes in a config, so it is parsed and checked
+here, before anything touches the disk: an unknown name lists the known ones, an unknown option lists
+the allowed ones, and a bad option value names the key. Which files a PATH must hold is the readers'
+business (`txl.data.readers`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from txl.errors import DataError
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """One `?key=value` option a corpus accepts: its type, default and (for strings) its choices."""
+
+    kind: type  # int or str
+    default: object
+    choices: tuple[str, ...] = ()
+    minimum: int | None = None
+    help: str = ""
+
+
+@dataclass(frozen=True)
+class CorpusInfo:
+    """What `txl data list` prints and what a spec needs: description, default location, options."""
+
+    name: str
+    description: str
+    metric: str  # "bpc" or "ppl"; `text` decides by tokenizer
+    download: str | None = None  # the `txl data download NAME` that fetches it, if any
+    options: dict[str, OptionSpec] = field(default_factory=dict)
+    path_required: bool = True  # False: PATH may be omitted (default download location or builtin)
+
+
+_TEXT_OPTIONS = {
+    "tokenizer": OptionSpec(
+        str, "bytes", ("bytes", "chars", "words", "bpe"), help="bytes | chars | words | bpe (HF tokenizers)"
+    ),
+    "vocab_size": OptionSpec(
+        int, 0, minimum=0, help="words: keep the N most frequent (0 = all); bpe: target size (default 8192)"
+    ),
+    "min_freq": OptionSpec(int, 1, minimum=1, help="words: drop words seen fewer times in train"),
+}
+
+KNOWN: dict[str, CorpusInfo] = {
+    info.name: info
+    for info in [
+        CorpusInfo(
+            "ptb-word",
+            "Penn Treebank, word level (Mikolov): ptb.{train,valid,test}.txt, <eos> per line, 10k vocab",
+            "ppl",
+            download="ptb",
+        ),
+        CorpusInfo(
+            "ptb-char",
+            "Penn Treebank, character level: ptb.char.{train,valid,test}.txt, '_' between words",
+            "bpc",
+            download="ptb",
+        ),
+        CorpusInfo(
+            "enwik8",
+            "first 1e8 bytes of an English Wikipedia XML dump, bytes, split 90M/5M/5M",
+            "bpc",
+            download="enwik8",
+        ),
+        CorpusInfo("text8", "1e8 characters of cleaned Wikipedia (a-z and space), 90M/5M/5M", "bpc", download="text8"),
+        CorpusInfo(
+            "wikitext103",
+            "WikiText-103, word level: wiki.{train,valid,test}.tokens, <eos> per line, case kept",
+            "ppl",
+            download="wikitext103",
+        ),
+        CorpusInfo(
+            "wikitext2",
+            "WikiText-2, word level: wiki.{train,valid,test}.tokens, <eos> per line, case kept",
+            "ppl",
+            download="wikitext2",
+        ),
+        CorpusInfo(
+            "lm1b",
+            "One Billion Word benchmark: shuffled sentences wrapped in <S> ... <S>",
+            "ppl",
+            options={"min_freq": OptionSpec(int, 3, minimum=1, help="vocabulary cut when no vocab file is given")},
+        ),
+        CorpusInfo(
+            "text",
+            "your own text: FILE (split 90/5/5) or DIR with train.txt [valid.txt test.txt]",
+            "bpc",
+            options=_TEXT_OPTIONS,
+        ),
+        CorpusInfo(
+            "builtin",
+            "builtin:python-stdlib, this interpreter's standard-library .py sources as bytes (no download)",
+            "bpc",
+            path_required=False,
+        ),
+    ]
+}
+
+BUILTIN_NAMES = ("python-stdlib",)
+
+
+def known_corpora() -> dict[str, str]:
+    """Known spec names and a one-line description of each (what `txl data list` prints)."""
+    return {name: info.description for name, info in KNOWN.items()}
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """A parsed spec. `options` holds every option of the corpus, defaults filled in, typed."""
+
+    name: str
+    path: str | None
+    options: dict[str, object]
+    text: str
+
+    @property
+    def info(self) -> CorpusInfo:
+        return KNOWN[self.name]
+
+    def canonical(self) -> str:
+        """The spec with an absolute path and only non-default options: stable across working dirs."""
+        out = self.name
+        if self.path is not None:
+            out += ":" + (self.path if self.name == "builtin" else str(Path(self.path).absolute()))
+        extra = {k: v for k, v in self.options.items() if v != self.info.options[k].default}
+        if extra:
+            out += "?" + "&".join(f"{k}={v}" for k, v in sorted(extra.items()))
+        return out
+
+
+def default_data_root() -> Path:
+    """Where `txl data download` puts archives when `--dest` is omitted: `<cache>/downloads`."""
+    from txl.data.cache import cache_root
+
+    return cache_root(None) / "downloads"
+
+
+def parse_spec(spec: str | DataSpec) -> DataSpec:
+    """Parse `NAME[:PATH][?key=value&...]` into a `DataSpec`, checking the name and every option.
+
+    PATH may itself contain ':' (everything after the first ':' is the path); options start at the
+    last '?'. A PATH left out means the default download location for that corpus
+    (`<cache>/downloads/<download name>`), so `txl data download enwik8` then `enwik8` just works.
+    """
+    if isinstance(spec, DataSpec):
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise DataError("empty data spec; write NAME[:PATH], e.g. ptb-word:data/ptb (see `txl data list`)")
+    text = spec.strip()
+    body, sep, query = text.rpartition("?") if "?" in text else (text, "", "")
+    name, colon, path = body.partition(":")
+    name = name.strip().lower()
+    if name not in KNOWN:
+        raise DataError(f"unknown corpus {name!r} in spec {text!r}; known: {', '.join(KNOWN)}")
+    info = KNOWN[name]
+    path_value: str | None = path.strip() if colon else None
+    if path_value == "":
+        path_value = None
+
+    options: dict[str, object] = {key: opt.default for key, opt in info.options.items()}
+    if sep:
+        for item in filter(None, query.split("&")):
+            key, eq, value = item.partition("=")
+            key = key.strip()
+            if not eq:
+                raise DataError(f"option {item!r} in spec {text!r} has no value; write key=value")
+            if key not in info.options:
+                allowed = ", ".join(info.options) or "none"
+                raise DataError(f"{name} has no option {key!r} (spec {text!r}); allowed options: {allowed}")
+            options[key] = _convert(name, key, value.strip(), info.options[key])
+
+    if name == "builtin":
+        path_value = path_value or "python-stdlib"
+        if path_value not in BUILTIN_NAMES:
+            raise DataError(f"unknown builtin corpus {path_value!r}; known: {', '.join(BUILTIN_NAMES)}")
+    elif path_value is None:
+        if info.download is None:
+            raise DataError(f"spec {text!r} needs a path: write {name}:PATH")
+        path_value = str(default_data_root() / info.download)
+    else:
+        path_value = os.path.expanduser(path_value)
+    return DataSpec(name=name, path=path_value, options=options, text=text)
+
+
+def _convert(name: str, key: str, value: str, opt: OptionSpec) -> object:
+    if opt.kind is int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise DataError(f"{name} option {key}={value!r} is not an integer") from None
+        if opt.minimum is not None and number < opt.minimum:
+            raise DataError(f"{name} option {key}={number} is below its minimum {opt.minimum}")
+        return number
+    if opt.choices and value not in opt.choices:
+        raise DataError(f"{name} option {key}={value!r} is not one of {', '.join(opt.choices)}")
+    return value
