@@ -17,7 +17,7 @@ from txl.data.spec import DataSpec, known_corpora, parse_spec
 from txl.data.vocab import Vocab
 
 if TYPE_CHECKING:
-    from txl.data.download import download
+    from txl.data.fetch import download
     from txl.data.iterators import Batch, EvalIterator, ShuffledSentenceIterator, StreamIterator
 
 _LAZY = {
@@ -25,7 +25,7 @@ _LAZY = {
     "StreamIterator": "txl.data.iterators",
     "EvalIterator": "txl.data.iterators",
     "ShuffledSentenceIterator": "txl.data.iterators",
-    "download": "txl.data.download",
+    "download": "txl.data.fetch",
 }
 
 __all__ = [

@@ -38,8 +38,8 @@ def cache_root(cache_dir: str | os.PathLike | None) -> Path:
 def ensure_dir(path: Path, what: str = "cache directory") -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=path, prefix=".probe-", delete=True)
-        probe.close()
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
+            pass
     except OSError as err:
         raise DataError(
             f"{what} {path} is not writable ({err.strerror}); set TXL_CACHE_DIR or pass --cache-dir"
@@ -114,7 +114,7 @@ class NpyWriter:
 
     def _header(self, length: int) -> bytes:
         descr = np.lib.format.dtype_to_descr(self.dtype)
-        text = "{'descr': %r, 'fortran_order': False, 'shape': (%d,), }" % (descr, length)
+        text = f"{{'descr': {descr!r}, 'fortran_order': False, 'shape': ({length},), }}"
         prefix = b"\x93NUMPY\x01\x00"
         body_len = self.HEADER_BYTES - len(prefix) - 2
         body = text.ljust(body_len - 1).encode("latin1") + b"\n"

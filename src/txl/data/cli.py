@@ -40,9 +40,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
         ("stats", "token counts per split and vocabulary size"),
     ):
         p = sub.add_parser(action, help=help_text, description=help_text)
-        p.add_argument("spec", help="NAME[:PATH][?key=value&...], e.g. ptb-word:data/ptb (see `txl data list`)")
+        p.add_argument(
+            "spec", help="NAME[:PATH][?key=value&...], e.g. ptb-word:data/ptb (see `txl data list`)"
+        )
         p.add_argument("--cache-dir", help="cache root (default: $TXL_CACHE_DIR or ~/.cache/txl)")
         p.add_argument("--json", action="store_true", help="print JSON")
+        p.add_argument(
+            "--vocab-size",
+            type=int,
+            metavar="N",
+            help="fail unless the vocabulary has N ids (e.g. a checkpoint's vocab_size)",
+        )
+        p.add_argument("--vocab", metavar="FILE", help="fail unless the vocabulary equals this vocab.json")
         if action == "prepare":
             p.add_argument("--force", action="store_true", help="prepare again even if the cache is valid")
             p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -60,19 +69,34 @@ def run(args: argparse.Namespace) -> int:
     if action == "list":
         return _list(args)
     if action == "download":
-        from txl.data.download import download
+        from txl.data.fetch import download
 
         if args.retries < 0:
             raise DataError(f"--retries must be >= 0, got {args.retries}")
         download(
-            args.name, args.dest, url=args.url, sha256=args.sha256, retries=args.retries, timeout=args.timeout,
-            keep_archive=args.keep_archive, force=args.force, log=_log,
+            args.name,
+            args.dest,
+            url=args.url,
+            sha256=args.sha256,
+            retries=args.retries,
+            timeout=args.timeout,
+            keep_archive=args.keep_archive,
+            force=args.force,
+            log=_log,
         )
         return 0
     from txl.data.corpus import open_corpus
 
     quiet = getattr(args, "quiet", False) or action == "stats" and args.json
-    corpus = open_corpus(args.spec, args.cache_dir, force=getattr(args, "force", False), log=None if quiet else _log)
+    corpus = open_corpus(
+        args.spec, args.cache_dir, force=getattr(args, "force", False), log=None if quiet else _log
+    )
+    if args.vocab_size is not None:
+        corpus.vocab.check_matches(args.vocab_size)
+    if args.vocab is not None:
+        from txl.data.vocab import Vocab
+
+        corpus.vocab.check_same(Vocab.load(args.vocab), what=args.vocab)
     stats = corpus.stats()
     if args.json:
         print(json.dumps(stats, indent=2))
@@ -97,12 +121,24 @@ def format_stats(stats: dict) -> str:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from txl.data.download import SOURCES
+    from txl.data.fetch import SOURCES
     from txl.data.spec import KNOWN
 
     if args.json:
-        print(json.dumps({n: {"description": i.description, "metric": i.metric, "download": i.download,
-                              "options": list(i.options)} for n, i in KNOWN.items()}, indent=2))
+        print(
+            json.dumps(
+                {
+                    n: {
+                        "description": i.description,
+                        "metric": i.metric,
+                        "download": i.download,
+                        "options": list(i.options),
+                    }
+                    for n, i in KNOWN.items()
+                },
+                indent=2,
+            )
+        )
         return 0
     width = max(map(len, KNOWN))
     print("corpora (spec NAME[:PATH][?key=value&...]):")

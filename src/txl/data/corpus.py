@@ -25,6 +25,7 @@ options and the reader version, so it is the same on every machine holding the s
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -130,9 +131,13 @@ def _load_memmap(path: Path, expected: int) -> np.memmap:
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError) as err:
-        raise DataError(f"prepared array {path} is unreadable ({err}); run `txl data prepare SPEC --force`") from None
+        raise DataError(
+            f"prepared array {path} is unreadable ({err}); run `txl data prepare SPEC --force`"
+        ) from None
     if arr.ndim != 1 or arr.shape[0] != expected:
-        raise DataError(f"prepared array {path} has shape {arr.shape}, expected ({expected},); run `txl data prepare SPEC --force`")
+        raise DataError(
+            f"prepared array {path} has shape {arr.shape}, expected ({expected},); run `txl data prepare SPEC --force`"
+        )
     return arr
 
 
@@ -202,10 +207,9 @@ def _valid_meta(plan: Plan, directory: Path) -> dict[str, Any] | None:
         if not (directory / entry.get("file", "")).is_file():
             return None
     if refreshed:
-        try:
+        # a read-only cache still serves; the re-hash then just happens again next time
+        with contextlib.suppress(OSError):
             atomic_write_json(directory / "meta.json", meta)
-        except OSError:
-            pass  # a read-only cache still serves; the re-hash will just happen again next time
     return meta
 
 
@@ -235,8 +239,13 @@ def open_corpus(
     return Corpus(directory, meta, parsed.text)
 
 
-def prepare(spec: str | DataSpec, cache_dir: str | os.PathLike | None = None, *, force: bool = False,
-            log: Log | None = None) -> Corpus:
+def prepare(
+    spec: str | DataSpec,
+    cache_dir: str | os.PathLike | None = None,
+    *,
+    force: bool = False,
+    log: Log | None = None,
+) -> Corpus:
     """Same as `open_corpus`; the name says what `txl data prepare` is for."""
     return open_corpus(spec, cache_dir, force=force, log=log)
 

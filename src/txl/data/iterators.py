@@ -97,7 +97,9 @@ def _gather(tokens: np.ndarray, index: np.ndarray) -> np.ndarray:
 
 def _check_state(state: Any, kind: str, expected: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(state, dict) or state.get("kind") != kind or state.get("version") != STATE_VERSION:
-        raise DataError(f"not a {kind} iterator state (version {STATE_VERSION}); it cannot resume this iterator")
+        raise DataError(
+            f"not a {kind} iterator state (version {STATE_VERSION}); it cannot resume this iterator"
+        )
     for key, value in expected.items():
         if state.get(key) != value:
             raise DataError(
@@ -139,7 +141,12 @@ class StreamIterator:
         _check_sizes(batch_size, tgt_len)
         self.tokens = _as_tokens(tokens)
         self.batch_size, self.tgt_len = int(batch_size), int(tgt_len)
-        self.varlen, self.roll, self.seed, self.drop_last = bool(varlen), bool(roll), int(seed), bool(drop_last)
+        self.varlen, self.roll, self.seed, self.drop_last = (
+            bool(varlen),
+            bool(roll),
+            int(seed),
+            bool(drop_last),
+        )
         self.min_len, self.std = int(min_len), float(std)
         self.max_len = int(self.tgt_len + 3 * self.std)  # reference: bptt + max_deviation * std
         self.stream_len = len(self.tokens) // self.batch_size
@@ -254,7 +261,9 @@ class StreamIterator:
         state = _check_state(state, "stream", expected)
         position = int(state["position"])
         if not 0 <= position <= self.pairs_per_stream:
-            raise DataError(f"iterator state position {position} is outside the stream length {self.stream_len}")
+            raise DataError(
+                f"iterator state position {position} is outside the stream length {self.stream_len}"
+            )
         self._epoch, self._pos, self._step = int(state["epoch"]), position, int(state["step"])
         self._rng.bit_generator.state = state["rng"]
         self._shifts = self._roll_shifts(self._epoch)
@@ -373,10 +382,14 @@ class ShuffledSentenceIterator:
         self._reset_epoch_state()
 
     @classmethod
-    def from_corpus(cls, corpus: Any, split: str, batch_size: int, tgt_len: int, **kwargs: Any) -> ShuffledSentenceIterator:
+    def from_corpus(
+        cls, corpus: Any, split: str, batch_size: int, tgt_len: int, **kwargs: Any
+    ) -> ShuffledSentenceIterator:
         offsets = corpus.sentence_offsets(split)
         if offsets is None:
-            raise DataError(f"{corpus.name} has no sentence boundaries; use StreamIterator for ordered corpora")
+            raise DataError(
+                f"{corpus.name} has no sentence boundaries; use StreamIterator for ordered corpora"
+            )
         return cls(corpus.split(split), offsets, batch_size, tgt_len, **kwargs)
 
     def _reset_epoch_state(self) -> None:

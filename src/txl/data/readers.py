@@ -128,7 +128,9 @@ def _find_files(spec: DataSpec, names: dict[str, str], subdirs: tuple[str, ...] 
     """Find a directory (the spec path or one of `subdirs` under it) holding all `names`."""
     root = _existing(spec)
     if not root.is_dir():
-        raise DataError(f"{spec.name}: {root} is a file; pass the directory holding {', '.join(names.values())}")
+        raise DataError(
+            f"{spec.name}: {root} is a file; pass the directory holding {', '.join(names.values())}"
+        )
     for sub in subdirs:
         base = root / sub if sub else root
         found = {split: base / fname for split, fname in names.items()}
@@ -157,7 +159,13 @@ def _plan_ptb_word(spec: DataSpec) -> Plan:
     base, files = _find_files(spec, names, ("", "data", "simple-examples/data"))
     _check_nonempty(spec, files)
     return Plan(
-        spec, base, str(base), list(files.values()), {s: _whole(p) for s, p in files.items()}, "words", "ppl",
+        spec,
+        base,
+        str(base),
+        list(files.values()),
+        {s: _whole(p) for s, p in files.items()},
+        "words",
+        "ppl",
         WordRules(specials=("<eos>",), eos="<eos>", unk="<unk>"),
         notes=["<eos> after every line; vocabulary from train (the text already holds <unk>); case kept"],
     )
@@ -168,10 +176,18 @@ def _plan_ptb_char(spec: DataSpec) -> Plan:
     base, files = _find_files(spec, names, ("", "data", "simple-examples/data"))
     _check_nonempty(spec, files)
     return Plan(
-        spec, base, str(base), list(files.values()), {s: _whole(p) for s, p in files.items()}, "words", "bpc",
+        spec,
+        base,
+        str(base),
+        list(files.values()),
+        {s: _whole(p) for s, p in files.items()},
+        "words",
+        "bpc",
         WordRules(specials=("<eos>",), eos="<eos>", unk=None),
-        notes=["space-separated characters, '_' between words kept as a symbol, one <eos> per line; "
-               "bpc counts every symbol and every <eos>"],
+        notes=[
+            "space-separated characters, '_' between words kept as a symbol, one <eos> per line; "
+            "bpc counts every symbol and every <eos>"
+        ],
     )
 
 
@@ -181,7 +197,13 @@ def _plan_wikitext(spec: DataSpec) -> Plan:
     base, files = _find_files(spec, names, ("", sub))
     _check_nonempty(spec, files)
     return Plan(
-        spec, base, str(base), list(files.values()), {s: _whole(p) for s, p in files.items()}, "words", "ppl",
+        spec,
+        base,
+        str(base),
+        list(files.values()),
+        {s: _whole(p) for s, p in files.items()},
+        "words",
+        "ppl",
         WordRules(specials=("<eos>",), eos="<eos>", unk="<unk>"),
         notes=["<eos> after every line, empty lines included; vocabulary from train; case kept"],
     )
@@ -231,8 +253,10 @@ def _plan_enwik8(spec: DataSpec) -> Plan:
     path, seg = _single_archive_source(spec, "enwik8")
     n = min(seg.end, ENWIK8_BYTES)
     a, b = proportional_split(n)
-    notes = ["bytes, byte vocabulary of 256; every byte is kept and scored, newline bytes included "
-             "(the reference drops newlines)"]
+    notes = [
+        "bytes, byte vocabulary of 256; every byte is kept and scored, newline bytes included "
+        "(the reference drops newlines)"
+    ]
     if n < ENWIK8_BYTES:
         notes.append(f"source has {n} bytes < 1e8: split proportionally 90/5/5")
     splits = {
@@ -272,17 +296,30 @@ def _plan_lm1b(spec: DataSpec) -> Plan:
             f"heldout-monolingual.tokenized.shuffled/news.en.heldout-00000-of-00050 "
             f"(the {r13} layout)"
         )
-    vocab_file = next((p for p in (root / "1b_word_vocab.txt", base / "1b_word_vocab.txt") if p.is_file()), None)
+    vocab_file = next(
+        (p for p in (root / "1b_word_vocab.txt", base / "1b_word_vocab.txt") if p.is_file()), None
+    )
     sources = [*shards, heldout] + ([vocab_file] if vocab_file else [])
     if all(p.stat().st_size == 0 for p in shards):
         raise DataError(f"lm1b: empty corpus: the training shards in {train_dir} have no bytes")
-    splits = {"train": [s for p in shards for s in _whole(p)], "valid": _whole(heldout), "test": _whole(heldout)}
+    splits = {
+        "train": [s for p in shards for s in _whole(p)],
+        "valid": _whole(heldout),
+        "test": _whole(heldout),
+    }
     rules = WordRules(
-        specials=("<S>", "<unk>"), eos="<S>", bos="<S>", unk="<unk>",
-        min_freq=int(spec.options["min_freq"]), vocab_file=vocab_file, sentences=True,
+        specials=("<S>", "<unk>"),
+        eos="<S>",
+        bos="<S>",
+        unk="<unk>",
+        min_freq=int(spec.options["min_freq"]),
+        vocab_file=vocab_file,
+        sentences=True,
     )
-    notes = ["<S> w1 .. wn <S> per sentence (reference add_double_eos); valid = test = heldout-00000 "
-             "(as the reference)"]
+    notes = [
+        "<S> w1 .. wn <S> per sentence (reference add_double_eos); valid = test = heldout-00000 "
+        "(as the reference)"
+    ]
     return Plan(spec, base, str(base), sources, splits, "words", "ppl", rules, notes=notes)
 
 
@@ -294,7 +331,9 @@ def _plan_text(spec: DataSpec) -> Plan:
     if root.is_dir():
         files = {s: root / f"{s}.txt" for s in SPLITS if (root / f"{s}.txt").is_file()}
         if "train" not in files:
-            raise DataError(f"text: directory {root} lacks train.txt (expects train.txt, optionally valid.txt, test.txt)")
+            raise DataError(
+                f"text: directory {root} lacks train.txt (expects train.txt, optionally valid.txt, test.txt)"
+            )
         _check_nonempty(spec, files)
         splits = {s: _whole(p) for s, p in files.items()}
         base, sources, notes = root, list(files.values()), ["splits from train.txt/valid.txt/test.txt"]
@@ -305,20 +344,43 @@ def _plan_text(spec: DataSpec) -> Plan:
         seg = Segment(root, 0, size)
         a, b = proportional_split(size)
         a, b = _line_boundary(seg, a), _line_boundary(seg, b)
-        splits = {"train": [Segment(root, 0, a)], "valid": [Segment(root, a, b)], "test": [Segment(root, b, size)]}
+        splits = {
+            "train": [Segment(root, 0, a)],
+            "valid": [Segment(root, a, b)],
+            "test": [Segment(root, b, size)],
+        }
         base, sources = root.parent, [root]
-        notes = ["single file split 90/5/5 by bytes, each cut moved to the next line start, so every "
-                 "tokenizer sees the same text in each split"]
+        notes = [
+            "single file split 90/5/5 by bytes, each cut moved to the next line start, so every "
+            "tokenizer sees the same text in each split"
+        ]
     rules = None
     if tokenizer == "words":
-        rules = WordRules(specials=("<eos>", "<unk>"), eos="<eos>", unk="<unk>",
-                          vocab_size=vocab_size, min_freq=int(spec.options["min_freq"]))  # type: ignore[arg-type]
+        rules = WordRules(
+            specials=("<eos>", "<unk>"),
+            eos="<eos>",
+            unk="<unk>",
+            vocab_size=vocab_size,
+            min_freq=int(spec.options["min_freq"]),
+        )  # type: ignore[arg-type]
     if tokenizer == "bpe":
         _require_tokenizers()
         if 0 < vocab_size < 256:
-            raise DataError(f"text option vocab_size={vocab_size} is too small for byte-level BPE; use at least 256")
-    return Plan(spec, base, str(root), sources, splits, tokenizer, metric, rules,
-                bpe_size=vocab_size or DEFAULT_BPE_SIZE, notes=notes)
+            raise DataError(
+                f"text option vocab_size={vocab_size} is too small for byte-level BPE; use at least 256"
+            )
+    return Plan(
+        spec,
+        base,
+        str(root),
+        sources,
+        splits,
+        tokenizer,
+        metric,
+        rules,
+        bpe_size=vocab_size or DEFAULT_BPE_SIZE,
+        notes=notes,
+    )
 
 
 def stdlib_files() -> tuple[Path, list[Path]]:
@@ -357,8 +419,10 @@ def _plan_builtin(spec: DataSpec) -> Plan:
     if not files:
         raise DataError(f"builtin: no .py files under {root}")
     identity = f"python-stdlib:{root}:{sys.version}"
-    notes = [f"{len(files)} .py files of {root} (Python {sys.version.split()[0]}), bytes, sorted by path, "
-             "split by sha256(relative path) % 100: <90 train, <95 valid, else test"]
+    notes = [
+        f"{len(files)} .py files of {root} (Python {sys.version.split()[0]}), bytes, sorted by path, "
+        "split by sha256(relative path) % 100: <90 train, <95 valid, else test"
+    ]
     return Plan(spec, root, identity, files, splits, "bytes", "bpc", notes=notes)
 
 
@@ -517,7 +581,11 @@ def build(plan: Plan, out: Path, log: Log | None = None) -> dict:
     for split, segments in plan.splits.items():
         say(f"{plan.spec.name}: tokenizing {split} ({sum(s.end - s.start for s in segments):,} bytes)")
         writer = NpyWriter(out / f"{split}.npy", vocab.dtype)
-        offsets = NpyWriter(out / f"{split}.offsets.npy", np.uint64) if plan.words and plan.words.sentences else None
+        offsets = (
+            NpyWriter(out / f"{split}.offsets.npy", np.uint64)
+            if plan.words and plan.words.sentences
+            else None
+        )
         try:
             _encode(plan, vocab, segments, writer, offsets)
             n = writer.close()
@@ -575,7 +643,9 @@ def _word_vocab(plan: Plan) -> Vocab:
         unk = "<UNK>" if "<UNK>" in symbols else rules.unk
         for sym in {rules.eos, rules.bos, unk} - {None}:
             if sym not in symbols:
-                raise DataError(f"{plan.spec.name}: vocabulary file {rules.vocab_file} lacks the symbol {sym}")
+                raise DataError(
+                    f"{plan.spec.name}: vocabulary file {rules.vocab_file} lacks the symbol {sym}"
+                )
         return Vocab("words", symbols, eos=rules.eos, bos=rules.bos, unk=unk)
     counter: Counter[str] = Counter()
     for seg in plan.splits["train"]:
@@ -630,7 +700,9 @@ def _bpe_vocab(plan: Plan) -> Vocab:
     return Vocab("bpe", bpe=tokenizer.to_str())
 
 
-def _encode(plan: Plan, vocab: Vocab, segments: list[Segment], writer: NpyWriter, offsets: NpyWriter | None) -> None:
+def _encode(
+    plan: Plan, vocab: Vocab, segments: list[Segment], writer: NpyWriter, offsets: NpyWriter | None
+) -> None:
     if plan.tokenizer == "bytes":
         for seg in segments:
             with _SegmentReader(seg) as reader:

@@ -69,7 +69,9 @@ KNOWN: dict[str, CorpusInfo] = {
             "bpc",
             download="enwik8",
         ),
-        CorpusInfo("text8", "1e8 characters of cleaned Wikipedia (a-z and space), 90M/5M/5M", "bpc", download="text8"),
+        CorpusInfo(
+            "text8", "1e8 characters of cleaned Wikipedia (a-z and space), 90M/5M/5M", "bpc", download="text8"
+        ),
         CorpusInfo(
             "wikitext103",
             "WikiText-103, word level: wiki.{train,valid,test}.tokens, <eos> per line, case kept",
@@ -86,7 +88,9 @@ KNOWN: dict[str, CorpusInfo] = {
             "lm1b",
             "One Billion Word benchmark: shuffled sentences wrapped in <S> ... <S>",
             "ppl",
-            options={"min_freq": OptionSpec(int, 3, minimum=1, help="vocabulary cut when no vocab file is given")},
+            options={
+                "min_freq": OptionSpec(int, 3, minimum=1, help="vocabulary cut when no vocab file is given")
+            },
         ),
         CorpusInfo(
             "text",

@@ -147,6 +147,19 @@ class Vocab:
                 f"(same spec and options)"
             )
 
+    def check_same(self, other: Vocab, what: str = "the checkpoint") -> None:
+        """Raise `DataError` unless `other` (e.g. a checkpoint's vocab.json) is this very vocabulary.
+
+        Equal sizes are not enough: two word vocabularies of 10,000 ids can order words differently,
+        and a model would then read every id as the wrong word.
+        """
+        if other.fingerprint != self.fingerprint:
+            raise DataError(
+                f"vocabulary mismatch: {what} has a {other.kind} vocabulary of {other.size} ids "
+                f"(fingerprint {other.fingerprint[:12]}) but this corpus has a {self.kind} vocabulary of "
+                f"{self.size} ids (fingerprint {self.fingerprint[:12]}); use the corpus spec the model was trained on"
+            )
+
     # ---- encode / decode --------------------------------------------------------------------
     def encode(self, text: str | bytes) -> np.ndarray:
         """Token ids of `text` as a 1-D array of `self.dtype`.
@@ -163,7 +176,9 @@ class Vocab:
             try:
                 text = bytes(text).decode("utf-8")
             except UnicodeDecodeError as err:
-                raise DataError(f"text is not UTF-8 (byte offset {err.start}); a {self.kind} vocabulary needs UTF-8") from None
+                raise DataError(
+                    f"text is not UTF-8 (byte offset {err.start}); a {self.kind} vocabulary needs UTF-8"
+                ) from None
         if self.kind == "chars":
             return self._encode_chars(text)
         if self.kind == "bpe":
@@ -193,7 +208,9 @@ class Vocab:
             for word in line.split():
                 idx = stoi.get(word, unk)
                 if idx is None:
-                    raise DataError(f"word {word!r} is not in the vocabulary and it has no unknown-word symbol")
+                    raise DataError(
+                        f"word {word!r} is not in the vocabulary and it has no unknown-word symbol"
+                    )
                 out.append(idx)
             if not last and self.eos is not None:
                 out.append(self._stoi[self.eos])
@@ -201,7 +218,9 @@ class Vocab:
 
     def _ids(self, ids: Iterable[int] | np.ndarray) -> np.ndarray:
         arr = np.asarray(ids).reshape(-1)
-        if arr.size and (not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0 or arr.max() >= self._size):
+        if arr.size and (
+            not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0 or arr.max() >= self._size
+        ):
             raise DataError(f"token ids out of range for a vocabulary of {self._size}")
         return arr.astype(np.int64)
 
@@ -292,7 +311,7 @@ class Vocab:
             return DataError(f"{source} is not a txl vocabulary: {why}")
 
         if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise bad(f"missing \"format\": \"{FORMAT}\"")
+            raise bad(f'missing "format": "{FORMAT}"')
         if d.get("version") != VERSION:
             raise bad(f"version {d.get('version')!r}, this txl reads version {VERSION}")
         kind = d.get("kind")

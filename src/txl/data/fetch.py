@@ -73,7 +73,14 @@ SOURCES: dict[str, Source] = {
             # enwik8.zip, 36,445,475 bytes; the same value is pinned by several unrelated public repos.
             "547994d9980ebed1288380d652999f38a14fe291a6247c157c3d33d4932534bc",
             # The payload: exactly 1e8 bytes; sha256 likewise corroborated by several public repos.
-            (Member("enwik8", "enwik8", "2b49720ec4d78c3c9fabaee6e4179a5e997302b3a70029f30f2d582218c024a8", 100_000_000),),
+            (
+                Member(
+                    "enwik8",
+                    "enwik8",
+                    "2b49720ec4d78c3c9fabaee6e4179a5e997302b3a70029f30f2d582218c024a8",
+                    100_000_000,
+                ),
+            ),
             ("enwik8",),
             "archive and payload sha256 corroborated by independent public pins (not downloaded here)",
         ),
@@ -97,7 +104,10 @@ SOURCES: dict[str, Source] = {
             "wikitext-103-v1.zip",
             "zip",
             "242ba0f20b329cfdf1ccc61e9e9e5b59becf189db7f7a81cd2a0e2fc31539590",
-            tuple(Member(f"wikitext-103/wiki.{s}.tokens", f"wiki.{s}.tokens") for s in ("train", "valid", "test")),
+            tuple(
+                Member(f"wikitext-103/wiki.{s}.tokens", f"wiki.{s}.tokens")
+                for s in ("train", "valid", "test")
+            ),
             ("wikitext103",),
             "archive sha256 corroborated by several independent public pins (not downloaded here)",
         ),
@@ -110,7 +120,9 @@ SOURCES: dict[str, Source] = {
             "wikitext-2-v1.zip",
             "zip",
             "92675f1d63015c1c8b51f1656a52d5bdbc33aafa60cc47a218a66e7ee817488c",
-            tuple(Member(f"wikitext-2/wiki.{s}.tokens", f"wiki.{s}.tokens") for s in ("train", "valid", "test")),
+            tuple(
+                Member(f"wikitext-2/wiki.{s}.tokens", f"wiki.{s}.tokens") for s in ("train", "valid", "test")
+            ),
             ("wikitext2",),
             "archive sha256 corroborated by several independent public pins (not downloaded here)",
         ),
@@ -121,18 +133,42 @@ SOURCES: dict[str, Source] = {
             "tgz",
             None,  # UNVERIFIED: no archive pin we could corroborate; the extracted files are pinned below.
             (
-                Member(_PTB_DATA + "ptb.train.txt", "ptb.train.txt",
-                       "fcea919f6cf83f35d4d00c6cbf08040d13d4155226340912e2fef9c9c4102cbf", 5_101_618),
-                Member(_PTB_DATA + "ptb.valid.txt", "ptb.valid.txt",
-                       "c9fe6985fe0d4ccb578183407d7668fc6066c20700cb4cf87d8ff1cc34df1bf2", 399_782),
-                Member(_PTB_DATA + "ptb.test.txt", "ptb.test.txt",
-                       "dd65dff31e70846b2a6030a87482edcd5d199130cdcfa1f3dccbb033728deee0", 449_945),
-                Member(_PTB_DATA + "ptb.char.train.txt", "ptb.char.train.txt",
-                       "e313d91425e06c4f0a8fb6e881dcce0c291f2a0e9f4dda54833069b122f91da9", 10_034_964),
-                Member(_PTB_DATA + "ptb.char.valid.txt", "ptb.char.valid.txt",
-                       "21661f63ec355085879458b6524644d4add5573541b4be14fb52ab2e2e995eb8", 786_084),
-                Member(_PTB_DATA + "ptb.char.test.txt", "ptb.char.test.txt",
-                       "1ef5607ac3c463b16e38bfe7900dd3bfc91de5a96e0f21e7eab5188b465b8ebe", 884_846),
+                Member(
+                    _PTB_DATA + "ptb.train.txt",
+                    "ptb.train.txt",
+                    "fcea919f6cf83f35d4d00c6cbf08040d13d4155226340912e2fef9c9c4102cbf",
+                    5_101_618,
+                ),
+                Member(
+                    _PTB_DATA + "ptb.valid.txt",
+                    "ptb.valid.txt",
+                    "c9fe6985fe0d4ccb578183407d7668fc6066c20700cb4cf87d8ff1cc34df1bf2",
+                    399_782,
+                ),
+                Member(
+                    _PTB_DATA + "ptb.test.txt",
+                    "ptb.test.txt",
+                    "dd65dff31e70846b2a6030a87482edcd5d199130cdcfa1f3dccbb033728deee0",
+                    449_945,
+                ),
+                Member(
+                    _PTB_DATA + "ptb.char.train.txt",
+                    "ptb.char.train.txt",
+                    "e313d91425e06c4f0a8fb6e881dcce0c291f2a0e9f4dda54833069b122f91da9",
+                    10_034_964,
+                ),
+                Member(
+                    _PTB_DATA + "ptb.char.valid.txt",
+                    "ptb.char.valid.txt",
+                    "21661f63ec355085879458b6524644d4add5573541b4be14fb52ab2e2e995eb8",
+                    786_084,
+                ),
+                Member(
+                    _PTB_DATA + "ptb.char.test.txt",
+                    "ptb.char.test.txt",
+                    "1ef5607ac3c463b16e38bfe7900dd3bfc91de5a96e0f21e7eab5188b465b8ebe",
+                    884_846,
+                ),
             ),
             ("ptb-word", "ptb-char"),
             "archive unpinned (unverified); the six extracted files are pinned (measured locally)",
@@ -186,11 +222,15 @@ def download(
         archive = final_archive  # a previous run kept it; re-verify below before trusting it
     else:
         archive = part
-        _fetch_any((url,) if url else src.urls, part, retries=retries, timeout=timeout, backoff=backoff, log=say)
+        _fetch_any(
+            (url,) if url else src.urls, part, retries=retries, timeout=timeout, backoff=backoff, log=say
+        )
 
     digest = _sha256(archive)
     if expected is None:
-        say(f"{name}: no pinned sha256 for {src.archive}; got {digest} (the extracted files are checked instead)")
+        say(
+            f"{name}: no pinned sha256 for {src.archive}; got {digest} (the extracted files are checked instead)"
+        )
     elif digest != expected:
         archive.unlink(missing_ok=True)
         raise DataError(
@@ -236,7 +276,9 @@ def _fetch(url: str, part: Path, *, retries: int, timeout: float, backoff: float
         if have:
             headers["Range"] = f"bytes={have}-"
         try:
-            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as resp:
+            with urllib.request.urlopen(
+                urllib.request.Request(url, headers=headers), timeout=timeout
+            ) as resp:
                 if have and resp.status == 206 and _range_start(resp) == have:
                     mode, total = "ab", _content_length(resp, have)
                 else:  # 200: the server sent the whole file (no Range support): restart cleanly
@@ -256,7 +298,9 @@ def _fetch(url: str, part: Path, *, retries: int, timeout: float, backoff: float
             if err.code == 416 and have:  # our .part is not a prefix of what the server has: restart
                 part.unlink(missing_ok=True)
                 continue
-            raise DataError(f"download of {url} failed: HTTP {err.code} {err.reason}; check the URL") from None
+            raise DataError(
+                f"download of {url} failed: HTTP {err.code} {err.reason}; check the URL"
+            ) from None
         except (urllib.error.URLError, http.client.HTTPException, OSError) as err:
             failures += 1
             got = part.stat().st_size if part.exists() else 0
@@ -297,7 +341,7 @@ def _extract(src: Source, archive: Path, dest: Path, check: bool, log: Log) -> N
                 names = {_normalize(n): n for n in zf.namelist()}
                 for m in src.members:
                     if m.name not in names:
-                        raise DataError(f"{archive.name} lacks {m.name}; it is not the {src.name} archive")
+                        raise DataError(f"{src.archive} lacks {m.name}; it is not the {src.name} archive")
                     with zf.open(names[m.name]) as fin:
                         parts.append(_copy_member(fin, dest, m, check))
         else:
@@ -307,7 +351,7 @@ def _extract(src: Source, archive: Path, dest: Path, check: bool, log: Log) -> N
                     info = infos.get(m.name)
                     fin = tf.extractfile(info) if info is not None else None
                     if fin is None:
-                        raise DataError(f"{archive.name} lacks {m.name}; it is not the {src.name} archive")
+                        raise DataError(f"{src.archive} lacks {m.name}; it is not the {src.name} archive")
                     with fin:
                         parts.append(_copy_member(fin, dest, m, check))
         for tmp, final in parts:
@@ -319,7 +363,7 @@ def _extract(src: Source, archive: Path, dest: Path, check: bool, log: Log) -> N
         raise
     except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError) as err:
         archive.unlink(missing_ok=True)
-        raise DataError(f"{archive.name} is corrupt ({err}); it was deleted, run the download again") from None
+        raise DataError(f"{src.archive} is corrupt ({err}); it was deleted, run the download again") from None
     finally:
         for tmp, _final in parts:
             tmp.unlink(missing_ok=True)
@@ -339,7 +383,9 @@ def _copy_member(fin, dest: Path, m: Member, check: bool) -> tuple[Path, Path]:
             fout.flush()
             os.fsync(fout.fileno())
         if check and m.size is not None and size != m.size:
-            raise DataError(f"{m.name} has {size:,} bytes, expected {m.size:,}; the archive is not the published one")
+            raise DataError(
+                f"{m.name} has {size:,} bytes, expected {m.size:,}; the archive is not the published one"
+            )
         if check and m.sha256 is not None and digest.hexdigest() != m.sha256:
             raise DataError(
                 f"checksum mismatch for {m.name}: expected sha256 {m.sha256}, got {digest.hexdigest()}; "
