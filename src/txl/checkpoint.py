@@ -73,11 +73,13 @@ def atomic_directory(final: str | Path) -> Iterator[Path]:
     parent = final.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
+        recover_directory(final)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
     except OSError as err:
         raise CheckpointError(f"cannot write to {parent}: {err.strerror or err}") from None
     try:
         yield tmp
+        _default_permissions(tmp)
         fsync_dir(tmp)
         if final.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=parent))
@@ -94,13 +96,44 @@ def atomic_directory(final: str | Path) -> Iterator[Path]:
         raise
 
 
+def recover_directory(final: str | Path) -> None:
+    """Undo what a crash inside `atomic_directory` can leave behind.
+
+    The swap renames `final` aside (`.NAME.old-*/NAME`) and then renames the new directory in; a kill
+    between the two renames leaves no `final`, so the set-aside copy (complete by construction) is
+    moved back. Unfinished temporary directories are deleted.
+    """
+    final = Path(final)
+    parent = final.parent
+    if not parent.is_dir():
+        return
+    if not final.exists():
+        for old in sorted(parent.glob(f".{final.name}.old-*")):
+            candidate = old / final.name
+            if candidate.is_dir():
+                os.rename(candidate, final)
+                break
+    for junk in list(parent.glob(f".{final.name}.tmp-*")) + list(parent.glob(f".{final.name}.old-*")):
+        shutil.rmtree(junk, ignore_errors=True)
+
+
+def _default_permissions(directory: Path) -> None:
+    """mkdtemp makes 0700 directories; give checkpoints the permissions of a normally created file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(directory, 0o777 & ~umask)
+    for path in directory.iterdir():
+        if path.is_file():
+            os.chmod(path, 0o666 & ~umask)
+
+
 # ---------------------------------------------------------------------------------------------
 # Tensors
 
 
 def _tensor_bytes(t: Tensor) -> memoryview:
-    t = t.detach().contiguous().cpu()
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
+    t = t.detach().contiguous().cpu().reshape(-1)  # 1-D: a 0-d tensor cannot be viewed as bytes
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
 def tensors_digest(tensors: dict[str, Tensor]) -> str:

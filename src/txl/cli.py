@@ -15,10 +15,20 @@ from collections.abc import Callable, Sequence
 
 # name -> (help, "module:configure", "module:run")
 COMMANDS: dict[str, tuple[str, str, str]] = {
+    "train": (
+        "train a model (no arguments: the demo, preset tiny on the built-in corpus)",
+        "txl.train:configure_cli",
+        "txl.train:run_cli",
+    ),
     "data": (
         "corpora: list, download, prepare (tokenize once into memory-mapped arrays), stats",
         "txl.data.cli:configure",
         "txl.data.cli:run",
+    ),
+    "plot": (
+        "PNG training curves (loss, bpc/ppl, lr, tokens/s) from one or more run directories",
+        "txl.plot:configure_cli",
+        "txl.plot:run_cli",
     ),
     "import-hf": (
         "convert a Hugging Face TransfoXL checkpoint (config.json + pytorch_model.bin or model.safetensors)",

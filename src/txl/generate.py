@@ -1,0 +1,141 @@
+"""Text generation that reuses memory (what users asked the reference for in its issue #49).
+
+The prompt is fed in segments to fill the memory; then tokens come one at a time, each step a forward
+pass over one token that attends to the memory (the previous `mem_len` positions per layer) and
+nothing else, so the cost per token is bounded by the attention length instead of growing with the
+text. With relative positions this equals re-running the whole context every step as long as the
+context fits in `mem_len` (tests/test_generate.py checks greedy decoding token for token).
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from txl.errors import UsageError
+from txl.memory import Memory
+
+
+def filter_logits(logits: Tensor, *, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Mask all but the top-k tokens and the smallest nucleus with probability >= top_p."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1, None]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens before it already reach top_p (the top token always stays)
+        drop = probs.cumsum(-1) - probs >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+    if max_new_tokens < 1:
+        raise UsageError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise UsageError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k < 0:
+        raise UsageError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise UsageError(f"top_p must be in (0, 1], got {top_p}")
+
+
+@torch.no_grad()
+def stream_tokens(
+    model,
+    prompt: Sequence[int] | Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    mem_len: int | None = None,
+    segment_len: int | None = None,
+    generator: torch.Generator | None = None,
+) -> Iterator[int]:
+    """Yield new token ids one by one. temperature 0 = greedy."""
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    prompt = torch.as_tensor(prompt, dtype=torch.long).flatten()
+    if prompt.numel() == 0:
+        raise UsageError("the prompt is empty; give at least one token of text")
+    vocab = model.config.vocab_size
+    if int(prompt.max()) >= vocab or int(prompt.min()) < 0:
+        raise UsageError(f"prompt has token ids outside the model's vocabulary [0, {vocab})")
+    device = next(model.parameters()).device
+    mem_len = model.mem_len if mem_len is None else mem_len
+    if mem_len < 0:
+        raise UsageError(f"mem_len must be >= 0, got {mem_len}")
+    segment_len = segment_len or max(mem_len, 128)
+    was_training = model.training
+    model.eval()
+    try:
+        memory: Memory | None = None
+        logits = None
+        for chunk in prompt.to(device).split(segment_len):
+            out = model(chunk[None], memory=memory, mem_len=mem_len)
+            memory, logits = out.memory, out.logits[0, -1]
+        for _ in range(max_new_tokens):
+            token = _pick(logits.float(), temperature, top_k, top_p, generator)
+            yield token
+            out = model(torch.tensor([[token]], device=device), memory=memory, mem_len=mem_len)
+            memory, logits = out.memory, out.logits[0, -1]
+    finally:
+        model.train(was_training)
+
+
+def _pick(logits: Tensor, temperature: float, top_k: int, top_p: float, generator) -> int:
+    if temperature == 0:
+        return int(logits.argmax())
+    logits = filter_logits(logits / temperature, top_k=top_k, top_p=top_p)
+    probs = logits.softmax(-1).cpu()
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def generate(model, prompt, *, max_new_tokens: int, **kwargs) -> list[int]:
+    return list(stream_tokens(model, prompt, max_new_tokens=max_new_tokens, **kwargs))
+
+
+@torch.no_grad()
+def generate_rerun(model, prompt, *, max_new_tokens: int) -> list[int]:
+    """Greedy decoding that re-runs the whole context every step, without memory: the baseline that
+    memory reuse must reproduce (and beat in speed)."""
+    check_sampling(max_new_tokens, 0.0, 0, 1.0)
+    device = next(model.parameters()).device
+    context = torch.as_tensor(prompt, dtype=torch.long, device=device).flatten()[None]
+    new = []
+    for _ in range(max_new_tokens):
+        logits = model(context, mem_len=0).logits[0, -1]
+        token = int(logits.argmax())
+        new.append(token)
+        context = torch.cat([context, torch.tensor([[token]], device=device)], dim=1)
+    return new
+
+
+class TextStream:
+    """Decode token ids to text incrementally (bytes may split a UTF-8 character)."""
+
+    def __init__(self, vocab, write: Callable[[str], object]):
+        self.vocab = vocab
+        self.write = write
+        self.byte_level = getattr(vocab, "kind", None) == "bytes"
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.ids: list[int] = []
+        self.shown = 0
+
+    def push(self, token: int) -> None:
+        if self.byte_level:
+            self.write(self.decoder.decode(bytes([token])))
+            return
+        self.ids.append(token)
+        text = self.vocab.decode(self.ids)
+        self.write(text[self.shown :])
+        self.shown = len(text)
+
+    def close(self) -> None:
+        if self.byte_level:
+            self.write(self.decoder.decode(b"", final=True))

@@ -1,0 +1,122 @@
+"""Optimisers and learning-rate schedules of the reference (and LAMB for large batches).
+
+The schedule is a pure function of the step, so resuming needs no scheduler state. Optimiser state
+is split into tensors (safetensors) and plain values (JSON): nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning"): Adam's update rescaled per
+    parameter tensor by the trust ratio ||w|| / ||update||, which keeps very large batches stable.
+    NVIDIA's Transformer-XL fork uses it for its multi-node runs."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad.float()
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                state["step"] += 1
+                step = state["step"].item()
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                m_hat = exp_avg / (1 - beta1**step)
+                v_hat = exp_avg_sq / (1 - beta2**step)
+                update = m_hat / (v_hat.sqrt() + group["eps"])
+                if group["weight_decay"]:
+                    update = update.add(p.float(), alpha=group["weight_decay"])
+                w_norm, u_norm = p.float().norm(), update.norm()
+                trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+                p.add_(update.to(p.dtype), alpha=-group["lr"] * trust.item())
+        return loss
+
+
+def build_optimizer(name: str, params, *, lr: float, weight_decay: float, betas=(0.9, 0.999), eps=1e-8):
+    params = [p for p in params if p.requires_grad]
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if name == "lamb":
+        return Lamb(params, lr=lr, betas=betas, eps=max(eps, 1e-6), weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+def lr_at(step: int, *, schedule: str, lr: float, warmup_steps: int, max_steps: int, eta_min: float) -> float:
+    """Learning rate for optimiser step `step` (0-based), exactly as kimiyoung's train.py:
+
+    cosine: linear warmup lr·step/warmup, then cosine from lr to eta_min over the *whole* run
+    (CosineAnnealingLR(T_max=max_step) evaluated at the global step, warmup included);
+    inv_sqrt: step/warmup^1.5 before warmup, 1/sqrt(step) after (times lr);
+    constant: warmup then lr.
+    """
+    if schedule == "inv_sqrt":
+        if step == 0 and warmup_steps == 0:
+            return lr
+        if step > warmup_steps:
+            return lr / math.sqrt(step)
+        return lr * step / warmup_steps**1.5
+    if step < warmup_steps:
+        return lr * step / warmup_steps
+    if schedule == "constant":
+        return lr
+    progress = min(step, max_steps) / max(max_steps, 1)
+    return eta_min + (lr - eta_min) * (1 + math.cos(math.pi * progress)) / 2
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def optimizer_state_split(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """state_dict -> (tensors for safetensors, JSON-able rest)."""
+    state = optimizer.state_dict()
+    tensors: dict[str, Tensor] = {}
+    plain: dict[str, Any] = {"param_groups": state["param_groups"], "state": {}}
+    for idx, entry in state["state"].items():
+        plain_entry = {}
+        for key, value in entry.items():
+            if isinstance(value, Tensor):
+                tensors[f"state.{idx}.{key}"] = value
+            else:
+                plain_entry[key] = value
+        plain["state"][str(idx)] = plain_entry
+    return tensors, plain
+
+
+def optimizer_state_join(tensors: dict[str, Tensor], plain: dict[str, Any]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {int(k): dict(v) for k, v in plain.get("state", {}).items()}
+    for name, value in tensors.items():
+        _, idx, key = name.split(".", 2)
+        state.setdefault(int(idx), {})[key] = value
+    groups = []
+    for group in plain["param_groups"]:
+        group = dict(group)
+        if isinstance(group.get("betas"), list):
+            group["betas"] = tuple(group["betas"])
+        groups.append(group)
+    return {"state": state, "param_groups": groups}

@@ -1,0 +1,224 @@
+"""Run configuration: the model section, the training section, presets, TOML files and `--set`.
+
+A run is described by two typed sections, `[model]` (`TransformerXLConfig`) and `[train]`
+(`TrainConfig`). Sources are merged in order: preset, `--config FILE.toml`, command-line flags,
+`--set key=value` (dotted `model.d_model=256` or bare `lr=1e-3` when the name is unambiguous).
+Unknown keys and wrong types are `ConfigError`s that name the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+from txl.config import TransformerXLConfig, check_dataclass_types
+from txl.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclass
+class TrainConfig:
+    data: str = "builtin:python-stdlib"  # a data spec, see `txl data list`
+    tgt_len: int = 128  # segment length (the paper's L during training)
+    batch_size: int = 22  # global batch: parallel streams over all ranks and micro-batches
+    grad_accum: int = 1  # micro-batches per step, each with its own memory (the reference's batch_chunk)
+    max_steps: int = 400_000  # optimiser steps; also the cosine schedule's horizon
+    max_minutes: float = 0.0  # wall-clock budget (0 = none); the run stops cleanly when it is spent
+    optimizer: Literal["adam", "adamw", "lamb"] = "adam"
+    lr: float = 2.5e-4
+    weight_decay: float = 0.0
+    schedule: Literal["cosine", "inv_sqrt", "constant"] = "cosine"
+    warmup_steps: int = 0
+    eta_min: float = 0.0  # cosine floor
+    clip: float = 0.25  # gradient-norm clip (0 = off)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16 = autocast; fp16 adds a GradScaler
+    compile: bool = False  # torch.compile the model (slow first steps, faster after)
+    seed: int = 1111
+    varlen: bool = False  # reference's variable segment length during training
+    roll: bool = False  # NVIDIA's per-epoch random roll of each training stream
+    log_interval: int = 50  # steps between train-loss records
+    eval_interval: int = 1000  # steps between validations (and `best` checkpoints)
+    save_interval: int = 0  # steps between `last` checkpoints (0 = at each validation)
+    eval_tgt_len: int = 0  # 0 = tgt_len
+    eval_mem_len: int | None = None  # None = the model's mem_len
+    eval_batch_size: int = 10
+    eval_max_tokens: int = 0  # validate on the first N tokens only (0 = the whole split)
+    eval_warm_memory: bool = True  # warm each eval stream's memory so every scored token has full context
+    final_splits: tuple[str, ...] = ("valid",)  # evaluated on the whole split at the end of the run
+    max_nonfinite: int = 5  # stop after this many non-finite losses in a row
+    sample_tokens: int = 0  # generate this many tokens at the end (0 = no sample)
+    sample_prompt: str = ""  # "" = the first 64 tokens of the valid split
+
+    def __post_init__(self) -> None:
+        if isinstance(self.final_splits, list):
+            self.final_splits = tuple(self.final_splits)
+        check_dataclass_types(self)
+        for name in ("tgt_len", "batch_size", "grad_accum", "max_steps", "log_interval", "eval_interval",
+                     "eval_batch_size", "max_nonfinite"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "save_interval", "eval_tgt_len", "eval_max_tokens", "sample_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.eval_mem_len is not None and self.eval_mem_len < 0:
+            raise ConfigError(f"train.eval_mem_len must be >= 0, got {self.eval_mem_len}")
+        for name in ("lr", "weight_decay", "eta_min", "clip", "max_minutes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.lr == 0:
+            raise ConfigError("train.lr must be > 0")
+        if self.batch_size % self.grad_accum:
+            raise ConfigError(
+                f"train.batch_size={self.batch_size} must be divisible by train.grad_accum={self.grad_accum}"
+            )
+        for split in self.final_splits:
+            if split not in ("train", "valid", "test"):
+                raise ConfigError(f"train.final_splits has {split!r}; use train, valid or test")
+
+
+@dataclass
+class RunConfig:
+    model: dict[str, Any] = field(default_factory=dict)  # TransformerXLConfig fields (vocab from data)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def model_config(self, vocab_size: int | None = None) -> TransformerXLConfig:
+        """The model config; `vocab_size` comes from the corpus unless the run pinned it."""
+        values = dict(self.model)
+        if vocab_size is not None:
+            pinned = values.get("vocab_size")
+            if pinned is not None and pinned != vocab_size:
+                raise ConfigError(
+                    f"model.vocab_size={pinned} but the corpus {self.train.data!r} has {vocab_size} tokens; "
+                    "remove model.vocab_size to take it from the data"
+                )
+            values["vocab_size"] = vocab_size
+        elif "vocab_size" not in values:
+            values["vocab_size"] = max([256, *[c + 1 for c in values.get("cutoffs", [])]])
+        return TransformerXLConfig.from_dict(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        train = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self.train).items()}
+        return {"model": dict(self.model), "train": train}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "config") -> RunConfig:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where} must be a table with [model] and [train] sections")
+        unknown = sorted(set(data) - {"model", "train"})
+        if unknown:
+            raise ConfigError(f"unknown section {unknown[0]!r} in {where} (sections: model, train)")
+        run = cls()
+        merge(run, data, where)
+        return run
+
+
+def _fields(cls) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+MODEL_KEYS = _fields(TransformerXLConfig)
+TRAIN_KEYS = _fields(TrainConfig)
+
+
+def merge(run: RunConfig, data: dict[str, Any], where: str) -> None:
+    """Apply a {model: {...}, train: {...}} mapping onto `run`, checking every key and value."""
+    model = dict(data.get("model", {}))
+    for key in model:
+        if key not in MODEL_KEYS:
+            raise ConfigError(f"unknown key model.{key} in {where}")
+    train_values = dict(data.get("train", {}))
+    for key in train_values:
+        if key not in TRAIN_KEYS:
+            raise ConfigError(f"unknown key train.{key} in {where}")
+    run.model.update(model)
+    try:
+        run.model_config()  # validate the model section now, before any data is read
+        run.train = TrainConfig(**{**dataclasses.asdict(run.train), **train_values})
+    except ConfigError as err:
+        raise ConfigError(f"{err} (in {where})") from None
+
+
+def parse_value(text: str) -> Any:
+    """`--set` values: JSON when it parses (numbers, true/false, null, lists), else the raw string."""
+    lowered = text.strip()
+    if lowered in ("none", "None"):
+        return None
+    if lowered in ("True", "False"):
+        return lowered == "True"
+    try:
+        return json.loads(lowered)
+    except json.JSONDecodeError:
+        return text
+
+
+def apply_sets(run: RunConfig, assignments: list[str]) -> None:
+    for item in assignments:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        section, _, name = key.rpartition(".")
+        if not section:
+            in_model, in_train = name in MODEL_KEYS, name in TRAIN_KEYS
+            if in_model and in_train:
+                raise ConfigError(f"--set {name} is ambiguous; write model.{name} or train.{name}")
+            if not (in_model or in_train):
+                raise ConfigError(f"unknown key {name!r} in --set (see `txl train --help` for the keys)")
+            section = "model" if in_model else "train"
+        if section not in ("model", "train"):
+            raise ConfigError(f"unknown section {section!r} in --set {key} (sections: model, train)")
+        merge(run, {section: {name: parse_value(value)}}, f"--set {item}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets: TOML files shipped inside the package (src/txl/presets/NAME.toml)
+
+
+def preset_names() -> list[str]:
+    return sorted(p.name.removesuffix(".toml") for p in resources.files("txl.presets").iterdir()
+                  if p.name.endswith(".toml"))
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror or err}") from None
+
+
+def load_preset(name: str) -> dict[str, Any]:
+    names = preset_names()
+    if name not in names:
+        raise ConfigError(f"unknown preset {name!r} (known: {', '.join(names)})")
+    with resources.files("txl.presets").joinpath(f"{name}.toml").open("rb") as f:
+        return tomllib.load(f)
+
+
+def build_run_config(
+    *, preset: str | None = None, config_file: str | Path | None = None, sets: list[str] | None = None,
+    flags: dict[str, Any] | None = None,
+) -> RunConfig:
+    run = RunConfig()
+    if preset is not None:
+        merge(run, load_preset(preset), f"preset {preset}")
+    if config_file is not None:
+        merge(run, read_toml(config_file), str(config_file))
+    if flags:
+        merge(run, {"train": {k: v for k, v in flags.items() if v is not None}}, "command-line flags")
+    apply_sets(run, sets or [])
+    return run

@@ -1,0 +1,287 @@
+"""The trainer: exact resume after SIGKILL, DDP = one process, atomic checkpoints, faults, config errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from txl.checkpoint import load_tensors
+from txl.errors import ConfigError, TrainingError
+from txl.optim import lr_at
+from txl.run_config import RunConfig, build_run_config, load_preset, preset_names
+from txl.train import LAST, Trainer
+
+pytestmark = pytest.mark.slow
+
+TOML = """
+[model]
+n_layer = 2
+d_model = 32
+n_head = 2
+d_head = 16
+d_inner = 64
+mem_len = 16
+dropout = {dropout}
+
+[train]
+data = "text:{corpus}?tokenizer=bytes"
+tgt_len = 16
+batch_size = 4
+lr = 2e-3
+max_steps = {steps}
+log_interval = 1
+eval_interval = {eval_interval}
+save_interval = 1
+eval_max_tokens = 2000
+eval_batch_size = 4
+final_splits = []
+varlen = {varlen}
+roll = {varlen}
+"""
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    import random
+
+    rng = random.Random(0)
+    words = ["memory", "segment", "attention", "relative", "position", "token", "layer", "the", "of", "and"]
+    text = "\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(3000))
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("TXL_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "txl-cache"))
+
+
+def write_config(tmp_path, corpus, *, steps=30, dropout=0.1, varlen="true", eval_interval=1000) -> Path:
+    path = tmp_path / "run.toml"
+    path.write_text(TOML.format(corpus=corpus, steps=steps, dropout=dropout, varlen=varlen,
+                                eval_interval=eval_interval))
+    return path
+
+
+def txl(*args, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "txl", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def finish(proc: subprocess.Popen, timeout=300) -> tuple[int, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out + err
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
+
+
+def saved_step(run_dir: Path) -> int:
+    try:
+        return json.loads((run_dir / LAST / "trainer_state.json").read_text())["step"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return -1
+
+
+def test_sigkill_then_resume_matches_an_uninterrupted_run_bitwise(tmp_path, corpus):
+    config = write_config(tmp_path, corpus, steps=40)
+    code, log = finish(txl("train", "--config", str(config), "--out", str(tmp_path / "a"), "--quiet"))
+    assert code == 0, log
+    proc = txl("train", "--config", str(config), "--out", str(tmp_path / "b"), "--quiet")
+    deadline = time.time() + 120
+    while saved_step(tmp_path / "b") < 12 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run finished before it could be killed; make it longer"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = saved_step(tmp_path / "b")
+    assert 12 <= killed_at < 40
+    code, log = finish(txl("train", "--resume", str(tmp_path / "b"), "--quiet"))
+    assert code == 0, log
+    a, b = train_losses(tmp_path / "a"), train_losses(tmp_path / "b")
+    assert sorted(a) == sorted(b) == list(range(1, 41))
+    assert all(a[s] == b[s] for s in a), [(s, a[s], b[s]) for s in a if a[s] != b[s]][:3]
+    wa, _ = load_tensors(tmp_path / "a" / LAST / "model.safetensors")
+    wb, _ = load_tensors(tmp_path / "b" / LAST / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_ddp_two_gloo_processes_equal_one_process(tmp_path, corpus):
+    config = write_config(tmp_path, corpus, steps=6, dropout=0.0, varlen="false")
+    code, log = finish(txl("train", "--config", str(config), "--out", str(tmp_path / "one"), "--quiet"))
+    assert code == 0, log
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "txl",
+         "train", "--config", str(config), "--out", str(tmp_path / "two"), "--quiet"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
+    assert sorted(one) == sorted(two) == list(range(1, 7))
+    for step in one:
+        assert abs(one[step] - two[step]) < 1e-5, (step, one[step], two[step])
+    state = json.loads((tmp_path / "two" / LAST / "trainer_state.json").read_text())
+    assert state["world_size"] == 2 and state["step"] == 6
+    # exactly one checkpoint directory per kind, no temporary leftovers from the other rank
+    assert sorted(p.name for p in (tmp_path / "two").iterdir() if p.is_dir()) == ["best", "last"]
+
+
+def test_sigkill_during_checkpoint_writes_leaves_a_loadable_checkpoint(tmp_path, corpus):
+    """Kill many times at arbitrary moments of a run that checkpoints every step: whatever the moment,
+    `last` (after recovery) is a complete checkpoint that resumes."""
+    from txl.checkpoint import recover_directory
+    from txl.model import TransformerXL
+
+    config = write_config(tmp_path, corpus, steps=400)
+    run = tmp_path / "run"
+    proc = txl("train", "--config", str(config), "--out", str(run), "--quiet")
+    while saved_step(run) < 1 and proc.poll() is None:
+        time.sleep(0.01)
+    steps = []
+    for trial in range(6):
+        time.sleep(0.05 + 0.037 * trial)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        recover_directory(run / LAST)
+        TransformerXL.from_pretrained(run / LAST)  # complete and verified
+        steps.append(saved_step(run))
+        proc = txl("train", "--resume", str(run), "--quiet")
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert steps == sorted(steps) and steps[-1] > steps[0]
+
+
+def test_sigterm_saves_and_exits_zero(tmp_path, corpus):
+    config = write_config(tmp_path, corpus, steps=5000)
+    run = tmp_path / "run"
+    proc = txl("train", "--config", str(config), "--out", str(run), "--quiet")
+    while saved_step(run) < 3 and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    code, log = finish(proc)
+    assert code == 0, log
+    assert "stopped by signal" in log and "--resume" in log
+    state = json.loads((run / LAST / "trainer_state.json").read_text())
+    assert state["step"] == max(train_losses(run))
+
+
+def test_non_finite_losses_skip_updates_then_stop_with_checkpoint_intact(tmp_path, corpus, monkeypatch):
+    config = write_config(tmp_path, corpus, steps=50, eval_interval=1000)
+    run = build_run_config(config_file=config, sets=["max_nonfinite=3", "save_interval=2"])
+    trainer = Trainer(run, tmp_path / "run", quiet=True)
+    real_forward = trainer.forward
+
+    def poisoned(*args, **kwargs):
+        out = real_forward(*args, **kwargs)
+        if trainer.step >= 4:  # from the 5th step on, every loss is NaN
+            out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(trainer, "forward", poisoned)
+    with pytest.raises(TrainingError, match="not finite for 3 steps"):
+        trainer.fit()
+    assert saved_step(tmp_path / "run") == 4  # the last good checkpoint, not overwritten by bad steps
+    weights, _ = load_tensors(tmp_path / "run" / LAST / "model.safetensors")
+    current = trainer.model.state_dict()
+    assert all(torch.equal(weights[k], current[k]) for k in weights)  # skipped steps changed nothing
+    assert all(math.isfinite(v) for v in weights["blocks.0.ff.fc1.weight"].flatten().tolist())
+
+
+def test_grad_accumulation_matches_full_batch(tmp_path, corpus):
+    losses = {}
+    for accum in (1, 2):
+        config = write_config(tmp_path, corpus, steps=4, dropout=0.0, varlen="false")
+        run = build_run_config(config_file=config, sets=[f"grad_accum={accum}"])
+        trainer = Trainer(run, tmp_path / f"accum{accum}", quiet=True)
+        trainer.fit()
+        losses[accum] = train_losses(tmp_path / f"accum{accum}")
+    for step in losses[1]:
+        assert abs(losses[1][step] - losses[2][step]) < 1e-5
+
+
+def test_resume_refuses_a_directory_that_is_not_a_run(tmp_path):
+    code, log = finish(txl("train", "--resume", str(tmp_path)))
+    assert code == 2 and "not a txl training run" in log and "Traceback" not in log
+
+
+def test_existing_run_is_not_overwritten(tmp_path, corpus):
+    config = write_config(tmp_path, corpus, steps=2)
+    assert finish(txl("train", "--config", str(config), "--out", str(tmp_path / "r"), "--quiet"))[0] == 0
+    code, log = finish(txl("train", "--config", str(config), "--out", str(tmp_path / "r"), "--quiet"))
+    assert code == 2 and "already holds a run" in log
+
+
+# -- configuration --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_preset_builds(name):
+    run = RunConfig.from_dict(load_preset(name), name)
+    config = run.model_config(vocab_size=300000 if run.model.get("cutoffs") else 256)
+    assert config.n_layer >= 1
+
+
+def test_paper_presets_match_the_design_table():
+    run = RunConfig.from_dict(load_preset("enwik8-base"))
+    assert (run.model["n_layer"], run.model["d_model"], run.model["d_inner"], run.train.tgt_len,
+            run.train.batch_size, run.train.lr, run.train.clip) == (12, 512, 2048, 512, 22, 2.5e-4, 0.25)
+    wt = RunConfig.from_dict(load_preset("wt103-large"))
+    assert wt.model["cutoffs"] == [20000, 40000, 200000] and wt.model["div_val"] == 4
+    assert wt.train.warmup_steps == 16000 and wt.train.batch_size == 128
+
+
+@pytest.mark.parametrize(
+    ("sets", "named"),
+    [(["n_layers=3"], "n_layers"), (["model.colour=red"], "colour"), (["lr=-1"], "lr"),
+     (["precision=fp8"], "precision"), (["batch_size=0"], "batch_size"), (["tgt_len=0"], "tgt_len"),
+     (["mem_len=-1"], "mem_len"), (["clamp_len=-1"], "clamp_len"), (["nonsense"], "key=value"),
+     (["batch_size=6", "grad_accum=4"], "divisible")],
+)
+def test_bad_settings_name_the_key(sets, named):
+    with pytest.raises(ConfigError, match=named):
+        build_run_config(preset="tiny", sets=sets)
+
+
+def test_unknown_preset_and_bad_toml(tmp_path):
+    with pytest.raises(ConfigError, match="unknown preset"):
+        build_run_config(preset="gigantic")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model]\nn_layer = 2\n[optimizer]\nlr = 1\n")
+    with pytest.raises(ConfigError, match="optimizer"):
+        build_run_config(config_file=bad)
+    bad.write_text("[model\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        build_run_config(config_file=bad)
+
+
+def test_learning_rate_schedules_follow_the_reference():
+    cos = dict(schedule="cosine", lr=1.0, warmup_steps=10, max_steps=100, eta_min=0.0)
+    assert lr_at(0, **cos) == 0.0 and lr_at(5, **cos) == 0.5
+    assert lr_at(50, **cos) == pytest.approx((1 + math.cos(math.pi * 0.5)) / 2)
+    assert lr_at(100, **cos) == pytest.approx(0.0)
+    inv = dict(schedule="inv_sqrt", lr=1.0, warmup_steps=16, max_steps=100, eta_min=0.0)
+    assert lr_at(8, **inv) == pytest.approx(8 / 16**1.5) and lr_at(64, **inv) == pytest.approx(1 / 8)
+
+
+def test_plot_writes_png(tmp_path, corpus):
+    from txl.plot import plot_runs
+
+    config = write_config(tmp_path, corpus, steps=4, eval_interval=2)
+    Trainer(build_run_config(config_file=config), tmp_path / "r", quiet=True).fit()
+    png = plot_runs([tmp_path / "r"], tmp_path / "curves.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
