@@ -18,6 +18,8 @@ from conftest import (
     normalized,
     word_lines,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from txl.data import open_corpus, parse_spec
 from txl.data import readers as readers_mod
@@ -339,3 +341,29 @@ def test_split_arrays_are_memory_maps_with_smallest_dtype(tmp_path):
     assert stats["tokens"]["train"] == len(arr) and stats["vocab_size"] == corpus.vocab.size
     assert set(stats) >= {"tokens", "vocab_size", "metric", "source", "fingerprint"}
     assert Path(stats["cache"]).is_dir()
+
+
+# ---- property: random Unicode through tiny blocks ---------------------------------------------------
+
+_alphabet = st.sampled_from(list("ab c\n\t\u00e9\u65e5\U0001f600\x85\u2028_") + ["  ", "\n\n", "\r\n"])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(parts=st.lists(_alphabet, min_size=1, max_size=200))
+def test_text_readers_round_trip_random_unicode_through_small_blocks(tmp_path_factory, monkeypatch, parts):
+    text = "".join(parts) + "ab"
+    monkeypatch.setattr(readers_mod, "BLOCK", 7)  # blocks end inside characters and lines
+    d = tmp_path_factory.mktemp("u")
+    for split in ("train", "valid"):
+        (d / f"{split}.txt").write_text(text, newline="")
+    for tokenizer in ("chars", "words", "bytes"):
+        corpus = open_corpus(f"text:{d}?tokenizer={tokenizer}", cache_dir=d / "c")
+        decoded = corpus.vocab.decode(corpus.split("valid"))
+        assert decoded == (normalized(text) if tokenizer == "words" else text)
+
+
+def test_text_single_file_cut_falls_back_to_bytes_when_a_line_would_swallow_a_split(tmp_path):
+    path = tmp_path / "two_lines.txt"
+    path.write_text("a" * 195 + "\n" + "bbbbb")  # 201 bytes: nominal cuts at 181 and 191
+    corpus = open_corpus(f"text:{path}?tokenizer=chars")
+    assert [corpus.num_tokens(s) for s in corpus.splits] == [181, 15, 5]  # valid ends at the line start 196

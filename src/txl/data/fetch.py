@@ -281,6 +281,9 @@ def _fetch(url: str, part: Path, *, retries: int, timeout: float, backoff: float
             ) as resp:
                 if have and resp.status == 206 and _range_start(resp) == have:
                     mode, total = "ab", _content_length(resp, have)
+                elif resp.status == 206:  # a range we did not ask for: start again from zero
+                    part.unlink(missing_ok=True)
+                    continue
                 else:  # 200: the server sent the whole file (no Range support): restart cleanly
                     have, mode, total = 0, "wb", _content_length(resp, 0)
                     if resp.status != 200:

@@ -343,7 +343,11 @@ def _plan_text(spec: DataSpec) -> Plan:
             raise DataError(f"text: empty corpus: {root} has no bytes")
         seg = Segment(root, 0, size)
         a, b = proportional_split(size)
-        a, b = _line_boundary(seg, a), _line_boundary(seg, b)
+        # Each cut moves to the next line start unless that would swallow the next split (a file of
+        # a few long lines): then it stays at the byte, moved to a character boundary.
+        a_line, b_line = _line_boundary(seg, a), _line_boundary(seg, b)
+        a = a_line if a_line <= b else _char_boundary(seg, a)
+        b = b_line if b_line < size else _char_boundary(seg, b)
         splits = {
             "train": [Segment(root, 0, a)],
             "valid": [Segment(root, a, b)],
@@ -418,7 +422,7 @@ def _plan_builtin(spec: DataSpec) -> Plan:
             splits[stdlib_split(path.relative_to(root).as_posix())].append(Segment(path, 0, size))
     if not files:
         raise DataError(f"builtin: no .py files under {root}")
-    identity = f"python-stdlib:{root}:{sys.version}"
+    identity = f"python-stdlib:{root}:{sys.implementation.name}-{sys.version.split()[0]}"
     notes = [
         f"{len(files)} .py files of {root} (Python {sys.version.split()[0]}), bytes, sorted by path, "
         "split by sha256(relative path) % 100: <90 train, <95 valid, else test"
