@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import SHARED
+from txl_data_fixtures import SHARED
 
 from txl.cli import main
 from txl.data.cache import sha256_file

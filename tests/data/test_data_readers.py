@@ -9,7 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import (
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from txl_data_fixtures import (
     SHARED,
     enwik8_bytes,
     make_lm1b,
@@ -18,8 +20,6 @@ from conftest import (
     normalized,
     word_lines,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from txl.data import open_corpus, parse_spec
 from txl.data import readers as readers_mod

@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import enwik8_bytes, make_ptb, tgz_bytes, zip_bytes
+from txl_data_fixtures import enwik8_bytes, make_ptb, tgz_bytes, zip_bytes
 
 from txl.cli import main
 from txl.data import download, open_corpus

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import make_ptb
+from txl_data_fixtures import make_ptb
 
 from txl.cli import main
 from txl.data import Vocab
