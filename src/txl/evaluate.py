@@ -123,7 +123,8 @@ def evaluate(
             count += int(mask.sum())
             if per_token is not None:
                 keep = positions >= 0
-                per_token[positions[keep].numpy()] = nll[keep.to(nll.device)].cpu().numpy()
+                # positions are split indices of the targets (1 … N-1); target k is per_token[k - 1]
+                per_token[positions[keep].numpy() - 1] = nll[keep.to(nll.device)].cpu().numpy()
             if bar is not None:
                 bar.update(1)
     finally:

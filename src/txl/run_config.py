@@ -113,9 +113,6 @@ class RunConfig:
     def from_dict(cls, data: dict[str, Any], where: str = "config") -> RunConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"{where} must be a table with [model] and [train] sections")
-        unknown = sorted(set(data) - {"model", "train"})
-        if unknown:
-            raise ConfigError(f"unknown section {unknown[0]!r} in {where} (sections: model, train)")
         run = cls()
         merge(run, data, where)
         return run
@@ -131,6 +128,9 @@ TRAIN_KEYS = _fields(TrainConfig)
 
 def merge(run: RunConfig, data: dict[str, Any], where: str) -> None:
     """Apply a {model: {...}, train: {...}} mapping onto `run`, checking every key and value."""
+    unknown = sorted(set(data) - {"model", "train"})
+    if unknown:
+        raise ConfigError(f"unknown section {unknown[0]!r} in {where} (sections: model, train)")
     model = dict(data.get("model", {}))
     for key in model:
         if key not in MODEL_KEYS:

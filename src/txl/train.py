@@ -263,9 +263,10 @@ class Trainer:
                 stopping = stop > 0 or time_up or self.step == cfg.max_steps
                 if self.step % cfg.eval_interval == 0 or time_up or self.step == cfg.max_steps:
                     self.validate(log, bar)  # (not on a signal: save and leave quickly)
-                if stopping or (cfg.save_interval and self.step % cfg.save_interval == 0) or (
+                due = (cfg.save_interval and self.step % cfg.save_interval == 0) or (
                     not cfg.save_interval and self.step % cfg.eval_interval == 0
-                ):
+                )
+                if (stopping or due) and self.nonfinite_streak == 0:  # keep the last *good* checkpoint
                     self.save_checkpoint(self.out / LAST)
                 if stop > 0:
                     reason = "signal"
