@@ -168,13 +168,13 @@ class Trainer:
 
     # -- one optimisation step ---------------------------------------------------------------------
     def train_step(self, batch) -> tuple[float, int]:
-        """Returns (summed NLL over this rank's tokens, token count) before any reduction."""
+        """Forward/backward over this rank's micro-batches. Returns (summed NLL over this rank's tokens,
+        token count); the NLL is NaN when any micro-batch loss was not finite. One host sync per step."""
         rows = self.dist.rows(self.cfg.batch_size)
         inputs = batch.inputs[rows].to(self.dist.device, non_blocking=True)
         targets = batch.targets[rows].to(self.dist.device, non_blocking=True)
         micro = inputs.shape[0] // self.cfg.grad_accum
-        nll_sum, count = 0.0, 0
-        finite = True
+        nll_sum = torch.zeros((), dtype=torch.float64, device=self.dist.device)
         for j in range(self.cfg.grad_accum):
             x, y = inputs[j * micro : (j + 1) * micro], targets[j * micro : (j + 1) * micro]
             last = j == self.cfg.grad_accum - 1
@@ -182,13 +182,11 @@ class Trainer:
             with sync:
                 with autocast(self.dist.device, self.cfg.precision):
                     out = self.forward(x, memory=self.memories[j], labels=y)
-                loss = out.loss
-                finite &= bool(torch.isfinite(loss))
-                self.scaler.scale(loss / self.cfg.grad_accum).backward()
+                self.scaler.scale(out.loss / self.cfg.grad_accum).backward()
             self.memories[j] = out.memory
-            nll_sum += float(out.nll.detach().double().sum())
-            count += y.numel()
-        return (nll_sum if finite else math.nan), count
+            # the loss, not the per-token NLL, decides finiteness (a caller may poison either)
+            nll_sum += out.nll.detach().double().sum() + out.loss.detach().double() * 0
+        return float(nll_sum), inputs.shape[0] * inputs.shape[1]
 
     def optimizer_step(self, lr: float, finite: bool) -> None:
         if not finite:
