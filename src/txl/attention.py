@@ -63,7 +63,8 @@ def eager_attention(
     return out if value_term is None else out + value_term
 
 
-# (attention name, implementation) -> kernel. "auto" resolves in `resolve_kernel`.
+# (attention name, implementation) -> kernel. "auto" resolves in `resolve_kernel`; "bidirectional" is
+# the kernel without a causal mask used when config.causal is False.
 KERNELS: dict[tuple[str, str], Kernel] = {
     ("full", "eager"): eager_attention,
 }
@@ -95,7 +96,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(inner, config.d_model, bias=False)
         self.drop = nn.Dropout(config.dropout)
         self.dropatt = config.dropatt
-        self.kernel = resolve_kernel(config.attention, config.attention_impl)
+        # A bidirectional encoder (causal=False) has its own kernel per attention name; kernels that own
+        # parameters or buffers (Linformer projections, Performer features) are modules built per layer.
+        kernel = resolve_kernel(config.attention, config.attention_impl if config.causal else "bidirectional")
+        self.kernel = kernel(config) if isinstance(kernel, type) else kernel
 
     def forward(self, x: Tensor, context: Tensor, *, positions: LayerPositions, window: int | None) -> Tensor:
         b, i, _ = x.shape
@@ -108,3 +112,7 @@ class Attention(nn.Module):
         )
         out = out.transpose(1, 2).reshape(b, i, self.n_head * self.d_head)  # (b, i, h*d)
         return self.drop(self.o_proj(out))
+
+
+# The long-text arena registers its kernels (sliding, sparse, performer, linformer) in KERNELS.
+from txl import attention_linformer, attention_performer, attention_sliding, attention_sparse  # noqa: E402, F401

@@ -20,12 +20,28 @@ from txl.errors import ConfigError
 
 # Names, not integer codes (the reference's `attn_type` 0..3 maps to xl, shaw, sinusoidal, learned).
 PositionalName = Literal["xl", "shaw", "sinusoidal", "learned", "rope", "alibi"]
-AttentionName = Literal["full"]
+# The long-text arena (README "The arena"): every kernel takes the same inputs, see txl/attention.py.
+AttentionName = Literal["full", "sliding", "sparse", "performer", "linformer"]
 AttentionImpl = Literal["auto", "eager", "fast"]
+CompressionName = Literal["conv", "mean", "max"]
 
 POSITIONAL_NAMES: tuple[str, ...] = get_args(PositionalName)
 ATTENTION_NAMES: tuple[str, ...] = get_args(AttentionName)
 ATTENTION_IMPLS: tuple[str, ...] = get_args(AttentionImpl)
+
+# Which positional encodings each attention variant can apply. Kernelized (performer) and projected
+# (linformer) attention never form a score matrix, so encodings that add a term to the scores (xl,
+# shaw, alibi) are impossible there; RoPE lives in q and k, absolute encodings in the input.
+CONTENT_ONLY_POSITIONS: tuple[str, ...] = ("rope", "sinusoidal", "learned")
+ATTENTION_POSITIONS: dict[str, tuple[str, ...]] = {
+    "full": POSITIONAL_NAMES,
+    "sliding": POSITIONAL_NAMES,
+    "sparse": POSITIONAL_NAMES,
+    "performer": CONTENT_ONLY_POSITIONS,
+    "linformer": CONTENT_ONLY_POSITIONS,
+}
+# Attention that can run without a causal mask (`causal=False`, the bidirectional encoder).
+BIDIRECTIONAL_ATTENTION: tuple[str, ...] = ("full", "performer", "linformer")
 
 
 @dataclass
@@ -55,6 +71,23 @@ class TransformerXLConfig:
     # --- attention kernel ---------------------------------------------------------------------
     attention: AttentionName = "full"
     attention_impl: AttentionImpl = "auto"  # eager = reference einsum path; fast = fused/strided
+    causal: bool = True  # False = bidirectional encoder (masked LM): no memory, no causal mask
+    # sliding (Longformer): O(n·w) time and memory instead of O(n²)
+    sliding_window: int = 256  # keys each query sees, itself included (counted in dilated steps)
+    sliding_dilation: tuple[int, ...] = ()  # per head (or one value for all); () = 1: no gaps
+    global_tokens: int = 0  # the first g positions of each segment attend to and are seen by all
+    # sparse (Child et al. 2019, strided): half the heads local, half every sparse_stride-th key
+    sparse_stride: int = 128  # l: local window and stride; the paper picks l ≈ sqrt(context)
+    # performer (FAVOR+): more features = closer to softmax, cost O(n·features·d_head)
+    performer_features: int = 256
+    performer_redraw_interval: int = 1000  # redraw features every N training forwards; 0 = never
+    # linformer: keys/values projected along the sequence to linformer_k rows (bidirectional only)
+    linformer_k: int = 256
+    linformer_max_len: int = 512  # longest input the projections cover (their number of columns)
+    # compressive memory (Rae et al. 2020): states leaving mem_len are compressed cmem_ratio:1
+    cmem_len: int = 0  # compressed states kept per layer; 0 = off (plain Transformer-XL memory)
+    cmem_ratio: int = 4  # c: states per compressed state
+    cmem_fn: CompressionName = "conv"  # conv (learned, with the attention-reconstruction loss) | mean | max
     # --- adaptive input / softmax (Baevski & Auli 2019; Grave et al. 2017) ---------------------
     cutoffs: tuple[int, ...] = ()  # empty = one full softmax; e.g. (20000, 40000, 200000) for wt103
     div_val: int = 1  # cluster i has d_embed // div_val**i dims
@@ -69,6 +102,8 @@ class TransformerXLConfig:
         # Accept lists from JSON/TOML for tuple fields.
         if isinstance(self.cutoffs, list):
             self.cutoffs = tuple(self.cutoffs)
+        if isinstance(self.sliding_dilation, list):
+            self.sliding_dilation = tuple(self.sliding_dilation)
         if isinstance(self.tie_projs, list):
             self.tie_projs = tuple(self.tie_projs)
         _check_types(self)
@@ -140,6 +175,78 @@ class TransformerXLConfig:
             raise ConfigError("config.shaw_values only applies to pos_encoding='shaw'")
         if self.untie_r and self.pos_encoding != "xl":
             raise ConfigError("config.untie_r only applies to pos_encoding='xl' (the u, v biases)")
+        self._validate_arena()
+
+    def _validate_arena(self) -> None:
+        """The long-text attention variants and the bidirectional encoder (README "The arena")."""
+        for name in ["sliding_window", "sparse_stride", "performer_features", "linformer_k",
+                     "linformer_max_len", "cmem_ratio"]:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"config.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ["global_tokens", "performer_redraw_interval", "cmem_len"]:
+            if getattr(self, name) < 0:
+                raise ConfigError(f"config.{name} must be >= 0, got {getattr(self, name)}")
+        dilation = self.sliding_dilation
+        if dilation and (len(dilation) not in (1, self.n_head) or min(dilation) < 1):
+            raise ConfigError(
+                f"config.sliding_dilation needs one value >= 1 for all heads or one per head "
+                f"(n_head={self.n_head}), got {list(dilation)}"
+            )
+        if self.attention != "sliding" and (dilation or self.global_tokens):
+            field = "sliding_dilation" if dilation else "global_tokens"
+            raise ConfigError(f"config.{field} only applies to attention='sliding'")
+        if self.shaw_values and (self.attention == "sparse" or len(set(dilation)) > 1):
+            raise ConfigError(
+                "config.shaw_values needs every head on one attention pattern; it is not available with "
+                "attention='sparse' or mixed sliding_dilation"
+            )
+        if self.attention == "sparse" and self.n_head < 2:
+            raise ConfigError("config.attention='sparse' needs n_head >= 2 (half local, half strided heads)")
+        if self.attention == "linformer" and self.causal:
+            raise ConfigError(
+                "config.attention='linformer' cannot be causal: projecting keys along the sequence mixes "
+                "future positions into every projected row (Wang et al. 2020); set causal=false for the "
+                "bidirectional encoder, or use sliding/sparse/performer for a causal LM"
+            )
+        allowed = ATTENTION_POSITIONS[self.attention]
+        if self.pos_encoding not in allowed:
+            raise ConfigError(
+                f"config.pos_encoding={self.pos_encoding!r} adds a term to the attention scores, which "
+                f"attention={self.attention!r} never forms; use one of {', '.join(allowed)}"
+            )
+        if self.attention in ("performer", "linformer") and self.same_length:
+            raise ConfigError(f"config.same_length needs a windowed score matrix; attention={self.attention!r} has none")
+        if self.attention == "performer" and self.dropatt > 0:
+            raise ConfigError(
+                "config.dropatt must be 0 with attention='performer': it never forms the attention "
+                "probabilities that dropatt would drop"
+            )
+        if not self.causal:
+            if self.attention not in BIDIRECTIONAL_ATTENTION:
+                raise ConfigError(
+                    f"config.causal=false (bidirectional) supports attention {', '.join(BIDIRECTIONAL_ATTENTION)}, "
+                    f"not {self.attention!r}"
+                )
+            if self.pos_encoding not in CONTENT_ONLY_POSITIONS:
+                raise ConfigError(
+                    f"config.pos_encoding={self.pos_encoding!r} is defined for causal distances only; a "
+                    f"bidirectional encoder (causal=false) takes {', '.join(CONTENT_ONLY_POSITIONS)}"
+                )
+            for name in ["mem_len", "cmem_len"]:
+                if getattr(self, name):
+                    raise ConfigError(f"config.{name} must be 0 with causal=false: an encoder has no memory")
+            if self.same_length:
+                raise ConfigError("config.same_length only applies to a causal LM with memory (causal=true)")
+            if self.attention_impl != "auto":
+                raise ConfigError("config.attention_impl must be 'auto' with causal=false (one bidirectional kernel each)")
+        if self.cmem_len:
+            if self.mem_len < 1:
+                raise ConfigError("config.cmem_len needs mem_len >= 1: only states leaving the memory are compressed")
+            if self.same_length:
+                raise ConfigError(
+                    "config.same_length limits every query to mem_len keys, which hides the compressed memory; "
+                    "set cmem_len=0 or same_length=false"
+                )
 
     # ------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -256,6 +363,8 @@ def check_dataclass_types(obj: Any) -> None:
 
 __all__ = [
     "TransformerXLConfig",
+    "ATTENTION_POSITIONS",
+    "BIDIRECTIONAL_ATTENTION",
     "POSITIONAL_NAMES",
     "ATTENTION_NAMES",
     "ATTENTION_IMPLS",

@@ -3,6 +3,10 @@
 Reads top to bottom: adaptive embedding -> dropout -> blocks over [memory ; segment] -> (final
 LayerNorm when pre-LN) -> dropout -> adaptive softmax. Tensors are batch-first; memory is explicit
 state passed in and returned (`Memory`).
+
+Two arena options change the data flow (README "The arena"): compressive memory (`cmem_len > 0`,
+Rae et al. 2020) attends over [compressed ; memory ; segment] and returns `aux_loss`; `causal=False`
+makes the same blocks a bidirectional encoder for a masked-LM objective (no memory, no causal mask).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from txl.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txl.attention import Attention
 from txl.config import TransformerXLConfig
 from txl.errors import UsageError
-from txl.memory import Memory, update_memory
+from txl.memory import Memory, MemoryCompressor, update_memory
 from txl.positional import LayerPositions, build_positional
 
 
@@ -67,6 +71,9 @@ class TransformerXLOutput:
     nll: (b, t) float32 per-token NLL in input order, 0 where the label is -100.
     memory: pass it back as `memory=` with the next segment (None when mem_len is 0).
     hidden: (b, t, d_model) final hidden states fed to the softmax.
+    aux_loss: compressive memory's attention-reconstruction loss (Rae et al. 2020), in training mode
+        when the learned compression ran this step; add it to `loss` for the backward pass (it only
+        reaches the compression weights). Not part of `loss`, so loss/bpc stay the LM's. Else None.
     """
 
     logits: Tensor | None
@@ -74,13 +81,16 @@ class TransformerXLOutput:
     nll: Tensor | None
     memory: Memory | None
     hidden: Tensor
+    aux_loss: Tensor | None = None
 
 
 class TransformerXL(nn.Module):
     """Transformer-XL LM. `out = model(input_ids, memory=None, labels=None)`.
 
     `labels[b, t]` is the token that should follow `input_ids[b, t]` (already shifted, as the
-    reference's data iterator gives it; -100 = not scored). Runtime settings that do not change the
+    reference's data iterator gives it; -100 = not scored). With `causal=False` (bidirectional
+    encoder) it is the original token at position t for a masked-LM objective (see
+    `txl.masked_lm.mask_tokens`), -100 elsewhere. Runtime settings that do not change the
     parameters can differ from training: `mem_len` (per call, or `model.mem_len`), `model.clamp_len`
     and `model.same_length`.
     """
@@ -98,6 +108,7 @@ class TransformerXL(nn.Module):
         final_norm = config.pre_lnorm and config.final_norm  # post-LN output is already normalised
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if final_norm else nn.Identity()
         self.head = AdaptiveLogSoftmax(config, self.embed)
+        self.compressor = MemoryCompressor(config) if config.cmem_len else None
         self.reset_parameters()
 
     # ------------------------------------------------------------------------------------------
@@ -150,8 +161,11 @@ class TransformerXL(nn.Module):
         batch, q_len = input_ids.shape
         if memory is not None and memory.length and memory.batch_size != batch:
             raise UsageError(f"memory holds batch {memory.batch_size} but input_ids has batch {batch}")
+        if not self.config.causal and (mem_len or memory is not None):
+            raise UsageError("a bidirectional model (causal=false) takes no memory: pass mem_len=0 and memory=None")
         m_len = memory.length if memory is not None else 0
-        k_len = m_len + q_len
+        c_len = memory.compressed_length if memory is not None else 0  # compressive memory only
+        k_len = c_len + m_len + q_len
         window = None
         if self.same_length:
             if mem_len < 1:
@@ -162,11 +176,19 @@ class TransformerXL(nn.Module):
         pos_state = self.pos.prepare(k_len=k_len, clamp_len=self.clamp_len, device=h.device, dtype=h.dtype)
         contexts = []
         for i, block in enumerate(self.blocks):
-            context = h if m_len == 0 else torch.cat([memory.hidden[i].to(h.dtype), h], dim=1)  # (b, n, d)
+            past = [] if k_len == q_len else [m.to(h.dtype) for m in memory.layer(i)]  # [compressed ; memory]
+            context = torch.cat([*past, h], dim=1) if past else h  # (b, n, d)
             contexts.append(context)
             h = block(h, context, positions=self.pos.layer(i, pos_state), window=window)
         h = self.drop(self.norm(h))
-        new_memory = update_memory(contexts, mem_len)
+        aux_loss = None
+        if self.compressor is None:
+            new_memory = update_memory(contexts, mem_len)
+        else:  # states leaving the memory are compressed instead of dropped (Rae et al. 2020)
+            learn = self.training and torch.is_grad_enabled()  # the reconstruction loss trains f_c
+            new_memory, aux_loss = self.compressor(
+                contexts, compressed_len=c_len, mem_len=mem_len, q_len=q_len, blocks=self.blocks if learn else None
+            )
 
         if return_logits is None:
             return_logits = labels is None or not self.config.adaptive
@@ -178,7 +200,7 @@ class TransformerXL(nn.Module):
             nll = nll.view(batch, q_len)
             count = (labels != -100).sum()
             loss = nll.sum() / count.clamp(min=1)
-        return TransformerXLOutput(logits=logits, loss=loss, nll=nll, memory=new_memory, hidden=h)
+        return TransformerXLOutput(logits=logits, loss=loss, nll=nll, memory=new_memory, hidden=h, aux_loss=aux_loss)
 
     # ------------------------------------------------------------------------------------------
     def save_pretrained(self, directory: str | Path) -> None:

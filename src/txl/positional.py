@@ -14,7 +14,9 @@ Absolute encodings (sinusoidal, learned) instead add a table to the input embedd
 Queries are always the *last* `q_len` positions of the `k_len` keys they attend to (memory first,
 then the current segment), so the distance between query i and key j is `i + (k_len - q_len) - j`.
 This covers full attention, query-chunked evaluation and windowed blocks with one convention, and it
-is what lets the relative encodings use the rel-shift trick (see `rel_shift_pad`).
+is what lets the relative encodings use the rel-shift trick (see `rel_shift_pad`). A block may also
+hold every `stride`-th position only (dilated and strided heads of the sliding and sparse kernels):
+then consecutive keys are `stride` positions apart and distances are multiplied by `stride`.
 
 Dimension names: b batch, h heads, i queries, j keys, d head dim, n = k_len.
 """
@@ -88,11 +90,13 @@ class LayerPositions:
     def content(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         return self.encoding.content(self.layer, self.state, q, k)
 
-    def score_bias(self, q: Tensor, *, k_len: int, rel_shift: RelShift = rel_shift_pad) -> Tensor | None:
-        return self.encoding.score_bias(self.layer, self.state, q, k_len=k_len, rel_shift=rel_shift)
+    def score_bias(
+        self, q: Tensor, *, k_len: int, rel_shift: RelShift = rel_shift_pad, stride: int = 1
+    ) -> Tensor | None:
+        return self.encoding.score_bias(self.layer, self.state, q, k_len=k_len, rel_shift=rel_shift, stride=stride)
 
-    def value_term(self, probs: Tensor) -> Tensor | None:
-        return self.encoding.value_term(self.layer, self.state, probs)
+    def value_term(self, probs: Tensor, *, stride: int = 1) -> Tensor | None:
+        return self.encoding.value_term(self.layer, self.state, probs, stride=stride)
 
 
 class PositionalEncoding(nn.Module):
@@ -119,10 +123,10 @@ class PositionalEncoding(nn.Module):
     def content(self, layer: int, state: dict, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         return q, k
 
-    def score_bias(self, layer: int, state: dict, q: Tensor, *, k_len: int, rel_shift: RelShift):
+    def score_bias(self, layer: int, state: dict, q: Tensor, *, k_len: int, rel_shift: RelShift, stride: int = 1):
         return None
 
-    def value_term(self, layer: int, state: dict, probs: Tensor) -> Tensor | None:
+    def value_term(self, layer: int, state: dict, probs: Tensor, *, stride: int = 1) -> Tensor | None:
         return None
 
 
@@ -162,14 +166,21 @@ class XLRelative(PositionalEncoding):
     def content(self, layer, state, q, k):
         return q + self._bias(self.u, layer), k
 
-    def projected_table(self, layer: int, state: dict, k_len: int) -> Tensor:
-        """W_kR R for the last k_len distances, (h, n, d)."""
-        table = state["R"][-k_len:]
+    def projected_table(self, layer: int, state: dict, k_len: int, stride: int = 1) -> Tensor:
+        """W_kR R for the distances (k_len-1)·stride, …, stride, 0, (h, n, d)."""
+        if stride == 1:
+            table = state["R"][-k_len:]
+        else:
+            # R holds distances n-1 … 0 (row r = distance n-1-r). Distances past the table belong only
+            # to padding keys of a dilated block, which are masked: clamp them to the last row.
+            last = state["R"].shape[0] - 1
+            dist = torch.arange(k_len - 1, -1, -1, device=state["R"].device) * stride
+            table = state["R"][(last - dist).clamp(min=0)]
         r = self.r_proj[layer](table).view(k_len, self.config.n_head, self.config.d_head)
         return r.transpose(0, 1)
 
-    def score_bias(self, layer, state, q, *, k_len, rel_shift):
-        r = self.projected_table(layer, state, k_len)  # (h, n, d)
+    def score_bias(self, layer, state, q, *, k_len, rel_shift, stride=1):
+        r = self.projected_table(layer, state, k_len, stride)  # (h, n, d)
         raw = torch.einsum("bhid,hjd->bhij", q + self._bias(self.v, layer), r)  # columns = distances
         return rel_shift(raw)
 
@@ -192,20 +203,21 @@ class ShawRelative(PositionalEncoding):
         self.key_table = nn.Parameter(torch.zeros(shape))
         self.value_table = nn.Parameter(torch.zeros(shape)) if config.shaw_values else None
 
-    def _rows(self, k_len: int, device) -> Tensor:
-        return torch.arange(k_len - 1, -1, -1, device=device).clamp(max=self.config.max_relative_distance)
+    def _rows(self, k_len: int, device, stride: int = 1) -> Tensor:
+        dist = torch.arange(k_len - 1, -1, -1, device=device) * stride
+        return dist.clamp(max=self.config.max_relative_distance)
 
-    def score_bias(self, layer, state, q, *, k_len, rel_shift):
-        emb = self.key_table[layer][self._rows(k_len, q.device)].to(q.dtype)  # (n, h, d)
+    def score_bias(self, layer, state, q, *, k_len, rel_shift, stride=1):
+        emb = self.key_table[layer][self._rows(k_len, q.device, stride)].to(q.dtype)  # (n, h, d)
         raw = torch.einsum("bhid,jhd->bhij", q, emb)
         return rel_shift(raw)
 
-    def value_term(self, layer, state, probs):
+    def value_term(self, layer, state, probs, *, stride=1):
         if self.value_table is None:
             return None
         q_len, k_len = probs.shape[-2:]
         clip = self.config.max_relative_distance
-        dist = distances(q_len, k_len, probs.device).clamp(0, clip)  # masked (future) keys have prob 0
+        dist = (distances(q_len, k_len, probs.device) * stride).clamp(0, clip)  # masked (future) keys have prob 0
         # Sum the probabilities of keys that share a clipped distance, then mix the value embeddings.
         weights = probs.new_zeros(*probs.shape[:-1], clip + 1)
         weights.scatter_add_(-1, dist.expand_as(probs), probs)  # (b, h, i, clip+1)
@@ -244,10 +256,19 @@ class LearnedAbsolute(PositionalEncoding):
 
 
 class Rotary(PositionalEncoding):
-    """RoPE (Su et al. 2021): rotate q and k by their positions so q·k depends on i - j only.
+    """RoPE (Su et al. 2021, RoFormer, arXiv 2104.09864, eq. 34): rotate q and k by their positions so
+    that q·k depends on i - j only.
+
+    Each pair of channels (2t, 2t+1) turns by the angle pos·θ_t with θ_t = 10000^(-2t/d_head) (the
+    paper's interleaved pairs, not the half-split layout of GPT-NeoX). The rotation lives in `content`,
+    so it adds no score term: every kernel, including kernelized (performer) and projected (linformer)
+    attention, can apply it, and a bidirectional encoder too.
 
     With memory, key positions are 0 … n-1 and the queries take the last q_len of them, so a segment
-    with memory sees exactly the rotations of one long pass (segment invariance holds)."""
+    with memory sees exactly the rotations of one long pass (segment invariance holds). Absolute
+    positions restart at 0 every forward; only differences matter. `clamp_len` does not apply (a
+    rotation has no table to clamp). The angles are computed in float64 and cast to the model dtype.
+    """
 
     name = "rope"
     relative = True
@@ -287,8 +308,14 @@ def alibi_slopes(n_head: int) -> Tensor:
 
 
 class ALiBi(PositionalEncoding):
-    """ALiBi (Press et al. 2022): no position embedding; score -= m_h · (i - j). A function of distance
-    only, so it is memory-compatible with the same key-position convention as RoPE."""
+    """ALiBi (Press et al. 2022, "Train Short, Test Long", arXiv 2108.12409): no position embedding;
+    the scaled score q·k/sqrt(d) gets -m_h · (i - j), with the fixed head slopes of `alibi_slopes`
+    (1/2, 1/4, … 1/256 for 8 heads). No parameters; extrapolates past the training length.
+
+    A function of distance only, so it is memory-compatible with the same key-position convention as
+    RoPE. Causal only: future keys would get a positive bias (the causal mask hides them here; a
+    bidirectional ALiBi would need |i - j| and is not offered).
+    """
 
     name = "alibi"
     relative = True
@@ -297,8 +324,8 @@ class ALiBi(PositionalEncoding):
         super().__init__(config)
         self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)
 
-    def score_bias(self, layer, state, q, *, k_len, rel_shift):
-        dist = distances(q.shape[-2], k_len, q.device).to(q.dtype)
+    def score_bias(self, layer, state, q, *, k_len, rel_shift, stride=1):
+        dist = (distances(q.shape[-2], k_len, q.device) * stride).to(q.dtype)
         # Divided by the attention scale so that, after scaling, the bias is exactly -m·distance.
         scale = self.config.d_head**0.5
         return (-(self.slopes.to(q.dtype) * scale)[:, None, None] * dist)[None]  # (1, h, i, j)

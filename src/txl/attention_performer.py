@@ -1,0 +1,206 @@
+"""Performer attention, FAVOR+ (Choromanski et al. 2021, "Rethinking Attention with Performers",
+arXiv 2009.14794): softmax attention estimated with positive orthogonal random features, in time and
+memory linear in the sequence length.
+
+    softmax(q·k / sqrt(d)) ∝ exp(q'·k') ≈ φ(q')·φ(k'),   q' = q / d^(1/4),  k' = k / d^(1/4)
+    φ(x)_r = exp(ω_r·x - |x|²/2)   for r = 1 … m  (`performer_features`)
+
+with ω_1 … ω_m blocks of d orthogonal directions whose norms are drawn like Gaussian vectors' (the
+paper's "positive orthogonal random features", Lemma 1 and §2.4; the 1/sqrt(m) factor cancels in the
+normalisation and is left out). Output_i = Σ_j φ(q_i)·φ(k_j) v_j / Σ_j φ(q_i)·φ(k_j), never forming
+the n×n matrix:
+
+- **causal** (the LM): prefix sums S = Σ_{j≤i} φ(k_j) v_jᵀ and z = Σ_{j≤i} φ(k_j) (§2.6), in chunks
+  of `chunk_size` queries: inside a chunk a small masked quadratic product, across chunks the running
+  (S, z). Memory keys simply start the prefix. O(n·m·d) time, O(chunk² + m·d) extra memory per step.
+- **bidirectional** (`causal=False`): S and z over all keys at once.
+
+Numerics (bf16/fp16 safe): features, sums and the division run in float32 whatever the input dtype.
+exp(ω·x - |x|²/2) can overflow float32 for large keys, so every key gets its own stabiliser
+s_j = max_r(ω_r·k'_j - |k'_j|²/2) and the sums run in the scale of the largest s seen so far (an online
+rescaling like flash attention's): strictly causal, so no future key changes a past output, and no
+exp of a positive number. Queries subtract their own max over features (it cancels in the ratio).
+As in the reference implementation, a small constant is added to the features (`FEATURE_EPS`) so a
+denominator can never be 0.
+
+Features: one ω per layer, shared by the heads, a persistent buffer (saved with the model, so a
+checkpoint evaluates identically). In training they are redrawn every `performer_redraw_interval`
+forward passes (0 = never); `redraw_features(model)` redraws every layer at once (e.g. for a trainer
+that counts optimizer steps instead). The forward counter is not saved: a resumed run restarts it.
+
+Positional encodings: a kernelized attention never forms scores, so only encodings that live in q/k
+(`rope`) or in the input (`sinusoidal`, `learned`) apply; the config rejects xl, shaw and alibi, and
+`dropatt` (there are no probabilities to drop) and `same_length` (no window over prefix sums).
+
+`attention_impl="eager"` computes the same feature-map kernel as a masked n×n product: the reference
+the chunked prefix sums are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from txl.attention import KERNELS
+from txl.config import TransformerXLConfig
+from txl.errors import UsageError
+from txl.positional import LayerPositions
+
+FEATURE_EPS = 1e-6  # google-research/performer fast_attention: numerical_stabilizer
+
+
+def orthogonal_gaussian(n_features: int, dim: int, *, generator: torch.Generator | None = None) -> Tensor:
+    """(n_features, dim): stacked blocks of `dim` orthogonal rows (QR of a Gaussian matrix), each row
+    rescaled to the norm of a Gaussian vector so that marginally every row is N(0, I)."""
+    blocks = []
+    for _ in range((n_features + dim - 1) // dim):
+        gaussian = torch.randn(dim, dim, generator=generator, dtype=torch.float64)
+        q, _ = torch.linalg.qr(gaussian)
+        blocks.append(q.T)
+    directions = torch.cat(blocks)[:n_features]
+    norms = torch.randn(n_features, dim, generator=generator, dtype=torch.float64).norm(dim=1)
+    return (directions * norms[:, None]).to(torch.float32)
+
+
+def feature_logits(x: Tensor, features: Tensor) -> Tensor:
+    """ω_r·x' - |x'|²/2 with x' = x / d^(1/4): the log of the positive random features, (.., n, m)."""
+    x = x * x.shape[-1] ** -0.25
+    return x @ features.T - (x * x).sum(-1, keepdim=True) / 2
+
+
+def query_features(q: Tensor, features: Tensor) -> Tensor:
+    logits = feature_logits(q, features)
+    return (logits - logits.amax(-1, keepdim=True)).exp() + FEATURE_EPS  # the max cancels per query
+
+
+def key_features(k: Tensor, features: Tensor) -> tuple[Tensor, Tensor]:
+    """φ(k_j) / exp(s_j) and the per-key stabiliser s_j: φ(k_j) = features · exp(s_j)."""
+    logits = feature_logits(k, features)
+    stabiliser = logits.amax(-1)  # (.., n)
+    return (logits - stabiliser[..., None]).exp() + FEATURE_EPS, stabiliser
+
+
+def causal_linear_attention(
+    phi_q: Tensor, phi_k: Tensor, key_scale: Tensor, v: Tensor, *, chunk_size: int
+) -> Tensor:
+    """Σ_{j≤p} φq_p·φk_j e^{s_j} v_j / Σ_{j≤p} φq_p·φk_j e^{s_j}, queries = the last i of the n keys.
+
+    phi_q (b, h, i, m); phi_k (b, h, n, m); key_scale = s (b, h, n); v (b, h, n, d); all float32.
+    """
+    b, h, i, m = phi_q.shape
+    n, d = v.shape[-2:]
+    memory_len = n - i
+    # Running state in the scale exp(-top): S = Σ φk e^{s-top} vᵀ, z = Σ φk e^{s-top}.
+    if memory_len:
+        top = key_scale[..., :memory_len].amax(-1)  # (b, h)
+        weight = (key_scale[..., :memory_len] - top[..., None]).exp()[..., None]
+        phi_mem = phi_k[:, :, :memory_len] * weight
+        state = torch.einsum("bhjm,bhjd->bhmd", phi_mem, v[:, :, :memory_len])
+        normaliser = phi_mem.sum(2)  # (b, h, m)
+    else:
+        top = key_scale.new_full((b, h), float("-inf"))
+        state = v.new_zeros(b, h, m, d)
+        normaliser = v.new_zeros(b, h, m)
+    outputs = []
+    for start in range(0, i, chunk_size):
+        stop = min(start + chunk_size, i)
+        q_c = phi_q[:, :, start:stop]  # (b, h, c, m)
+        keys = slice(memory_len + start, memory_len + stop)
+        k_c, s_c, v_c = phi_k[:, :, keys], key_scale[:, :, keys], v[:, :, keys]
+        # Each query's scale: the largest stabiliser among the keys it sees (causal running max).
+        query_top = torch.maximum(s_c.cummax(-1).values, top[..., None])  # (b, h, c)
+        c = stop - start
+        causal = torch.ones(c, c, dtype=torch.bool, device=v.device).tril()
+        exponent = (s_c[:, :, None, :] - query_top[..., None]).masked_fill(~causal, float("-inf"))
+        weights = (q_c @ k_c.transpose(-1, -2)) * exponent.exp()  # (b, h, c, c), 0 above the diagonal
+        carry = (top[..., None] - query_top).exp()[..., None]  # (b, h, c, 1): old state -> query scale
+        numerator = weights @ v_c + (q_c @ state) * carry
+        denominator = weights.sum(-1, keepdim=True) + (q_c @ normaliser[..., None]) * carry
+        outputs.append(numerator / denominator)
+        # Fold the chunk into the running state, in the scale of the new maximum.
+        new_top = torch.maximum(top, s_c.amax(-1))
+        rescale = (top - new_top).exp()
+        k_weighted = k_c * (s_c - new_top[..., None]).exp()[..., None]
+        state = state * rescale[..., None, None] + torch.einsum("bhjm,bhjd->bhmd", k_weighted, v_c)
+        normaliser = normaliser * rescale[..., None] + k_weighted.sum(2)
+        top = new_top
+    return torch.cat(outputs, dim=2)
+
+
+def quadratic_linear_attention(phi_q: Tensor, phi_k: Tensor, key_scale: Tensor, v: Tensor, *, causal: bool) -> Tensor:
+    """The same estimator as an explicit (i, n) matrix of φq·φk (masked when causal): the reference."""
+    i, n = phi_q.shape[-2], phi_k.shape[-2]
+    weights = phi_k * (key_scale - key_scale.amax(-1, keepdim=True)).exp()[..., None]
+    scores = phi_q @ weights.transpose(-1, -2)  # (b, h, i, n)
+    if causal:
+        visible = torch.ones(i, n, dtype=torch.bool, device=v.device).tril(diagonal=n - i)
+        scores = scores * visible
+    return (scores @ v) / scores.sum(-1, keepdim=True)
+
+
+def bidirectional_linear_attention(phi_q: Tensor, phi_k: Tensor, key_scale: Tensor, v: Tensor) -> Tensor:
+    """Non-causal FAVOR+: one global S = φ(K)ᵀV and z = φ(K)ᵀ1 (a shared max scale is exact here)."""
+    weights = phi_k * (key_scale - key_scale.amax(-1, keepdim=True)).exp()[..., None]
+    state = torch.einsum("bhjm,bhjd->bhmd", weights, v)
+    return (phi_q @ state) / (phi_q @ weights.sum(2)[..., None])
+
+
+class PerformerAttention(nn.Module):
+    """`attention="performer"`: FAVOR+ with chunked causal prefix sums (or bidirectional sums)."""
+
+    chunk_size = 128  # queries per causal step: bounds the intra-chunk matrix at chunk² per head
+
+    def __init__(self, config: TransformerXLConfig):
+        super().__init__()
+        self.causal = config.causal
+        self.redraw_interval = config.performer_redraw_interval
+        self.register_buffer("features", orthogonal_gaussian(config.performer_features, config.d_head))
+        self.forwards_since_redraw = 0
+
+    @torch.no_grad()
+    def redraw(self) -> None:
+        self.features.copy_(orthogonal_gaussian(*self.features.shape).to(self.features.device))
+        self.forwards_since_redraw = 0
+
+    def forward(self, q, k, v, *, positions: LayerPositions, window: int | None, dropatt: float, training: bool):
+        if window is not None:
+            raise UsageError("same_length is not available with attention='performer' (no window over prefix sums)")
+        if training and self.redraw_interval:
+            if self.forwards_since_redraw >= self.redraw_interval:
+                self.redraw()
+            self.forwards_since_redraw += 1
+        q, k = positions.content(q, k)  # RoPE rotates here; absolute encodings are already in the input
+        features = self.features.float()  # stays float32 even in a model cast to bf16
+        phi_q = query_features(q.float(), features)
+        phi_k, key_scale = key_features(k.float(), features)
+        out = self.linear_attention(phi_q, phi_k, key_scale, v.float())
+        return out.to(v.dtype)
+
+    def linear_attention(self, phi_q: Tensor, phi_k: Tensor, key_scale: Tensor, v: Tensor) -> Tensor:
+        if not self.causal:
+            return bidirectional_linear_attention(phi_q, phi_k, key_scale, v)
+        return causal_linear_attention(phi_q, phi_k, key_scale, v, chunk_size=self.chunk_size)
+
+    def extra_repr(self) -> str:
+        m, d = self.features.shape
+        return f"features={m}, d_head={d}, causal={self.causal}, redraw_interval={self.redraw_interval}"
+
+
+class PerformerReference(PerformerAttention):
+    """The same random-feature kernel as a masked quadratic product: the ground truth for the prefix sums."""
+
+    def linear_attention(self, phi_q, phi_k, key_scale, v):
+        return quadratic_linear_attention(phi_q, phi_k, key_scale, v, causal=self.causal)
+
+
+def redraw_features(model: nn.Module) -> int:
+    """Redraw the random features of every Performer layer in `model`; returns how many were redrawn."""
+    layers = [m for m in model.modules() if isinstance(m, PerformerAttention)]
+    for layer in layers:
+        layer.redraw()
+    return len(layers)
+
+
+KERNELS[("performer", "eager")] = PerformerReference
+KERNELS[("performer", "fast")] = PerformerAttention
+KERNELS[("performer", "bidirectional")] = PerformerAttention

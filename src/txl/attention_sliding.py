@@ -1,0 +1,361 @@
+"""Sliding-window attention (Longformer: Beltagy, Peters & Cohan 2020, arXiv 2004.05150), causal,
+combinable with Transformer-XL memory, with optional dilation per head and global tokens.
+
+Positions count over [memory ; segment]; queries are the last i of the n key positions (the kernel
+convention of `txl.attention`).
+
+- **Local window** (`sliding_window` = w, `sliding_dilation` = s per head): the query at position p
+  sees the keys p, p-s, p-2s, …, p-(w-1)s. Dilation widens a head's reach to w·s at the same cost
+  (Longformer §3.1 uses it on a few heads of the upper layers). L layers reach L·w·s positions, and
+  the memory extends that further across segments, as in Transformer-XL.
+- **Global tokens** (`global_tokens` = g): the first g positions of the current segment. Causal form
+  of Longformer's global attention: a global token attends to every earlier key (memory included),
+  and every later query of the segment attends to it whatever its window. A pair joined only by
+  global attention (outside the query's local window, query not global) gets the content score
+  alone: xl/shaw/alibi terms exist only where the positional API computes them (the band, and the
+  contiguous rows of the global queries); RoPE applies everywhere since it rotates q and k. Longformer
+  also gives global attention its own projections; we share them. Global tokens of earlier segments
+  (now in the memory) are ordinary keys.
+- `same_length` (the kernel's `window` argument) caps everything at the `window` most recent keys.
+
+The `fast` kernel (the default) costs O(n·w) time and memory and never builds an n×n matrix:
+
+1. heads with dilation s are regrouped by residue class (positions ≡ r mod s), which turns a dilated
+   window into a plain window over every class (the position terms use `stride=s`);
+2. the queries of each class are cut into blocks of B; block t attends to the B + w - 1 keys ending
+   at its last query (an `unfold` view), so each block is a small eager attention whose queries are
+   the last rows of its keys, and `LayerPositions.score_bias` gives the xl/shaw/alibi terms of the
+   band only: e.g. xl's (q+v)·W_R R is computed for B + w - 1 distances per block, not n;
+3. global columns and rows are computed separately and merged by their log-sum-exp.
+
+`SlidingWindowReference` (`attention_impl="eager"`) builds the same pattern as a dense mask, O(n²),
+and is the ground truth the fast kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from txl.attention import KERNELS, eager_attention
+from txl.config import TransformerXLConfig
+from txl.positional import LayerPositions, distances
+
+# A finite fill keeps rows that see no key (padding rows of a block) free of NaN; for any row with a
+# visible key, exp(NEG - max) is exactly 0, the same as a -inf fill.
+NEG = torch.finfo(torch.float32).min
+UNBOUNDED = 2**31  # a window longer than any sequence (strided heads of the sparse kernel)
+
+
+def head_dilations(config: TransformerXLConfig) -> tuple[int, ...]:
+    dilation = config.sliding_dilation or (1,)
+    return dilation * config.n_head if len(dilation) == 1 else dilation
+
+
+def effective_window(window: int, dilation: int, horizon: int | None) -> int:
+    """Window in dilated steps once `same_length` caps reach at `horizon` keys (distance < horizon)."""
+    return window if horizon is None else min(window, math.ceil(horizon / dilation))
+
+
+def local_pattern(dist: Tensor, window: int, dilation: int) -> Tensor:
+    """True where a key at distance `dist` is in the (dilated) local window."""
+    return (dist >= 0) & (dist % dilation == 0) & (dist < window * dilation)
+
+
+def default_block_size(window: int) -> int:
+    """Queries per block. Each block computes B + w - 1 keys for w useful ones, so smaller blocks
+    waste less; larger blocks make fewer, bigger matmuls. w/2 (within 16..256) measured best on CPU."""
+    return max(16, min(256, window // 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference: one dense mask, O(n²).
+
+
+def sliding_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    positions: LayerPositions,
+    head_windows: list[tuple[int, int]],
+    global_tokens: int,
+    horizon: int | None,
+    dropatt: float,
+    training: bool,
+) -> Tensor:
+    """The sliding pattern as a dense masked softmax: `(window, dilation)` per head, global tokens."""
+    i, n, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    dist = distances(i, n, q.device)  # (i, n)
+    local = torch.stack([local_pattern(dist, effective_window(w, s, horizon), s) for w, s in head_windows])
+    memory_len, g = n - i, min(global_tokens, i)
+    key_pos, query_pos = torch.arange(n, device=q.device), torch.arange(i, device=q.device)
+    global_key = (key_pos >= memory_len) & (key_pos < memory_len + g)  # (n,)
+    global_query = query_pos < g  # (i,)
+    causal = (dist >= 0) if horizon is None else (dist >= 0) & (dist < horizon)
+    # Position terms where the positional API computes them: the band, and the global rows.
+    positioned = local | (global_query[:, None] & causal)  # (h, i, n)
+    visible = positioned | (global_key[None, :] & causal)
+
+    q_content, k_content = positions.content(q, k)
+    scores = torch.einsum("bhid,bhjd->bhij", q_content, k_content)
+    bias = positions.score_bias(q, k_len=n)
+    if bias is not None:
+        scores = scores + torch.where(positioned, bias, torch.zeros((), dtype=bias.dtype, device=bias.device))
+    scores = (scores * d**-0.5).float().masked_fill(~visible, float("-inf"))
+    probs = F.dropout(scores.softmax(dim=-1).to(v.dtype), p=dropatt, training=training)
+    out = torch.einsum("bhij,bhjd->bhid", probs, v)
+    value_term = positions.value_term(probs * positioned)
+    return out if value_term is None else out + value_term
+
+
+# ---------------------------------------------------------------------------------------------
+# The fast kernel: blocks of a band, O(n·w).
+
+
+def _attend(
+    scores: Tensor,
+    bias: Tensor | None,
+    mask: Tensor,
+    v: Tensor,
+    *,
+    positions: LayerPositions,
+    stride: int,
+    want_lse: bool,
+    dropatt: float,
+    training: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """Masked softmax attention of one batch of blocks, as `eager_attention` does it."""
+    if bias is not None:
+        scores = scores + bias
+    scores = (scores * v.shape[-1] ** -0.5).float().masked_fill(~mask, NEG)
+    lse = scores.logsumexp(dim=-1) if want_lse else None
+    probs = F.dropout(scores.softmax(dim=-1).to(v.dtype), p=dropatt, training=training)
+    out = torch.einsum("bhij,bhjd->bhid", probs, v)
+    value_term = positions.value_term(probs, stride=stride)
+    return (out if value_term is None else out + value_term), lse
+
+
+def _band(
+    q_content: Tensor,
+    q_raw: Tensor,
+    k_content: Tensor,
+    v: Tensor,
+    key_valid: Tensor,
+    *,
+    positions: LayerPositions,
+    heads: list[int] | None,
+    window: int,
+    stride: int,
+    batch: int,
+    block_size: int | None,
+    want_lse: bool,
+    dropatt: float,
+    training: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """Causal window attention over X independent sequences, queries = the last I of N keys.
+
+    q_content (X, hh, I, d) and k_content, v (X, hh, N, d) hold the heads being computed; q_raw
+    (X, h, I, d) holds all heads (the positional API returns terms for all of them). X = batch·c
+    with c classes innermost; key_valid (c, N) marks real keys (False = padding of a dilated layout).
+    """
+    X, _, I, _ = q_content.shape
+    N = k_content.shape[-2]
+    window = min(window, N)
+    B = min(block_size or default_block_size(window), I)
+    classes = key_valid.shape[0]
+
+    def pick(bias: Tensor | None) -> Tensor | None:
+        return bias if bias is None or heads is None else bias[:, heads]
+
+    if B + window - 1 >= N:  # the band covers (almost) everything: one dense block is cheaper
+        scores = torch.einsum("bhid,bhjd->bhij", q_content, k_content)
+        bias = pick(positions.score_bias(q_raw, k_len=N, stride=stride))
+        dist = distances(I, N, q_content.device)
+        band = (dist >= 0) & (dist < window)  # (I, N)
+        mask = (band & key_valid[:, None, :]).expand(batch, classes, I, N).reshape(X, 1, I, N)
+        return _attend(scores, bias, mask, v, positions=positions, stride=stride, want_lse=want_lse,
+                       dropatt=dropatt, training=training)
+
+    n_blocks = math.ceil(I / B)
+    K = B + window - 1  # keys per block: the window of its first query through its last query
+    query_pad = n_blocks * B - I
+    first_key = N - n_blocks * B - window + 1  # position of block 0's first key (< 0: padding)
+    key_pad = max(0, -first_key)
+
+    def query_blocks(x: Tensor) -> Tensor:  # (X, h, I, d) -> (X·nb, h, B, d)
+        x = F.pad(x, (0, 0, query_pad, 0))
+        X_, h_, _, d_ = x.shape
+        return x.view(X_, h_, n_blocks, B, d_).transpose(1, 2).reshape(X_ * n_blocks, h_, B, d_)
+
+    def key_blocks(x: Tensor) -> Tensor:  # (X, h, N, d) -> (X·nb, h, K, d), overlapping windows
+        x = F.pad(x, (0, 0, key_pad, 0))[:, :, first_key + key_pad :]
+        x = x.unfold(2, K, B)  # (X, h, nb, d, K): a view
+        X_, h_, _, d_, _ = x.shape
+        return x.permute(0, 2, 1, 4, 3).reshape(X_ * n_blocks, h_, K, d_)
+
+    scores = torch.einsum("bhid,bhjd->bhij", query_blocks(q_content), key_blocks(k_content))
+    bias = pick(positions.score_bias(query_blocks(q_raw), k_len=K, stride=stride))
+    rows, cols = torch.arange(B, device=q_content.device), torch.arange(K, device=q_content.device)
+    dist = rows[:, None] + (K - B) - cols[None, :]  # queries are the last B rows of the block's keys
+    band = (dist >= 0) & (dist < window)  # (B, K)
+    valid = F.pad(key_valid, (key_pad, 0), value=False)[:, first_key + key_pad :].unfold(1, K, B)  # (c, nb, K)
+    mask = band & valid[:, :, None, :]  # (c, nb, B, K)
+    mask = mask.expand(batch, classes, n_blocks, B, K).reshape(X * n_blocks, 1, B, K)
+    out, lse = _attend(scores, bias, mask, key_blocks(v), positions=positions, stride=stride,
+                       want_lse=want_lse, dropatt=dropatt, training=training)
+    d = out.shape[-1]
+    out = out.view(X, n_blocks, -1, B, d).transpose(1, 2).reshape(X, -1, n_blocks * B, d)[:, :, query_pad:]
+    if lse is not None:
+        lse = lse.view(X, n_blocks, -1, B).transpose(1, 2).reshape(X, -1, n_blocks * B)[:, :, query_pad:]
+    return out, lse
+
+
+def _dilated_band(
+    q_content: Tensor,
+    q_raw: Tensor,
+    k_content: Tensor,
+    v: Tensor,
+    *,
+    heads: list[int] | None,
+    window: int,
+    dilation: int,
+    **kwargs,
+) -> tuple[Tensor, Tensor | None]:
+    """Regroup positions by residue class mod `dilation`, run `_band` on each class, undo."""
+    b, _, i, _ = q_content.shape
+    n = k_content.shape[-2]
+    if heads is not None:
+        q_content, k_content, v = q_content[:, heads], k_content[:, heads], v[:, heads]
+    s = dilation
+    if s == 1:
+        key_valid = torch.ones(1, n, dtype=torch.bool, device=q_content.device)
+        return _band(q_content, q_raw, k_content, v, key_valid, heads=heads, window=window, stride=1,
+                     batch=b, **kwargs)
+    # Pad keys on the left so n + key_pad is a multiple of s, and queries likewise: then position p
+    # (after padding) sits in class p % s at index p // s, and each class's queries are still the
+    # last rows of its keys.
+    key_pad, query_pad = (-n) % s, (-i) % s
+
+    def to_classes(x: Tensor, pad: int) -> Tensor:  # (b, h, L, d) -> (b·s, h, (L+pad)/s, d)
+        x = F.pad(x, (0, 0, pad, 0))
+        b_, h_, L, d_ = x.shape
+        return x.view(b_, h_, L // s, s, d_).permute(0, 3, 1, 2, 4).reshape(b_ * s, h_, L // s, d_)
+
+    key_valid = (torch.arange(n + key_pad, device=q_content.device) >= key_pad).view(-1, s).T  # (s, N)
+    out, lse = _band(to_classes(q_content, query_pad), to_classes(q_raw, query_pad),
+                     to_classes(k_content, key_pad), to_classes(v, key_pad), key_valid,
+                     heads=heads, window=window, stride=s, batch=b, **kwargs)
+
+    def from_classes(x: Tensor) -> Tensor:  # (b·s, h, I, ...) -> (b, h, I·s, ...)[last i]
+        x = x.view(b, s, *x.shape[1:]).transpose(1, 2)  # (b, h, s, I, ...)
+        x = x.transpose(2, 3).reshape(b, x.shape[1], -1, *x.shape[4:])  # (b, h, I·s, ...)
+        return x[:, :, query_pad:]
+
+    return from_classes(out), (None if lse is None else from_classes(lse[..., None])[..., 0])
+
+
+def banded_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    positions: LayerPositions,
+    head_windows: list[tuple[int, int]],
+    global_tokens: int,
+    horizon: int | None,
+    dropatt: float,
+    training: bool,
+    block_size: int | None = None,
+) -> Tensor:
+    """O(n·w) causal attention with `(window, dilation)` per head and global tokens; same result as
+    `sliding_reference`."""
+    b, h, i, d = q.shape
+    n = k.shape[-2]
+    q_content, k_content = positions.content(q, k)
+    g = min(global_tokens, i)
+    common = dict(positions=positions, block_size=block_size, want_lse=g > 0, dropatt=dropatt, training=training)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for head, (w, s) in enumerate(head_windows):
+        groups.setdefault((effective_window(w, s, horizon), s), []).append(head)
+    if len(groups) == 1:
+        (window, dilation), = groups
+        out, lse = _dilated_band(q_content, q, k_content, v, heads=None, window=window, dilation=dilation, **common)
+    else:  # heads with different windows or dilations: one band per group
+        out = q.new_empty(b, h, i, d)
+        lse = q.new_empty(b, h, i, dtype=torch.float32) if g else None
+        for (window, dilation), heads in groups.items():
+            part, part_lse = _dilated_band(q_content, q, k_content, v, heads=heads, window=window,
+                                           dilation=dilation, **common)
+            out[:, heads] = part
+            if lse is not None:
+                lse[:, heads] = part_lse
+    if g == 0:
+        return out
+
+    # Global columns: every query also attends to the g global keys outside its local window
+    # (content score only), merged with the band by log-sum-exp.
+    memory_len = n - i
+    keys = slice(memory_len, memory_len + g)
+    dist = torch.arange(i, device=q.device)[:, None] - torch.arange(g, device=q.device)[None, :]  # (i, g)
+    causal = (dist >= 0) if horizon is None else (dist >= 0) & (dist < horizon)
+    in_band = torch.stack([local_pattern(dist, effective_window(w, s, horizon), s) for w, s in head_windows])
+    mask = (causal & ~in_band)[None]  # (1, h, i, g)
+    scores = torch.einsum("bhid,bhjd->bhij", q_content, k_content[:, :, keys])
+    out_global, lse_global = _attend(scores, None, mask, v[:, :, keys], positions=_NO_POSITIONS, stride=1,
+                                     want_lse=True, dropatt=dropatt, training=training)
+    total = torch.logaddexp(lse, lse_global)
+    band_weight = (lse - total).exp()[..., None].to(out.dtype)  # (b, h, i, 1)
+    global_weight = (lse_global - total).exp()[..., None].to(out.dtype)
+    out = out * band_weight + out_global * global_weight
+    # Global rows: the first g queries attend to every earlier key, with all position terms. They
+    # are the last rows of the first memory_len + g keys: exactly the eager kernel's convention.
+    rows = eager_attention(q[:, :, :g], k[:, :, : memory_len + g], v[:, :, : memory_len + g],
+                           positions=positions, window=horizon, dropatt=dropatt, training=training)
+    return torch.cat([rows, out[:, :, g:]], dim=2)
+
+
+class _NoPositions:
+    """Global columns carry no position term (see the module docstring)."""
+
+    @staticmethod
+    def value_term(probs: Tensor, *, stride: int = 1) -> None:
+        return None
+
+
+_NO_POSITIONS = _NoPositions()
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels chosen by config.attention = "sliding".
+
+
+class SlidingWindowAttention(nn.Module):
+    """`attention="sliding"`: Longformer's sliding window (Beltagy et al. 2020), O(n·w)."""
+
+    def __init__(self, config: TransformerXLConfig):
+        super().__init__()
+        self.head_windows = [(config.sliding_window, s) for s in head_dilations(config)]
+        self.global_tokens = config.global_tokens
+
+    def forward(self, q, k, v, *, positions: LayerPositions, window: int | None, dropatt: float, training: bool):
+        return banded_attention(q, k, v, positions=positions, head_windows=self.head_windows,
+                                global_tokens=self.global_tokens, horizon=window, dropatt=dropatt, training=training)
+
+    def extra_repr(self) -> str:
+        return f"head_windows={self.head_windows}, global_tokens={self.global_tokens}"
+
+
+class SlidingWindowReference(SlidingWindowAttention):
+    """The same pattern as a dense mask (O(n²)): the ground truth for `SlidingWindowAttention`."""
+
+    def forward(self, q, k, v, *, positions: LayerPositions, window: int | None, dropatt: float, training: bool):
+        return sliding_reference(q, k, v, positions=positions, head_windows=self.head_windows,
+                                 global_tokens=self.global_tokens, horizon=window, dropatt=dropatt, training=training)
+
+
+KERNELS[("sliding", "eager")] = SlidingWindowReference
+KERNELS[("sliding", "fast")] = SlidingWindowAttention

@@ -1,0 +1,61 @@
+"""Fixed sparse attention, the "strided" pattern of Child et al. 2019 (Sparse Transformers, arXiv
+1904.10509, §4.2), as two kinds of heads (their "interleaved" variant: each head one pattern).
+
+With stride l (`sparse_stride`), the query at position p sees, in
+
+- a **local** head (the first ceil(h/2) heads): A¹ = {p-l, …, p}, the l+1 most recent keys (both ends
+  included, as the paper's t = max(0, i-l) … i);
+- a **strided** head (the other heads): A² = {j ≤ p : (p - j) mod l = 0}, every l-th key back to the
+  start of the memory.
+
+Two layers of such heads connect any pair of positions. With l ≈ sqrt(n) (the paper's choice) a head
+costs O(n·sqrt(n)); here l is fixed by the config, so the local heads cost O(n·l) and the strided
+heads O(n²/l). Positions count over [memory ; segment], so the memory extends both patterns.
+
+Both patterns are the sliding-window kernel's machinery with one `(window, dilation)` pair per head:
+local = (l+1, 1), strided = (unbounded, l). Every positional encoding applies (the strided heads use
+its terms at distances that are multiples of l). `attention_impl="eager"` is the dense-mask reference.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from txl.attention import KERNELS
+from txl.attention_sliding import UNBOUNDED, banded_attention, sliding_reference
+from txl.config import TransformerXLConfig
+from txl.positional import LayerPositions
+
+
+def sparse_head_windows(config: TransformerXLConfig) -> list[tuple[int, int]]:
+    """(window, dilation) per head: local heads first, then strided heads."""
+    local = (config.n_head + 1) // 2
+    stride = config.sparse_stride
+    return [(stride + 1, 1)] * local + [(UNBOUNDED, stride)] * (config.n_head - local)
+
+
+class SparseStridedAttention(nn.Module):
+    """`attention="sparse"`: local + strided heads (Child et al. 2019), block-banded, no n×n matrix."""
+
+    def __init__(self, config: TransformerXLConfig):
+        super().__init__()
+        self.head_windows = sparse_head_windows(config)
+
+    def forward(self, q, k, v, *, positions: LayerPositions, window: int | None, dropatt: float, training: bool):
+        return banded_attention(q, k, v, positions=positions, head_windows=self.head_windows, global_tokens=0,
+                                horizon=window, dropatt=dropatt, training=training)
+
+    def extra_repr(self) -> str:
+        return f"head_windows={self.head_windows}"
+
+
+class SparseStridedReference(SparseStridedAttention):
+    """The same pattern as a dense mask (O(n²)): the ground truth for `SparseStridedAttention`."""
+
+    def forward(self, q, k, v, *, positions: LayerPositions, window: int | None, dropatt: float, training: bool):
+        return sliding_reference(q, k, v, positions=positions, head_windows=self.head_windows, global_tokens=0,
+                                 horizon=window, dropatt=dropatt, training=training)
+
+
+KERNELS[("sparse", "eager")] = SparseStridedReference
+KERNELS[("sparse", "fast")] = SparseStridedAttention
