@@ -182,7 +182,8 @@ class Trainer:
             with sync:
                 with autocast(self.dist.device, self.cfg.precision):
                     out = self.forward(x, memory=self.memories[j], labels=y)
-                self.scaler.scale(out.loss / self.cfg.grad_accum).backward()
+                loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss  # compressive memory
+                self.scaler.scale(loss / self.cfg.grad_accum).backward()
             self.memories[j] = out.memory
             # the loss, not the per-token NLL, decides finiteness (a caller may poison either)
             nll_sum += out.nll.detach().double().sum() + out.loss.detach().double() * 0
