@@ -30,6 +30,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "txl.plot:configure_cli",
         "txl.plot:run_cli",
     ),
+    "bench": (
+        "speed and memory: train, eval, generate, mfu, all (writes docs/benchmarks.md); --against hf",
+        "txl.bench.cli:configure",
+        "txl.bench.cli:run",
+    ),
     "import-hf": (
         "convert a Hugging Face TransfoXL checkpoint (config.json + pytorch_model.bin or model.safetensors)",
         "txl.hf_import:configure_cli",

@@ -1,0 +1,272 @@
+"""The fast `("full", "fast")` attention kernel: same signature and results as `eager_attention`.
+
+What makes it faster than the eager reference (each kept because it measured faster side by side on
+a 2-core AVX-512 CPU; the numbers are in docs/benchmarks.md):
+
+- Transformer-XL positions (`pos_encoding="xl"`) get a hand-written autograd function. Forward: the
+  position scores BD are computed once against the distance table, rel-shifted as a *strided view*
+  (no padded copy, `rel_shift_strided`), and fed as the `input` of one `baddbmm` that adds the content
+  scores AC and the scale in the same pass; the mask is added and softmax runs in place. Backward uses the
+  FlashAttention identity dS = P * (dP - rowsum(dO * O)) (Dao et al. 2022, eq. in §3.1), which needs no
+  mask pass (P is 0 where masked), and writes dS straight into a padded buffer whose strided view *is*
+  the un-shifted gradient of BD, so the inverse rel-shift costs no copy either.
+- Other encodings take a composed autograd path: positional bias (Shaw, ALiBi) through the strided
+  rel-shift, scores by one `baddbmm`, an additive mask.
+- Without gradients (evaluation, generation) the batch×head dimension is processed in chunks, so the
+  score matrix never exceeds `EVAL_CHUNK_ELEMENTS` elements: peak memory stays bounded at mem_len 3800.
+
+Tried and dropped (slower here, see docs/benchmarks.md): SDPA with the position term as a float bias
+(the CPU flash kernel refuses a bias that needs a gradient in torch 2.13, and the math fallback is
+slower than the batched matmuls below), autograd through `as_strided` (its backward falls back to a
+slow overlapping-geometry path), gather-based rel-shift.
+
+Dimension names: b batch, h heads, i queries, n keys (memory + segment), d head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from txl.positional import LayerPositions, XLRelative, rel_shift_strided
+
+# Evaluation processes (b*h) slices in groups whose (i, n) score blocks hold at most this many elements
+# in total (32 Mi fp32 elements = 128 MiB per live score tensor).
+EVAL_CHUNK_ELEMENTS = 1 << 25
+
+
+@functools.lru_cache(maxsize=64)
+def _mask_bias(q_len: int, k_len: int, window: int | None, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """[q_len, k_len] additive mask: 0 where query i may see key j (`causal_mask`), -inf elsewhere.
+
+    Adding it costs a ninth of an in-place `masked_fill_` with a broadcast bool mask on CPU (measured,
+    torch 2.13), and -inf + a finite score is -inf, so softmax sees exactly what eager's masking gives.
+    """
+    dist = torch.arange(q_len, device=device)[:, None] + (k_len - q_len) - torch.arange(k_len, device=device)
+    mask = dist < 0
+    if window is not None:
+        mask |= dist >= window
+    return torch.zeros(q_len, k_len, device=device, dtype=dtype).masked_fill_(mask, float("-inf"))
+
+
+def _unshift_view(buffer: Tensor, q_len: int, k_len: int) -> Tensor:
+    """The inverse of `rel_shift_strided` as a view, for gradients.
+
+    `buffer` is (.., q, k_len + q - 1) with the shifted block in its last k_len columns and zeros in
+    its first q-1. Read with row stride k_len + q (one more than the buffer's), row i, column c lands
+    on shifted[i, c + i - (q-1)], i.e. the entry the forward view read from (i, c); entries that no
+    valid (causal) score came from read the zeros.
+    """
+    *lead, q, width = buffer.shape
+    lead_strides = buffer.stride()[:-2]
+    return buffer.as_strided((*lead, q_len, k_len), (*lead_strides, width + 1, 1), buffer.storage_offset())
+
+
+def _shift_grad_buffer(like: Tensor, q_len: int, k_len: int) -> tuple[Tensor, Tensor]:
+    """An uninitialised (.., q, k_len+q-1) buffer with zeroed left columns, and its (.., q, k_len) tail."""
+    buffer = like.new_empty(*like.shape[:-2], q_len, k_len + q_len - 1)
+    buffer[..., : q_len - 1].zero_()
+    return buffer, buffer[..., q_len - 1 :]
+
+
+class _RelShift(torch.autograd.Function):
+    """`rel_shift_strided` with a copy-light backward (autograd's own `as_strided` backward takes a slow
+    path for overlapping views: measured 1.2x slower than the reference pad-and-copy)."""
+
+    @staticmethod
+    def forward(ctx, raw):
+        return rel_shift_strided(raw)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q_len, k_len = grad.shape[-2:]
+        buffer, tail = _shift_grad_buffer(grad, q_len, k_len)
+        tail.copy_(grad)
+        return _unshift_view(buffer, q_len, k_len).contiguous()
+
+
+def rel_shift_fast(raw: Tensor) -> Tensor:
+    return _RelShift.apply(raw)
+
+
+def _xl_probs(qu: Tensor, qv: Tensor, k: Tensor, r: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Attention probabilities (B, i, n) from qu (B, i, d), k (B, n, d) and qv (.., i, d), r (.., n, d)
+    whose leading dims flatten to B (the matmul broadcasts r over the batch).
+
+    Scores are (AC + shift(BD)) * scale with BD = qv @ r^T against distances n-1 … 0 (column c holds
+    distance n-1-c), shifted as a strided view so that column j holds distance i + (n - q) - j.
+    """
+    B, i, _ = qu.shape
+    n = k.shape[-2]
+    raw = torch.matmul(qv, r.transpose(-1, -2))  # (.., i, n) against distances
+    scores = torch.baddbmm(
+        rel_shift_strided(raw).reshape(B, i, n), qu, k.transpose(-1, -2), beta=scale, alpha=scale
+    )  # (B, i, n); the shifted view is read once, as baddbmm's input
+    del raw
+    scores.add_(mask)
+    if scores.dtype == torch.float32:
+        return torch.softmax(scores, dim=-1, out=scores)
+    return torch.softmax(scores.float(), dim=-1).to(scores.dtype)  # softmax in fp32 under bf16
+
+
+def _xl_forward_chunked(qu, qv, k, v, r, mask, scale) -> Tensor:
+    """No-grad forward, one batch row and a group of heads at a time, so that the score block stays
+    under EVAL_CHUNK_ELEMENTS. qu, qv (b, h, i, d), k, v (b, h, n, d), r (h, n, d) -> (b, h, i, d)."""
+    b, h, i, d = qu.shape
+    n = k.shape[-2]
+    heads = max(1, min(h, EVAL_CHUNK_ELEMENTS // (i * n)))
+    out = qu.new_empty(b, h, i, d)
+    for row in range(b):
+        for h0 in range(0, h, heads):
+            h1 = min(h0 + heads, h)
+            probs = _xl_probs(qu[row, h0:h1], qv[row, h0:h1], k[row, h0:h1], r[h0:h1], mask, scale)
+            torch.bmm(probs, v[row, h0:h1], out=out[row, h0:h1])
+    return out
+
+
+class _XLAttention(torch.autograd.Function):
+    """softmax(((q+u)·k + shift((q+v)·r)) * scale, masked) · v, with the backward written out.
+
+    Inputs qu, qv (b, h, i, d), k, v (b, h, n, d), r (h, n, d), all of one dtype; `mask` (i, n) additive.
+    """
+
+    @staticmethod
+    def forward(ctx, qu, qv, k, v, r, mask, scale):
+        b, h, i, d = qu.shape
+        n = k.shape[-2]
+        probs = _xl_probs(qu.reshape(b * h, i, d), qv, k.reshape(b * h, n, d), r, mask, scale)  # (b*h, i, n)
+        out = torch.bmm(probs, v.reshape(b * h, n, d)).view(b, h, i, d)
+        ctx.save_for_backward(qu, qv, k, v, r, probs, out)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qu, qv, k, v, r, probs, out = ctx.saved_tensors
+        scale = ctx.scale
+        b, h, i, d = qu.shape
+        n = k.shape[-2]
+        grad_out = grad_out.to(out.dtype).reshape(b * h, i, d)
+        k3, v3 = k.reshape(b * h, n, d), v.reshape(b * h, n, d)
+        grad_v = torch.bmm(probs.transpose(1, 2), grad_out).view(b, h, n, d)
+        # dS = P * (dP - rowsum(dO * O)) is written straight into the tail of a buffer whose strided view
+        # is the gradient of the un-shifted BD block (see `_unshift_view`): no inverse-shift copy.
+        buffer, grad_scores = _shift_grad_buffer(probs, i, n)  # grad_scores: (b*h, i, n) view
+        torch.bmm(grad_out, v3.transpose(1, 2), out=grad_scores)  # dP
+        delta = (grad_out.float() * out.reshape(b * h, i, d).float()).sum(-1, keepdim=True)  # (b*h, i, 1)
+        grad_scores.sub_(delta.to(grad_scores.dtype)).mul_(probs)  # masked entries: probs = 0
+        grad_raw = _unshift_view(buffer, i, n).unflatten(0, (b, h))  # (b, h, i, n)
+        grad_qu = torch.bmm(grad_scores, k3).mul_(scale).view(b, h, i, d)
+        grad_k = torch.bmm(grad_scores.transpose(1, 2), qu.reshape(b * h, i, d)).mul_(scale).view(b, h, n, d)
+        grad_qv = torch.matmul(grad_raw, r).mul_(scale)  # (b, h, i, d)
+        grad_r = None
+        if ctx.needs_input_grad[4]:
+            # one (h, n, b*i) @ (h, b*i, d) product: faster than b small ones despite the copy
+            grad_r = torch.einsum("bhic,bhid->hcd", grad_raw, qv).mul_(scale)
+        return grad_qu, grad_qv, grad_k, grad_v, grad_r, None, None
+
+
+def fast_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    positions: LayerPositions,
+    window: int | None,
+    dropatt: float,
+    training: bool,
+) -> Tensor:
+    """Drop-in replacement for `eager_attention` (same arguments, same result to float rounding)."""
+    q_len, k_len, d_head = q.shape[-2], k.shape[-2], q.shape[-1]
+    scale = d_head**-0.5
+    mask = _mask_bias(q_len, k_len, window, q.device, q.dtype)
+    encoding = positions.encoding
+    use_dropatt = training and dropatt > 0
+    if isinstance(encoding, XLRelative) and not use_dropatt:
+        dtype = q.dtype
+        qu = encoding.content(positions.layer, positions.state, q, k)[0].to(dtype)
+        qv = (q + encoding._bias(encoding.v, positions.layer)).to(dtype)
+        r = encoding.projected_table(positions.layer, positions.state, k_len).to(dtype)  # (h, n, d)
+        k, v = k.to(dtype), v.to(dtype)
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (qu, qv, k, v, r))
+        if not grad:
+            return _xl_forward_chunked(qu, qv, k, v, r, mask, scale)
+        return _XLAttention.apply(qu, qv, k, v, r, mask, scale)
+    return _composed_attention(q, k, v, positions=positions, mask=mask, scale=scale,
+                               dropatt=dropatt, training=training)
+
+
+def _composed_attention(q, k, v, *, positions, mask, scale, dropatt, training) -> Tensor:
+    """Every other encoding (and xl with attention dropout): autograd through fused building blocks."""
+    b, h, i, d = q.shape
+    n = k.shape[-2]
+    q_content, k_content = positions.content(q, k)
+    bias = positions.score_bias(q, k_len=n, rel_shift=rel_shift_fast)
+    if bias is None:
+        scores = torch.bmm(q_content.reshape(b * h, i, d), k_content.reshape(b * h, n, d).transpose(1, 2))
+        scores = scores.mul_(scale) if not scores.requires_grad else scores * scale
+    else:
+        bias = bias.to(q_content.dtype).expand(b, h, i, n).reshape(b * h, i, n)
+        scores = torch.baddbmm(
+            bias, q_content.reshape(b * h, i, d), k_content.reshape(b * h, n, d).transpose(1, 2),
+            beta=scale, alpha=scale,
+        )
+    scores = scores.float() + mask.float()
+    probs = scores.softmax(dim=-1).to(v.dtype)
+    probs = F.dropout(probs, p=dropatt, training=training)
+    out = torch.bmm(probs, v.reshape(b * h, n, d)).view(b, h, i, d)
+    value_term = positions.value_term(probs.view(b, h, i, n))
+    return out if value_term is None else out + value_term
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout with a cheaper random source. On CPU, `torch.bernoulli_` (what F.dropout uses) draws one
+# Mersenne-Twister number per element; here one 64-bit draw feeds four elements as 16-bit uniforms,
+# 7x faster measured on this repository's benchmark machine (docs/benchmarks.md). The keep
+# probability is 1 - round(p * 2^16) / 2^16 (within 2^-17 of 1 - p) and survivors are scaled by its
+# exact inverse, so the output is unbiased. Same generator (`torch.manual_seed`, checkpointed RNG
+# state), different stream than `nn.Dropout`: the eager path keeps `nn.Dropout`.
+
+
+class _CheapDropout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, p: float) -> Tensor:
+        cut = round(p * 65536)
+        scale = 65536 / (65536 - cut)
+        words = (x.numel() + 3) // 4
+        bits = torch.empty(words, dtype=torch.int64, device=x.device).random_(-(2**63), None)
+        keep = bits.view(torch.int16)[: x.numel()].view(x.shape) >= cut - 32768  # int16 uniform on [-2^15, 2^15)
+        ctx.save_for_backward(keep)
+        ctx.scale = scale
+        return torch.where(keep, x * scale, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (keep,) = ctx.saved_tensors
+        return torch.where(keep, grad * ctx.scale, 0.0), None
+
+
+def cheap_dropout(x: Tensor, p: float, training: bool) -> Tensor:
+    if not training or p == 0.0:
+        return x
+    if x.device.type != "cpu" or p >= 1.0:
+        return F.dropout(x, p, training)  # accelerators have fast counter-based RNG already
+    return _CheapDropout.apply(x, p)
+
+
+class CheapDropout(torch.nn.Dropout):
+    """`nn.Dropout` with the cheaper CPU random source above (same p, no state, same state_dict)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return cheap_dropout(x, self.p, self.training)
+
+
+def use_cheap_dropout(module: torch.nn.Module) -> None:
+    """Swap every plain `nn.Dropout` inside `module` for `CheapDropout` (the fast path's dropout)."""
+    for child in module.modules():
+        for name, sub in child.named_children():
+            if type(sub) is torch.nn.Dropout:
+                setattr(child, name, CheapDropout(sub.p, sub.inplace))

@@ -1,0 +1,144 @@
+"""`txl bench NAME`: argument parsing and dispatch. Imports nothing heavy at module level, so
+`txl --help` stays fast; the benchmark module is imported when it runs."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+
+# NAME -> module providing TITLE, run(options) and table(result) (see txl/bench/__init__.py).
+BENCHES: dict[str, str] = {
+    "train": "txl.bench.train",
+    "eval": "txl.bench.evaluation",
+    "generate": "txl.bench.generation",
+    "mfu": "txl.bench.mfu",
+    "eval-speedup": "txl.bench.eval_speedup",  # the evaluation issue's paper-style speed-up table
+    "attention-scaling": "txl.bench.attention_scaling",  # the long-text arena's kernels against length
+}
+
+
+def available(name: str) -> bool:
+    return importlib.util.find_spec(BENCHES[name]) is not None
+
+
+def load(name: str):
+    from txl.errors import UsageError
+
+    if not available(name):
+        raise UsageError(f"benchmark {name!r} is not part of this install yet (module {BENCHES[name]} missing)")
+    return importlib.import_module(BENCHES[name])
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def has_own_cli(module) -> bool:
+    """A benchmark module that declares its own flags (`configure(parser)`, `run(args) -> int`)
+    instead of the shared ones (`TITLE`, `run(options) -> dict`, `table(result)`)."""
+    return hasattr(module, "configure") and not (hasattr(module, "TITLE") and hasattr(module, "table"))
+
+
+def add_shared_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--config", choices=["tiny", "base"], default="tiny",
+                        help="tiny: 4×128, tgt=mem=128, batch 8; base: enwik8-base 12×512, tgt=mem=512, batch 2")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default=None,
+                        help="fp32 or bf16 autocast (default fp32; mfu: both)")
+    parser.add_argument("--against", choices=["hf"], action="append", default=[],
+                        help="also run Hugging Face TransfoXL (transformers==4.35.2, the bench extra)")
+    parser.add_argument("--impl", type=_names, default=("eager", "fast"), metavar="LIST",
+                        help="attention implementations of ours to run (default eager,fast)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per contender (default 5)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    parser.add_argument("--mem-lens", type=_ints, default=(), metavar="LIST", help="eval: memory lengths to sweep")
+    parser.add_argument("--context", type=int, default=1024, help="generate: context length (default 1024)")
+    parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
+    parser.add_argument("--quick", action="store_true", help="few steps and small shapes: a smoke run")
+    parser.add_argument("--out", default="docs", help="all: directory for benchmarks.md and the plots")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="name", metavar="NAME", required=True)
+    for name, module_name in BENCHES.items():
+        if not available(name):
+            continue
+        module = importlib.import_module(module_name)
+        summary = (module.__doc__ or name).strip().splitlines()[0]
+        p = sub.add_parser(name, help=summary, description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        if has_own_cli(module):
+            module.configure(p)
+        else:
+            add_shared_flags(p)
+    p = sub.add_parser("all", help="every benchmark; writes docs/benchmarks.md, plots and benchmarks.json")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    add_shared_flags(p)
+
+
+def options_from(args: argparse.Namespace):
+    from txl.bench.common import BenchOptions
+    from txl.errors import UsageError
+
+    for flag in ("steps", "warmup"):
+        value = getattr(args, flag)
+        if value is not None and value < (1 if flag == "steps" else 0):
+            raise UsageError(f"--{flag} must be >= {1 if flag == 'steps' else 0}, got {value}")
+    if any(m < 1 for m in args.mem_lens):
+        raise UsageError(f"--mem-lens must be >= 1, got {list(args.mem_lens)}")
+    if args.context < 2:
+        raise UsageError(f"--context must be >= 2, got {args.context}")
+    from txl.config import ATTENTION_IMPLS
+
+    for impl in args.impl:
+        if impl not in ATTENTION_IMPLS:
+            raise UsageError(f"--impl {impl!r} is not an attention implementation ({', '.join(ATTENTION_IMPLS)})")
+    quick = args.quick
+    extra = {"context": args.context}
+    if args.name == "mfu" and args.precision is None:
+        extra["precisions"] = ["fp32", "bf16"]
+    return BenchOptions(
+        config=args.config,
+        precision=args.precision or "fp32",
+        against=tuple(args.against),
+        impls=tuple(args.impl),
+        warmup=args.warmup if args.warmup is not None else (1 if quick else 2),
+        steps=args.steps if args.steps is not None else (2 if quick else 5),
+        threads=args.threads,
+        mem_lens=args.mem_lens,
+        rss=not args.no_rss,
+        quick=quick,
+        extra=extra,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from txl.bench.common import write_json
+
+    if args.name != "all":
+        module = load(args.name)
+        if has_own_cli(module):
+            return int(module.run(args) or 0)
+    options = options_from(args)
+    if args.name == "all":
+        from txl.bench.report import run_all
+
+        result = run_all(options, out_dir=args.out)
+    else:
+        module = load(args.name)
+        result = module.run(options)
+        print(f"## {module.TITLE}\n")
+        print(module.table(result))
+    if args.json:
+        write_json(args.json, result)
+    return 0

@@ -1,0 +1,129 @@
+"""`txl bench train`: training throughput, forward + backward + clip + Adam step, tokens/s.
+
+Every contender trains the same shape on the same random tokens, starting from a full memory of
+zeros (Hugging Face starts that way; we give ours the same, so every timed step has the same shapes),
+with Adam (lr 2.5e-4) and gradient clipping at 0.25 as the reference scripts. Peak RSS comes from a
+fresh process per contender (`txl.bench.probe train`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from txl.bench.common import (
+    BenchOptions,
+    Shape,
+    autocast,
+    build_hf,
+    build_ours,
+    check_precision,
+    contender_names,
+    interleaved_medians,
+    machine,
+    markdown_table,
+    options_dict,
+    probe,
+    setup_torch,
+)
+
+TITLE = "Training throughput (forward + backward + clip + Adam)"
+
+
+def make_step(name: str, shape: Shape, precision: str, *, seed: int = 0) -> Callable[[], float]:
+    """A closure that runs one training step of contender `name` ("txl-<impl>" or "hf")."""
+    import torch
+
+    from txl.memory import Memory
+
+    generator = torch.Generator().manual_seed(seed)
+    batch, tgt = shape.batch, shape.tgt_len
+    stream = torch.randint(0, shape.vocab, (batch, 16 * tgt + 1), generator=generator)
+    position = [0]
+
+    def segment():
+        start = position[0]
+        position[0] = (start + tgt) % (15 * tgt)
+        return stream[:, start : start + tgt], stream[:, start + 1 : start + tgt + 1]
+
+    if name == "hf":
+        model = build_hf(shape)
+        params = list(model.parameters())
+        optimizer = torch.optim.Adam(params, lr=2.5e-4)
+        mems = [None]
+
+        def step() -> float:
+            inputs, _ = segment()
+            with autocast(precision):
+                # HF shifts labels inside (it scores tgt-1 tokens per row); same forward/backward work
+                out = model(input_ids=inputs, mems=mems[0], labels=inputs)
+            loss = out.losses.float().mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 0.25)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            mems[0] = out.mems
+            return float(loss.detach())
+
+        return step
+
+    impl = name.removeprefix("txl-")
+    model = build_ours(shape, impl)
+    params = list(model.parameters())
+    optimizer = torch.optim.Adam(params, lr=2.5e-4)
+    state = [Memory.zeros(shape.n_layer, batch, shape.mem_len, shape.d_model)]
+
+    def step() -> float:
+        inputs, labels = segment()
+        with autocast(precision):
+            out = model(inputs, memory=state[0], labels=labels)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.25)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        state[0] = out.memory
+        return float(out.loss.detach())
+
+    return step
+
+
+def run(options: BenchOptions) -> dict:
+    check_precision(options.precision)
+    setup_torch(options)
+    shape = options.shape
+    names = contender_names(options)
+    steps = {name: make_step(name, shape, options.precision, seed=options.seed) for name in names}
+    timing = interleaved_medians(steps, warmup=options.warmup, timed=options.steps)
+    tokens = shape.batch * shape.tgt_len
+    rows = []
+    for name in names:
+        row = {"contender": name, "tokens_per_s": tokens / timing[name]["median_s"],
+               "step_ms": 1000 * timing[name]["median_s"]}
+        if options.rss:
+            answer = probe("train", {"name": name, "config": shape.name, "precision": options.precision,
+                                     "steps": 2, "threads": options.threads})
+            row["peak_rss_mb"] = answer["peak_rss_mb"]
+        rows.append(row)
+    for reference in ("hf", "txl-eager"):
+        if reference in timing:
+            for row in rows:
+                row[f"x_{reference}"] = timing[reference]["median_s"] / timing[row["contender"]]["median_s"]
+    return {
+        "bench": "train",
+        "title": TITLE,
+        "config": shape.name,
+        "shape": shape.describe() + f"; tgt_len {shape.tgt_len}, mem_len {shape.mem_len}, batch {shape.batch}",
+        "precision": options.precision,
+        "options": options_dict(options),
+        "machine": machine(),
+        "rows": rows,
+        "timing": timing,
+    }
+
+
+def table(result: dict) -> str:
+    columns = [("contender", "contender"), ("tokens_per_s", "tokens/s"), ("step_ms", "step ms")]
+    keys = set().union(*(row.keys() for row in result["rows"]))
+    columns += [(k, h) for k, h in (("x_hf", "× HF"), ("x_txl-eager", "× eager"), ("peak_rss_mb", "peak RSS MiB"))
+                if k in keys]
+    head = f"**{result['config']}, {result['precision']}** — {result['shape']}\n\n"
+    return head + markdown_table(result["rows"], columns)

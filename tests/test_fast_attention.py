@@ -1,0 +1,165 @@
+"""The fast attention path (`attention_impl="fast"`) computes what the eager reference computes.
+
+Both models share weights; three segments with memory run in training mode (dropout 0, so the two
+are deterministic) and then in evaluation mode. Logits must agree within 1e-5 and every parameter
+gradient within 1e-4 relative (issue 6), for every positional encoding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from txl import TransformerXLConfig
+from txl.attention import KERNELS, resolve_kernel
+from txl.attention_fast import cheap_dropout, fast_attention, rel_shift_fast
+from txl.model import TransformerXL
+from txl.positional import rel_shift_pad
+
+ENCODINGS = ["xl", "shaw", "rope", "alibi", "sinusoidal", "learned"]
+VARIANTS = {
+    "plain": {},
+    "same_length": {"same_length": True},
+    "clamp_len": {"clamp_len": 5},
+    "pre_lnorm": {"pre_lnorm": True},
+}
+EXTRA = {"shaw": {"max_relative_distance": 6}}  # clipping active inside the span
+
+
+def pair(**overrides) -> tuple[TransformerXL, TransformerXL]:
+    base = dict(vocab_size=53, n_layer=2, d_model=32, n_head=4, d_head=8, d_inner=48, mem_len=12,
+                dropout=0.0, dropatt=0.0)
+    config = TransformerXLConfig(**{**base, **overrides})
+    torch.manual_seed(0)
+    eager = TransformerXL(config.replace(attention_impl="eager"))
+    with torch.no_grad():  # non-trivial biases, u/v, LayerNorm shifts
+        for p in eager.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    fast = TransformerXL(config.replace(attention_impl="fast"))
+    fast.load_state_dict(eager.state_dict())
+    return eager, fast
+
+
+def run_segments(model, tokens, seg=6):
+    """Three training segments with memory (loss backward each), then one evaluation segment."""
+    model.train()
+    model.zero_grad()
+    memory, logits = None, []
+    for s in range(3):
+        x = tokens[:, s * seg : (s + 1) * seg]
+        y = tokens[:, s * seg + 1 : (s + 1) * seg + 1]
+        out = model(x, memory=memory, labels=y, return_logits=True)
+        out.loss.backward()
+        memory, logits = out.memory, [*logits, out.logits.detach()]
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.eval()
+    with torch.no_grad():
+        evaluated = model(tokens[:, 3 * seg : 4 * seg], memory=memory).logits
+    return torch.cat(logits, 1), grads, evaluated
+
+
+def assert_same(eager, fast, batch=3):
+    tokens = torch.randint(0, eager.config.vocab_size, (batch, 25), generator=torch.Generator().manual_seed(1))
+    logits_e, grads_e, eval_e = run_segments(eager, tokens)
+    logits_f, grads_f, eval_f = run_segments(fast, tokens)
+    torch.testing.assert_close(logits_f, logits_e, atol=1e-5, rtol=0)
+    torch.testing.assert_close(eval_f, eval_e, atol=1e-5, rtol=0)
+    assert grads_e.keys() == grads_f.keys()
+    for name, g in grads_e.items():
+        rel = (grads_f[name] - g).norm() / g.norm().clamp(min=1e-12)
+        assert rel < 1e-4, f"{name}: relative gradient difference {rel:.2e}"
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("pos", ENCODINGS)
+def test_fast_matches_eager(pos, variant):
+    eager, fast = pair(pos_encoding=pos, **EXTRA.get(pos, {}), **VARIANTS[variant])
+    assert fast.blocks[0].attn.kernel is fast_attention
+    assert_same(eager, fast)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"untie_r": True},
+    {"pos_encoding": "shaw", "shaw_values": True, "max_relative_distance": 4},
+    {"cutoffs": (20, 40), "div_val": 2},
+    {"mem_len": 0},
+])
+def test_fast_matches_eager_more_settings(overrides):
+    assert_same(*pair(**overrides))
+
+
+def test_attention_dropout_path_matches_eager_given_the_same_random_stream():
+    eager, fast = pair(dropatt=0.3)
+    x = torch.randint(0, 53, (2, 10))
+    outs = []
+    for model in (eager, fast):
+        model.train()
+        torch.manual_seed(5)
+        outs.append(model(x, labels=x).loss)
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=0)
+
+
+def test_chunked_evaluation_equals_one_chunk(monkeypatch):
+    import txl.attention_fast as fast_module
+
+    eager, fast = pair(n_head=4, mem_len=20)
+    x = torch.randint(0, 53, (3, 30))
+    with torch.no_grad():
+        memory = fast.eval()(x[:, :20]).memory
+        whole = fast(x[:, 20:], memory=memory).logits
+        monkeypatch.setattr(fast_module, "EVAL_CHUNK_ELEMENTS", 10 * 30)  # one head of one row at a time
+        chunked = fast(x[:, 20:], memory=memory).logits
+        reference = eager.eval()(x[:, 20:], memory=memory).logits
+    torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=0)
+    torch.testing.assert_close(chunked, reference, atol=1e-5, rtol=0)
+
+
+def test_auto_prefers_the_fast_kernel():
+    assert KERNELS[("full", "fast")] is fast_attention
+    assert resolve_kernel("full", "auto") is fast_attention
+    config = TransformerXLConfig(vocab_size=11, n_layer=1, d_model=8, n_head=2, d_head=4, d_inner=8)
+    assert TransformerXL(config).blocks[0].attn.kernel is fast_attention
+
+
+@pytest.mark.parametrize(("q_len", "k_len"), [(5, 5), (4, 9), (1, 7), (6, 13)])
+def test_rel_shift_fast_gradient_equals_the_reference_on_causal_entries(q_len, k_len):
+    raw = torch.randn(2, 3, q_len, k_len, dtype=torch.float64, requires_grad=True)
+    dist = torch.arange(q_len)[:, None] + (k_len - q_len) - torch.arange(k_len)
+    visible = (dist >= 0).to(torch.float64)  # upper-triangle entries are garbage in both shifts
+    weights = torch.randn(2, 3, q_len, k_len, dtype=torch.float64) * visible
+    (grad_ref,) = torch.autograd.grad((rel_shift_pad(raw) * weights).sum(), raw)
+    (grad_fast,) = torch.autograd.grad((rel_shift_fast(raw) * weights).sum(), raw)
+    torch.testing.assert_close(rel_shift_fast(raw) * visible, rel_shift_pad(raw) * visible)
+    torch.testing.assert_close(grad_fast, grad_ref)
+
+
+def test_bf16_autocast_is_finite_and_close_to_fp32():
+    _, fast = pair(dropout=0.0)
+    x = torch.randint(0, 53, (2, 24), generator=torch.Generator().manual_seed(2))
+    fast.train()
+    fp32 = fast(x[:, :12], labels=x[:, 1:13])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = fast(x[:, :12], labels=x[:, 1:13])
+        second = fast(x[:, 12:23], memory=bf16.memory, labels=x[:, 13:24])
+    bf16.loss.backward()
+    assert torch.isfinite(bf16.logits).all() and torch.isfinite(second.logits).all()
+    assert all(torch.isfinite(p.grad).all() for p in fast.parameters() if p.grad is not None)
+    assert abs(bf16.loss.item() - fp32.loss.item()) < 0.02 * fp32.loss.item()
+    probs32, probs16 = fp32.logits.softmax(-1), bf16.logits.float().softmax(-1)
+    assert (probs32 - probs16).abs().max() < 0.02
+
+
+def test_cheap_dropout_statistics_gradient_and_seeding():
+    x = torch.ones(400, 500, requires_grad=True)
+    y = cheap_dropout(x, 0.1, True)
+    kept = (y > 0).float().mean().item()
+    assert abs(kept - 0.9) < 0.005
+    assert abs(y.mean().item() - 1.0) < 0.01  # survivors scaled by the exact inverse keep probability
+    y.sum().backward()
+    assert torch.equal(x.grad, y.detach())  # d/dx = the same mask and scale
+    assert cheap_dropout(x, 0.1, False) is x and cheap_dropout(x, 0.0, True) is x
+    torch.manual_seed(3)
+    a = cheap_dropout(torch.ones(1000), 0.5, True)
+    torch.manual_seed(3)
+    b = cheap_dropout(torch.ones(1000), 0.5, True)
+    assert torch.equal(a, b)
