@@ -197,6 +197,33 @@ def write_model_files(model, directory: Path, *, extra_files: dict[str, Any] | N
         write_json(directory / name, data)
 
 
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The model directory behind `path`: a checkpoint directory (config.json + model.safetensors) is
+    returned as is; a `txl train` run directory resolves to RUN/best, else RUN/last.
+
+    Used by `txl eval`, `txl generate` and `txl recl`, so all three accept the same thing. Read-only:
+    a run whose `best` is missing (e.g. a crash mid-swap) falls back to `last` without repairing it.
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(
+            f"checkpoint not found: {path}; pass a checkpoint directory (config.json + model.safetensors) "
+            "or a `txl train` run directory"
+        )
+    if (path / CONFIG_NAME).is_file() and (path / WEIGHTS_NAME).is_file():
+        return path
+    for name in ("best", "last"):
+        candidate = path / name
+        if (candidate / CONFIG_NAME).is_file() and (candidate / WEIGHTS_NAME).is_file():
+            return candidate
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is a file, not a checkpoint directory (config.json + model.safetensors)")
+    raise CheckpointError(
+        f"{path} is neither a checkpoint (no {CONFIG_NAME} + {WEIGHTS_NAME}) nor a run directory with "
+        "best/ or last/; pass the --out directory of `txl train` or a directory written by save_pretrained"
+    )
+
+
 def load_config(directory: str | Path):
     from txl.config import TransformerXLConfig
 

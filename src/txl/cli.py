@@ -25,6 +25,21 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "txl.data.cli:configure",
         "txl.data.cli:run",
     ),
+    "eval": (
+        "score a checkpoint on a split (bpc/ppl) with long memory, the vanilla baseline, or a memory sweep",
+        "txl.eval_cli:configure_eval",
+        "txl.eval_cli:run_eval",
+    ),
+    "generate": (
+        "continue a prompt with a checkpoint, reusing memory; streams text to stdout",
+        "txl.eval_cli:configure_generate",
+        "txl.eval_cli:run_generate",
+    ),
+    "recl": (
+        "relative effective context length of a group of checkpoints (Dai et al. 2019, appendix C)",
+        "txl.eval_cli:configure_recl",
+        "txl.eval_cli:run_recl",
+    ),
     "plot": (
         "PNG training curves (loss, bpc/ppl, lr, tokens/s) from one or more run directories",
         "txl.plot:configure_cli",

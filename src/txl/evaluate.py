@@ -1,24 +1,38 @@
-"""Evaluation with long memory: token-weighted loss over a whole split, as bpc or perplexity.
+"""Evaluation: token-weighted loss over a whole split as bpc or perplexity, two ways.
 
-The split is cut into `batch_size` contiguous streams read `tgt_len` tokens at a time; each stream
-carries its own memory from segment to segment, so a token can attend `mem_len` positions back per
-layer without re-running them (Dai et al. 2019, §3.2: the evaluation speed-up). With `warm_memory`
+**Transformer-XL** (`evaluate`): the split is cut into `batch_size` contiguous streams read `tgt_len`
+tokens at a time; each stream carries its own memory from segment to segment, so a token attends
+`mem_len` positions back per layer without re-running them (Dai et al. 2019, §3.2). With `warm_memory`
 each stream starts `mem_len` tokens early and those warm-up tokens are fed but not scored, so every
 scored token has full context; without it, scoring starts at each stream's first token like the
 reference. Every target of the split is scored exactly once either way.
+
+**Vanilla** (`evaluate_vanilla`, Al-Rfou et al. 2018, the paper's Fig. 1b baseline): for every scored
+token a fresh forward over the previous `attn_len` tokens with no memory, keeping only the last
+prediction. `stride` S scores the last S positions of each window instead (cheaper, less context for
+all but the last). This is what Transformer-XL's evaluation speed-up is measured against
+(`txl bench eval-speedup`).
+
+`evaluate_checkpoint` is the Python face of `txl eval`: it opens a checkpoint (or a run directory),
+checks that the corpus vocabulary is the checkpoint's, and runs either evaluator.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import sys
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from txl.errors import UsageError
+from txl.errors import CheckpointError, DataError, UsageError
 
 
 @dataclass
@@ -31,6 +45,12 @@ class EvalResult:
     tgt_len: int
     batch_size: int
     warm_memory: bool
+    clamp_len: int | None = None  # None: not recorded (the model's own setting)
+    same_length: bool | None = None
+    mode: str = "xl"  # "xl": segments with memory; "vanilla": one fresh window per scored token
+    attn_len: int | None = None  # keys the last query of a segment attends to (see `attention_length`)
+    stride: int | None = None  # vanilla: positions scored per window
+    split: str | None = None
 
     @property
     def value(self) -> float:
@@ -54,11 +74,40 @@ def metric_value(loss: float, metric: str) -> float:
     return math.exp(min(loss, 700.0))
 
 
+def attention_length(*, mem_len: int, tgt_len: int, same_length: bool) -> int:
+    """Keys the *last* query of a segment attends to at each layer: mem_len + tgt_len (the first query
+    sees mem_len + 1), or exactly mem_len with same_length. The x-axis of `--sweep-mem`."""
+    return mem_len if same_length else mem_len + tgt_len
+
+
 def autocast(device: torch.device, precision: str):
     if precision == "fp32":
         return contextlib.nullcontext()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@contextlib.contextmanager
+def runtime_settings(model, *, clamp_len: int | None = None, same_length: bool | None = None) -> Iterator[Any]:
+    """Set the model's runtime attributes `clamp_len` / `same_length` for a block, then restore them
+    (they change no parameter, so a model trained with one setting can be evaluated with another)."""
+    inner = getattr(model, "module", model)
+    saved = (inner.clamp_len, inner.same_length)
+    try:
+        if clamp_len is not None:
+            if clamp_len < 0:
+                raise UsageError(f"clamp_len must be >= 0 (0 = no clamp), got {clamp_len}")
+            inner.clamp_len = clamp_len
+        if same_length is not None:
+            inner.same_length = same_length
+        yield inner
+    finally:
+        inner.clamp_len, inner.same_length = saved
+
+
+def _check_per_token(per_token: np.ndarray | None, n_targets: int) -> None:
+    if per_token is not None and per_token.shape != (n_targets,):
+        raise UsageError(f"per_token must have shape ({n_targets},) (one entry per target), got {per_token.shape}")
 
 
 @torch.no_grad()
@@ -77,12 +126,16 @@ def evaluate(
     rows: slice | None = None,
     per_token: np.ndarray | None = None,
     progress: bool = False,
+    clamp_len: int | None = None,
+    same_length: bool | None = None,
 ) -> EvalResult:
-    """Score `tokens` (a 1-D array of ids; targets are tokens[1:]).
+    """Score `tokens` (a 1-D array of ids; targets are tokens[1:]) segment by segment with memory.
 
-    rows: evaluate only these streams of the batch (distributed evaluation: each rank takes its
-    rows; sum `loss * tokens` over ranks). per_token: a float array of len(tokens) - 1 that receives
-    each target's NLL at its corpus position.
+    mem_len: memory per layer (None = the model's `mem_len`). clamp_len / same_length: override the
+    model's runtime settings for this call (None = keep). rows: evaluate only these streams of the
+    batch (distributed evaluation: each rank takes its rows; sum `loss * tokens` over ranks).
+    per_token: a float array of len(tokens) - 1 (after `max_tokens`) that receives each target's NLL
+    at its corpus position (target k -> per_token[k - 1]).
     """
     from txl.data import EvalIterator
 
@@ -93,45 +146,467 @@ def evaluate(
         raise UsageError(f"mem_len must be >= 0, got {mem_len}")
     if tgt_len < 1 or batch_size < 1:
         raise UsageError(f"tgt_len and batch_size must be >= 1, got {tgt_len} and {batch_size}")
+    if max_tokens < 0:
+        raise UsageError(f"max_tokens must be >= 0 (0 = the whole split), got {max_tokens}")
     if max_tokens:
         tokens = tokens[: max_tokens + 1]
+    _check_per_token(per_token, max(len(tokens) - 1, 0))
+    if (inner.same_length if same_length is None else same_length) and mem_len < 1:
+        raise UsageError("same_length needs mem_len >= 1 (each query sees exactly mem_len keys); "
+                         "raise mem_len or turn same_length off")
     iterator = EvalIterator(tokens, batch_size=batch_size, tgt_len=tgt_len, warm_len=mem_len if warm_memory else 0)
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64)
     count = 0
     memory = None
-    start = time.perf_counter()
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(iterator), desc="eval", unit="seg", leave=False, dynamic_ncols=True)
-    try:
-        for batch in iterator:
-            inputs, targets, mask = batch.inputs, batch.targets, batch.score_mask
-            positions = batch.positions
-            if rows is not None:
-                inputs, targets, mask, positions = inputs[rows], targets[rows], mask[rows], positions[rows]
-            inputs, targets, mask = inputs.to(device), targets.to(device), mask.to(device)
-            labels = targets.masked_fill(~mask, -100)
-            with autocast(device, precision):
-                out = model(inputs, memory=memory, labels=labels, mem_len=mem_len, return_logits=False)
-            memory = out.memory
-            nll = out.nll.float()
-            total += nll.sum().double().cpu()
-            count += int(mask.sum())
-            if per_token is not None:
-                keep = positions >= 0
-                # positions are split indices of the targets (1 … N-1); target k is per_token[k - 1]
-                per_token[positions[keep].numpy() - 1] = nll[keep.to(nll.device)].cpu().numpy()
+    with runtime_settings(model, clamp_len=clamp_len, same_length=same_length) as settings:
+        used_clamp, used_same = settings.clamp_len, settings.same_length
+        start = time.perf_counter()
+        try:
+            for batch in iterator:
+                inputs, targets, mask = batch.inputs, batch.targets, batch.score_mask
+                positions = batch.positions
+                if rows is not None:
+                    inputs, targets, mask, positions = inputs[rows], targets[rows], mask[rows], positions[rows]
+                inputs, targets, mask = inputs.to(device), targets.to(device), mask.to(device)
+                labels = targets.masked_fill(~mask, -100)
+                with autocast(device, precision):
+                    out = model(inputs, memory=memory, labels=labels, mem_len=mem_len, return_logits=False)
+                memory = out.memory
+                nll = out.nll.float()
+                total += nll.sum().double().cpu()
+                count += int(mask.sum())
+                if per_token is not None:
+                    keep = positions >= 0
+                    # positions are split indices of the targets (1 … N-1); target k is per_token[k - 1]
+                    per_token[positions[keep].numpy() - 1] = nll[keep.to(nll.device)].cpu().numpy()
+                if bar is not None:
+                    bar.update(1)
+        finally:
             if bar is not None:
-                bar.update(1)
-    finally:
-        if bar is not None:
-            bar.close()
-        model.train(was_training)
-    seconds = time.perf_counter() - start
+                bar.close()
+            model.train(was_training)
+        seconds = time.perf_counter() - start
     loss = (total / max(count, 1)).item()
     return EvalResult(loss=loss, tokens=count, seconds=seconds, metric=metric, mem_len=mem_len,
-                      tgt_len=tgt_len, batch_size=batch_size, warm_memory=warm_memory)
+                      tgt_len=tgt_len, batch_size=batch_size, warm_memory=warm_memory, clamp_len=used_clamp,
+                      same_length=used_same, mode="xl",
+                      attn_len=attention_length(mem_len=mem_len, tgt_len=tgt_len, same_length=used_same))
+
+
+# ---------------------------------------------------------------------------------------------
+# The vanilla baseline (Al-Rfou et al. 2018): one fresh window per scored token, no memory
+
+
+def default_window_batch(attn_len: int) -> int:
+    """Windows per forward for the vanilla evaluator: about 4096 tokens per batch (fewer windows at
+    long lengths keep the (windows × heads × L × L) score tensors bounded)."""
+    return max(1, 4096 // max(attn_len, 1))
+
+
+def _window_nll(model, tokens: np.ndarray, starts: np.ndarray, *, length: int, scored: np.ndarray,
+                device: torch.device, precision: str) -> torch.Tensor:
+    """NLL of the last `scored[b]` targets of the windows tokens[starts[b] : starts[b] + length] (inputs)
+    -> (B, length) float32, 0 where not scored. One forward, no memory (mem_len = 0)."""
+    index = starts[:, None] + np.arange(length + 1)[None, :]  # (B, length + 1): inputs + next token
+    window = torch.from_numpy(np.asarray(tokens[index.reshape(-1)], dtype=np.int64).reshape(index.shape))
+    inputs, targets = window[:, :-1].to(device), window[:, 1:].to(device)
+    columns = torch.arange(length, device=device)[None, :]
+    keep = columns >= (length - torch.as_tensor(scored, device=device))[:, None]  # the last scored[b] columns
+    labels = targets.masked_fill(~keep, -100)
+    with autocast(device, precision):
+        out = model(inputs, labels=labels, mem_len=0, return_logits=False)
+    return out.nll.float().masked_fill(~keep, 0.0)
+
+
+@torch.no_grad()
+def context_nll(
+    model,
+    tokens: np.ndarray,
+    targets: np.ndarray,
+    *,
+    context_len: int,
+    batch_size: int = 0,
+    device: torch.device | str = "cpu",
+    precision: str = "fp32",
+    clamp_len: int | None = None,
+) -> np.ndarray:
+    """NLL of tokens[k] for each k in `targets` given exactly its previous `context_len` tokens
+    (fewer when k < context_len): one fresh window per target, no memory. This is l(c, t) of the
+    RECL definition (Dai et al. 2019, appendix C) and the vanilla model's per-token evaluation."""
+    device = torch.device(device)
+    tokens = np.asarray(tokens) if not isinstance(tokens, np.ndarray) else tokens
+    targets = np.asarray(targets, dtype=np.int64)
+    if context_len < 1:
+        raise UsageError(f"the context length must be >= 1, got {context_len}")
+    if targets.size and (targets.min() < 1 or targets.max() >= len(tokens)):
+        raise UsageError(f"targets must lie in [1, {len(tokens) - 1}] (token 0 has no context)")
+    batch_size = batch_size or default_window_batch(context_len)
+    out = np.zeros(len(targets), dtype=np.float32)
+    was_training = model.training
+    model.eval()
+    try:
+        with runtime_settings(model, clamp_len=clamp_len, same_length=False):
+            full = np.flatnonzero(targets >= context_len)
+            for chunk in np.array_split(full, max(1, math.ceil(len(full) / batch_size))):
+                if not len(chunk):
+                    continue
+                starts = targets[chunk] - context_len
+                nll = _window_nll(model, tokens, starts, length=context_len, scored=np.ones(len(chunk), np.int64),
+                                  device=device, precision=precision)
+                out[chunk] = nll[:, -1].cpu().numpy()
+            for i in np.flatnonzero(targets < context_len):  # the whole history is shorter than the context
+                k = int(targets[i])
+                nll = _window_nll(model, tokens, np.array([0]), length=k, scored=np.array([1]), device=device,
+                                  precision=precision)
+                out[i] = float(nll[0, -1])
+    finally:
+        model.train(was_training)
+    return out
+
+
+@torch.no_grad()
+def evaluate_vanilla(
+    model,
+    tokens: np.ndarray,
+    *,
+    metric: str,
+    attn_len: int,
+    stride: int = 1,
+    batch_size: int = 0,
+    max_tokens: int = 0,
+    device: torch.device | str = "cpu",
+    precision: str = "fp32",
+    clamp_len: int | None = None,
+    per_token: np.ndarray | None = None,
+    progress: bool = False,
+) -> EvalResult:
+    """The vanilla Transformer evaluation of Al-Rfou et al. 2018 (Dai et al. 2019, Fig. 1b).
+
+    Target k (tokens 1..N-1) is predicted by a fresh forward over tokens[k - attn_len : k] with no
+    memory, keeping the last prediction. The first window, tokens[0 : attn_len], scores all of its
+    targets at once: each of them already sees its whole history, exactly what a window of its own
+    would give. After that, windows end every `stride` tokens and score their last `stride`
+    positions (stride 1 = the paper's figure: every token has exactly attn_len tokens of context;
+    larger strides give the earlier positions of a window less). `batch_size` windows run in one
+    forward (0 = about 4096 tokens' worth); per-token semantics do not depend on it.
+    """
+    device = torch.device(device)
+    if attn_len < 1:
+        raise UsageError(f"attn_len must be >= 1, got {attn_len}")
+    if not 1 <= stride <= attn_len:
+        raise UsageError(f"stride must be in [1, attn_len={attn_len}], got {stride}")
+    if batch_size < 0 or max_tokens < 0:
+        raise UsageError("batch_size and max_tokens must be >= 0 (0 = automatic / the whole split)")
+    if max_tokens:
+        tokens = tokens[: max_tokens + 1]
+    n = len(tokens)
+    if n < 2:
+        raise DataError(f"a split of {n} token(s) has nothing to score; it needs at least 2 tokens")
+    _check_per_token(per_token, n - 1)
+    batch_size = batch_size or default_window_batch(attn_len)
+    first = min(attn_len, n - 1)  # the first window's length: it scores targets 1 … first
+    ends = np.arange(first + stride, n - 1 + stride, stride, dtype=np.int64)  # last target of each later window
+    ends[-1:] = np.minimum(ends[-1:], n - 1)
+    scored = np.diff(np.concatenate([[first], ends])) if len(ends) else np.zeros(0, np.int64)
+    total, count = 0.0, 0
+    was_training = model.training
+    model.eval()
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=n - 1, desc="vanilla eval", unit="tok", leave=False, dynamic_ncols=True)
+    with runtime_settings(model, clamp_len=clamp_len, same_length=False) as settings:
+        used_clamp = settings.clamp_len
+        start = time.perf_counter()
+        try:
+            nll = _window_nll(model, tokens, np.array([0]), length=first, scored=np.array([first]), device=device,
+                              precision=precision)[0]
+            total += float(nll.double().sum())
+            count += first
+            if per_token is not None:
+                per_token[:first] = nll.cpu().numpy()
+            if bar is not None:
+                bar.update(first)
+            for chunk in np.array_split(np.arange(len(ends)), max(1, math.ceil(len(ends) / batch_size))):
+                if not len(chunk):
+                    continue
+                e, s = ends[chunk], scored[chunk]
+                nll = _window_nll(model, tokens, e - attn_len, length=attn_len, scored=s, device=device,
+                                  precision=precision)
+                total += float(nll.double().sum())
+                count += int(s.sum())
+                if per_token is not None:
+                    values = nll.cpu().numpy()
+                    for row, (end, k) in enumerate(zip(e.tolist(), s.tolist())):
+                        per_token[end - k : end] = values[row, attn_len - k :]  # targets end-k+1 … end
+                if bar is not None:
+                    bar.update(int(s.sum()))
+        finally:
+            if bar is not None:
+                bar.close()
+            model.train(was_training)
+        seconds = time.perf_counter() - start
+    return EvalResult(loss=total / max(count, 1), tokens=count, seconds=seconds, metric=metric, mem_len=0,
+                      tgt_len=attn_len, batch_size=batch_size, warm_memory=False, clamp_len=used_clamp,
+                      same_length=False, mode="vanilla", attn_len=attn_len, stride=stride)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory sweep: bpc/ppl against attention length
+
+
+def sweep_memory(model, tokens: np.ndarray, *, mem_lens: Sequence[int], metric: str, **kwargs) -> list[EvalResult]:
+    """`evaluate` once per memory length (same tokens, tgt_len and settings)."""
+    results = []
+    for mem_len in mem_lens:
+        results.append(evaluate(model, tokens, metric=metric, mem_len=int(mem_len), **kwargs))
+    return results
+
+
+def sweep_markdown(results: Sequence[EvalResult], *, title: str = "") -> str:
+    metric = results[0].metric if results else "bpc"
+    lines = [f"{title}\n" if title else ""]
+    lines.append(f"| mem_len | tgt_len | attention length | {metric} | loss (nats) | tokens | seconds |")
+    lines.append("|---:|---:|---:|---:|---:|---:|---:|")
+    best = min(results, key=lambda r: r.loss) if results else None
+    for r in results:
+        value = f"**{r.value:.4f}**" if r is best else f"{r.value:.4f}"
+        lines.append(f"| {r.mem_len} | {r.tgt_len} | {r.attn_len} | {value} | {r.loss:.4f} | {r.tokens:,} | "
+                     f"{r.seconds:.1f} |")
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def plot_sweep(results: Sequence[EvalResult], path: str | Path, *, title: str = "",
+               train_attn_len: int | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    metric = results[0].metric
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.plot([r.attn_len for r in results], [r.value for r in results], "o-")
+    if train_attn_len:
+        ax.axvline(train_attn_len, color="grey", linestyle="--", linewidth=1, label="training attention length")
+        ax.legend()
+    ax.set_xlabel("attention length at evaluation (mem_len + tgt_len)")
+    ax.set_ylabel(metric)
+    ax.set_title(title or f"{metric} against evaluation attention length")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+    except OSError as err:
+        raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
+    finally:
+        plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints + corpora
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A model directory resolved from a checkpoint or run path, with what was recorded next to it."""
+
+    path: Path  # the model directory (config.json + model.safetensors [+ vocab.json])
+    model: Any  # TransformerXL in eval mode
+    vocab: Any | None  # txl.data.Vocab from vocab.json, None when the directory has none
+    state: dict = field(default_factory=dict)  # trainer_state.json of this directory ({} if absent)
+    run: dict = field(default_factory=dict)  # run.json of the run directory ({} if absent)
+
+    @property
+    def data_spec(self) -> str | None:
+        """The corpus the run trained on (trainer_state.json or run.json `data`)."""
+        return self.state.get("data") or self.run.get("data")
+
+    def train_setting(self, key: str) -> Any:
+        """A [train] value of the run (e.g. tgt_len), from last/trainer_state.json or run.json; None if unknown."""
+        for source in (self.state.get("run"), self.run.get("config")):
+            if isinstance(source, dict) and isinstance(source.get("train"), dict) and key in source["train"]:
+                return source["train"][key]
+        return None
+
+
+def _read_optional_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def load_checkpoint(path: str | Path, *, device: torch.device | str = "cpu", require_vocab: bool = False) -> LoadedCheckpoint:
+    """Open a checkpoint directory or a `txl train` run directory (RUN/best, else RUN/last)."""
+    from txl.checkpoint import resolve_checkpoint
+    from txl.data import Vocab
+    from txl.model import TransformerXL
+
+    directory = resolve_checkpoint(path)
+    vocab = None
+    if (directory / "vocab.json").is_file():
+        try:
+            vocab = Vocab.load(directory / "vocab.json")
+        except DataError as err:
+            raise CheckpointError(f"{directory}/vocab.json: {err}") from None
+    elif require_vocab:
+        raise CheckpointError(f"{directory} has no vocab.json; it is needed to turn text into token ids "
+                              "(checkpoints written by `txl train` have one)")
+    model = TransformerXL.from_pretrained(directory, map_location=device)
+    if vocab is not None and vocab.size != model.config.vocab_size:
+        raise CheckpointError(f"{directory}: vocab.json has {vocab.size} ids but config.json has vocab_size="
+                              f"{model.config.vocab_size}; the checkpoint is inconsistent")
+    state = _read_optional_json(directory / "trainer_state.json")
+    run = _read_optional_json(directory.parent / "run.json") if directory.name in ("best", "last") else {}
+    if directory.name == "best" and "run" not in state:  # best/ records no run config; last/ does
+        state = {**_read_optional_json(directory.parent / "last" / "trainer_state.json"), **state}
+    return LoadedCheckpoint(path=directory, model=model, vocab=vocab, state=state, run=run)
+
+
+def open_eval_corpus(ckpt: LoadedCheckpoint, data: str | None, split: str):
+    """The corpus to score and its split tokens; its vocabulary must be the checkpoint's."""
+    from txl.data import open_corpus
+
+    spec = data or ckpt.data_spec
+    if not spec:
+        raise UsageError(f"{ckpt.path} does not record its training data; pass --data SPEC")
+    corpus = open_corpus(spec)
+    if ckpt.vocab is not None:
+        corpus.vocab.check_same(ckpt.vocab, what=f"the checkpoint {ckpt.path}")
+    else:
+        corpus.vocab.check_matches(ckpt.model.config.vocab_size)
+        print(f"note: {ckpt.path} has no vocab.json; only the vocabulary size was checked against {spec}",
+              file=sys.stderr)
+    return corpus, corpus.split(split)
+
+
+def evaluate_checkpoint(
+    checkpoint: str | Path | LoadedCheckpoint,
+    *,
+    data: str | None = None,
+    split: str = "valid",
+    tgt_len: int | None = None,
+    mem_len: int | None = None,
+    clamp_len: int | None = None,
+    same_length: bool | None = None,
+    batch_size: int = 10,
+    warm_memory: bool = True,
+    precision: str = "fp32",
+    max_tokens: int = 0,
+    vanilla: bool = False,
+    attn_len: int | None = None,
+    stride: int = 1,
+    device: torch.device | str = "cpu",
+    per_token: bool = False,
+    progress: bool = False,
+) -> tuple[EvalResult, np.ndarray | None]:
+    """What `txl eval` computes: (result, per-token NLL in corpus order or None).
+
+    data: a data spec (default: the one the run trained on). tgt_len: default the run's evaluation
+    segment length (eval_tgt_len, else tgt_len), else 128. mem_len / clamp_len / same_length: default
+    the checkpoint's config. vanilla: the Al-Rfou evaluator with `attn_len` (default mem_len + tgt_len)
+    and `stride`; `batch_size` then counts windows per forward.
+    """
+    ckpt = checkpoint if isinstance(checkpoint, LoadedCheckpoint) else load_checkpoint(checkpoint, device=device)
+    model = ckpt.model
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise UsageError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
+    for name, value in (("mem_len", mem_len), ("clamp_len", clamp_len), ("max_tokens", max_tokens)):
+        if value is not None and value < 0:
+            raise UsageError(f"{name} must be >= 0, got {value}")
+    if tgt_len is not None and tgt_len < 1:
+        raise UsageError(f"tgt_len must be >= 1, got {tgt_len}")
+    corpus, tokens = open_eval_corpus(ckpt, data, split)
+    tgt_len = tgt_len or ckpt.train_setting("eval_tgt_len") or ckpt.train_setting("tgt_len") or 128
+    if max_tokens:
+        tokens = tokens[: max_tokens + 1]
+    if mem_len is None:
+        mem_len = ckpt.train_setting("eval_mem_len")  # what the run validated with (None: the model's)
+    nll = np.zeros(max(len(tokens) - 1, 0), dtype=np.float32) if per_token else None
+    if vanilla:
+        mem = model.mem_len if mem_len is None else mem_len
+        result = evaluate_vanilla(model, tokens, metric=corpus.metric, attn_len=attn_len or mem + tgt_len,
+                                  stride=stride, batch_size=batch_size, device=device, precision=precision,
+                                  clamp_len=clamp_len, per_token=nll, progress=progress)
+    else:
+        result = evaluate(model, tokens, metric=corpus.metric, batch_size=batch_size, tgt_len=tgt_len,
+                          mem_len=mem_len, warm_memory=warm_memory, device=device, precision=precision,
+                          per_token=nll, progress=progress, clamp_len=clamp_len, same_length=same_length)
+    result.split = split
+    return result, nll
+
+
+def save_per_token(values: np.ndarray, path: str | Path) -> Path:
+    """Per-token NLL (nats, corpus order) as .npy (numpy, no pickle) or .txt (one value per line)."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.suffix == ".npy":
+            np.save(path, np.asarray(values, dtype=np.float32), allow_pickle=False)
+        elif path.suffix == ".txt":
+            np.savetxt(path, np.asarray(values, dtype=np.float64), fmt="%.8g")
+        else:
+            raise UsageError(f"--per-token {path}: use a .npy or .txt file name")
+    except OSError as err:
+        raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
+    return path
+
+
+def load_per_token(path: str | Path) -> np.ndarray:
+    path = Path(path)
+    if path.suffix == ".npy":
+        return np.load(path, allow_pickle=False)
+    return np.loadtxt(path, dtype=np.float64, ndmin=1)
+
+
+def result_table(result: EvalResult) -> str:
+    """The readable summary `txl eval` prints."""
+    r = result
+    rows = [("split", r.split or "-"), (r.metric, f"{r.value:.4f}"), ("loss (nats/token)", f"{r.loss:.4f}"),
+            ("tokens scored", f"{r.tokens:,}"), ("seconds", f"{r.seconds:.2f}"),
+            ("tokens/s", f"{r.tokens_per_second:,.0f}")]
+    if r.mode == "vanilla":
+        rows += [("evaluator", "vanilla (Al-Rfou et al. 2018): a fresh window per token, no memory"),
+                 ("attention length", str(r.attn_len)), ("stride", str(r.stride)),
+                 ("windows per forward", str(r.batch_size)), ("clamp_len", str(r.clamp_len))]
+    else:
+        rows += [("evaluator", "Transformer-XL: segments with memory"), ("mem_len", str(r.mem_len)),
+                 ("tgt_len", str(r.tgt_len)), ("attention length", str(r.attn_len)),
+                 ("clamp_len", f"{r.clamp_len} (0 = no clamp)" if r.clamp_len is not None else "-"),
+                 ("same_length", str(r.same_length)), ("batch size (streams)", str(r.batch_size)),
+                 ("warm memory", str(r.warm_memory))]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+__all__ = [
+    "EvalResult",
+    "LoadedCheckpoint",
+    "attention_length",
+    "autocast",
+    "context_nll",
+    "evaluate",
+    "evaluate_checkpoint",
+    "evaluate_vanilla",
+    "load_checkpoint",
+    "metric_value",
+    "plot_sweep",
+    "result_table",
+    "save_per_token",
+    "sweep_markdown",
+    "sweep_memory",
+]

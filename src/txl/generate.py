@@ -5,6 +5,13 @@ pass over one token that attends to the memory (the previous `mem_len` positions
 nothing else, so the cost per token is bounded by the attention length instead of growing with the
 text. With relative positions this equals re-running the whole context every step as long as the
 context fits in `mem_len` (tests/test_generate.py checks greedy decoding token for token).
+
+With `mem_len = 0` there is nothing to carry, so each step re-runs a sliding window of the last
+`segment_len` tokens instead: the vanilla Transformer's way (Al-Rfou et al. 2018), and the only
+sensible one for a model trained without memory.
+
+`generate_text` is the text-in, text-out face (`txl generate`): the prompt is encoded with the
+checkpoint's vocabulary and the continuation is decoded and written as it is produced (`TextStream`).
 """
 
 from __future__ import annotations
@@ -71,9 +78,15 @@ def stream_tokens(
     if mem_len < 0:
         raise UsageError(f"mem_len must be >= 0, got {mem_len}")
     segment_len = segment_len or max(mem_len, 128)
+    if segment_len < 1:
+        raise UsageError(f"segment_len must be >= 1, got {segment_len}")
     was_training = model.training
     model.eval()
     try:
+        if mem_len == 0:
+            yield from _stream_window(model, prompt.to(device), max_new_tokens=max_new_tokens, window=segment_len,
+                                      temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+            return
         memory: Memory | None = None
         logits = None
         for chunk in prompt.to(device).split(segment_len):
@@ -86,6 +99,17 @@ def stream_tokens(
             memory, logits = out.memory, out.logits[0, -1]
     finally:
         model.train(was_training)
+
+
+def _stream_window(model, prompt: Tensor, *, max_new_tokens: int, window: int, temperature: float, top_k: int,
+                   top_p: float, generator) -> Iterator[int]:
+    """mem_len = 0: every step re-runs the last `window` tokens without memory."""
+    context = prompt[-window:][None]  # (1, t)
+    for _ in range(max_new_tokens):
+        logits = model(context, mem_len=0).logits[0, -1]
+        token = _pick(logits.float(), temperature, top_k, top_p, generator)
+        yield token
+        context = torch.cat([context, context.new_tensor([[token]])], dim=1)[:, -window:]
 
 
 def _pick(logits: Tensor, temperature: float, top_k: int, top_p: float, generator) -> int:
@@ -116,26 +140,75 @@ def generate_rerun(model, prompt, *, max_new_tokens: int) -> list[int]:
     return new
 
 
-class TextStream:
-    """Decode token ids to text incrementally (bytes may split a UTF-8 character)."""
+def generate_text(
+    model,
+    vocab,
+    prompt: str,
+    *,
+    max_new_tokens: int,
+    write: Callable[[str], object] | None = None,
+    **kwargs,
+) -> str:
+    """Continue `prompt` (text) and return the new text; `write` receives it piece by piece as tokens
+    are produced. The prompt is encoded with `vocab` exactly like corpus text (`Vocab.encode`: for
+    word vocabularies unknown words become `<unk>`, or a `DataError` when there is none). Keyword
+    arguments go to `stream_tokens` (temperature, top_k, top_p, mem_len, segment_len, generator)."""
+    check_sampling(max_new_tokens, kwargs.get("temperature", 1.0), kwargs.get("top_k", 0), kwargs.get("top_p", 1.0))
+    if not prompt:
+        raise UsageError("the prompt is empty; give at least one token of text")
+    ids = [int(i) for i in vocab.encode(prompt)]
+    if not ids:
+        raise UsageError(f"the prompt {prompt!r} encodes to no tokens with this {vocab.kind} vocabulary; "
+                         "give some text")
+    pieces: list[str] = []
 
-    def __init__(self, vocab, write: Callable[[str], object]):
+    def collect(text: str) -> None:
+        pieces.append(text)
+        if write is not None:
+            write(text)
+
+    stream = TextStream(vocab, collect, prefix=ids)
+    for token in stream_tokens(model, ids, max_new_tokens=max_new_tokens, **kwargs):
+        stream.push(token)
+    stream.close()
+    return "".join(pieces)
+
+
+class TextStream:
+    """Decode token ids to text incrementally and `write` each new piece.
+
+    Byte vocabularies decode bytes incrementally (a UTF-8 character may span tokens). Other kinds
+    re-decode `prefix` + the new ids and write what was added, so words get the separator they need
+    after the prompt; `prefix` (e.g. the prompt's ids) is never written itself. A BPE text that ends
+    in an incomplete UTF-8 character is held back until the character is complete.
+    """
+
+    PREFIX_TOKENS = 16  # enough prompt tokens to decide spacing and finish a split character
+
+    def __init__(self, vocab, write: Callable[[str], object], prefix: Sequence[int] = ()):
         self.vocab = vocab
         self.write = write
         self.byte_level = getattr(vocab, "kind", None) == "bytes"
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.prefix = [int(t) for t in prefix][-self.PREFIX_TOKENS :]
         self.ids: list[int] = []
-        self.shown = 0
+        self.shown = len(vocab.decode(self.prefix)) if self.prefix and not self.byte_level else 0
 
     def push(self, token: int) -> None:
         if self.byte_level:
             self.write(self.decoder.decode(bytes([token])))
             return
         self.ids.append(token)
-        text = self.vocab.decode(self.ids)
-        self.write(text[self.shown :])
-        self.shown = len(text)
+        text = self.vocab.decode(self.prefix + self.ids)
+        if getattr(self.vocab, "kind", None) == "bpe":
+            text = text.rstrip("\ufffd")
+        if len(text) > self.shown:
+            self.write(text[self.shown :])
+            self.shown = len(text)
 
     def close(self) -> None:
         if self.byte_level:
             self.write(self.decoder.decode(b"", final=True))
+        elif getattr(self.vocab, "kind", None) == "bpe":
+            text = self.vocab.decode(self.prefix + self.ids)
+            self.write(text[self.shown :])

@@ -1,0 +1,365 @@
+"""`txl eval`, `txl generate` and `txl recl`: argument parsing and printing.
+
+Kept free of torch at import time (`txl --help` imports every subcommand's `configure`); the work is
+done by `txl.evaluate`, `txl.generate` and `txl.recl`, imported when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from txl.errors import UsageError
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: give comma-separated integers, e.g. 0,64,128,256") from None
+    if not values:
+        raise UsageError(f"{flag} needs at least one value")
+    if any(v < 0 for v in values):
+        raise UsageError(f"{flag} {text!r}: memory lengths must be >= 0")
+    return values
+
+
+def _device(name: str) -> str:
+    if name == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda but no CUDA device is available; use --device cpu")
+    return name
+
+
+def _add_checkpoint(parser: argparse.ArgumentParser, nargs: str | None = None) -> None:
+    parser.add_argument("checkpoint", nargs=nargs, metavar="CKPT",
+                        help="a checkpoint directory (config.json + model.safetensors + vocab.json) or a "
+                             "`txl train` run directory (uses RUN/best, else RUN/last)")
+
+
+def _check_nonnegative(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None and value < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+
+
+def _check_positive(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+# ---------------------------------------------------------------------------------------------
+# txl eval
+
+
+def configure_eval(parser: argparse.ArgumentParser) -> None:
+    _add_checkpoint(parser)
+    parser.add_argument("--data", help="data spec (default: the corpus the run trained on)")
+    parser.add_argument("--split", default="valid", help="valid or test (default: valid)")
+    parser.add_argument("--tgt-len", type=int, help="segment length (default: the run's eval_tgt_len or tgt_len)")
+    parser.add_argument("--mem-len", type=int, help="memory length per layer (default: the checkpoint's)")
+    parser.add_argument("--clamp-len", type=int, help="relative distances beyond this share one position "
+                                                      "vector (0 = no clamp; default: the checkpoint's)")
+    parser.add_argument("--same-length", action=argparse.BooleanOptionalAction, default=None,
+                        help="every query attends to exactly mem_len keys (default: the checkpoint's)")
+    parser.add_argument("--batch-size", type=int, default=10,
+                        help="parallel streams (vanilla: windows per forward, 0 = automatic); default 10")
+    parser.add_argument("--warm-memory", action=argparse.BooleanOptionalAction, default=True,
+                        help="start each stream mem_len tokens early so every scored token has full context "
+                             "(default: on)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--max-tokens", type=int, default=0, help="score only the first N targets (0 = all)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--per-token", metavar="FILE",
+                        help="write each target's NLL (nats) in corpus order to FILE (.npy or .txt)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    vanilla = parser.add_argument_group("vanilla baseline (Al-Rfou et al. 2018)")
+    vanilla.add_argument("--vanilla", action="store_true",
+                         help="score every token with a fresh window of --attn-len tokens and no memory")
+    vanilla.add_argument("--attn-len", type=int, help="window length L (default: mem_len + tgt_len)")
+    vanilla.add_argument("--stride", type=int, default=1,
+                         help="score the last S positions of each window (default 1, the paper's figure)")
+    sweep = parser.add_argument_group("memory sweep")
+    sweep.add_argument("--sweep-mem", metavar="M1,M2,...",
+                       help="evaluate once per memory length; prints a markdown table, writes PREFIX.md, "
+                            "PREFIX.png and PREFIX.json")
+    sweep.add_argument("--sweep-out", metavar="PREFIX", default="eval_sweep",
+                       help="output prefix of --sweep-mem (default: eval_sweep in the current directory)")
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    _check_nonnegative(args, "mem_len", "clamp_len", "max_tokens", "batch_size")
+    _check_positive(args, "tgt_len", "attn_len", "stride")
+    if not args.vanilla and args.batch_size == 0:
+        raise UsageError("--batch-size must be >= 1 (0 = automatic applies to --vanilla only)")
+    if args.sweep_mem and args.vanilla:
+        raise UsageError("--sweep-mem sweeps Transformer-XL's memory; it does not combine with --vanilla")
+    if args.per_token and Path(args.per_token).suffix not in (".npy", ".txt"):
+        raise UsageError(f"--per-token {args.per_token}: use a .npy or .txt file name")
+    if (args.attn_len is not None or args.stride != 1) and not args.vanilla:
+        raise UsageError("--attn-len and --stride apply to the vanilla evaluator; add --vanilla")
+    sweep = _int_list(args.sweep_mem, "--sweep-mem") if args.sweep_mem else None
+    from txl.evaluate import evaluate_checkpoint, load_checkpoint, result_table, save_per_token
+
+    device = _device(args.device)
+    ckpt = load_checkpoint(args.checkpoint, device=device)
+    progress = not args.quiet and sys.stderr.isatty()
+    common = dict(data=args.data, split=args.split, tgt_len=args.tgt_len, clamp_len=args.clamp_len,
+                  same_length=args.same_length, batch_size=args.batch_size, warm_memory=args.warm_memory,
+                  precision=args.precision, max_tokens=args.max_tokens, device=device, progress=progress)
+    if sweep:
+        return _run_sweep(args, ckpt, sweep, common)
+    result, nll = evaluate_checkpoint(ckpt, mem_len=args.mem_len, vanilla=args.vanilla, attn_len=args.attn_len,
+                                      stride=args.stride, per_token=bool(args.per_token), **common)
+    out = result.to_dict()
+    out["checkpoint"] = str(ckpt.path)
+    out["data"] = args.data or ckpt.data_spec
+    if args.per_token:
+        out["per_token"] = str(save_per_token(nll, args.per_token))
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"checkpoint  {ckpt.path}\ndata        {out['data']}")
+        print(result_table(result))
+        if args.per_token:
+            print(f"per-token NLL (nats, corpus order) -> {out['per_token']}")
+    return 0
+
+
+def _run_sweep(args: argparse.Namespace, ckpt, mem_lens: list[int], common: dict) -> int:
+    import platform
+
+    import torch
+
+    from txl.evaluate import evaluate_checkpoint, plot_sweep, sweep_markdown
+
+    results = []
+    for mem_len in mem_lens:
+        result, _ = evaluate_checkpoint(ckpt, mem_len=mem_len, **common)
+        results.append(result)
+        if not args.json:
+            print(f"mem_len {mem_len}: {result.metric} {result.value:.4f} ({result.tokens:,} tokens, "
+                  f"{result.seconds:.1f} s)", file=sys.stderr, flush=True)
+    config = ckpt.model.config
+    train_tgt = ckpt.train_setting("tgt_len")
+    train_attn = config.mem_len + train_tgt if train_tgt else None
+    data = args.data or ckpt.data_spec
+    header = (f"# Evaluation memory sweep\n\n- checkpoint: `{ckpt.path}` ({config.n_layer} layers, d_model {config.d_model}, trained with "
+              f"mem_len {config.mem_len}" + (f", tgt_len {train_tgt}" if train_tgt else "") + ")\n"
+              f"- data: `{data}`, split {args.split}"
+              + (f", first {args.max_tokens:,} targets" if args.max_tokens else "") + "\n"
+              f"- settings: tgt_len {results[0].tgt_len}, batch {args.batch_size} streams, warm memory "
+              f"{args.warm_memory}, same_length {results[0].same_length}, clamp_len {results[0].clamp_len}, "
+              f"{args.precision}\n"
+              f"- attention length = mem_len + tgt_len (keys the last query of a segment sees)\n"
+              f"- machine: {platform.machine()} CPU × {torch.get_num_threads()} threads, torch {torch.__version__}, "
+              f"{time.strftime('%Y-%m-%d')}\n\n")
+    table = sweep_markdown(results)
+    prefix = Path(args.sweep_out)
+    png = plot_sweep(results, prefix.with_suffix(".png"), train_attn_len=train_attn,
+                     title=f"{ckpt.path.parent.name if ckpt.path.name in ('best', 'last') else ckpt.path.name}: "
+                           f"{results[0].metric} vs attention length ({args.split})")
+    try:
+        prefix.with_suffix(".md").write_text(header + table + f"\n![sweep]({png.name})\n")
+        prefix.with_suffix(".json").write_text(json.dumps([r.to_dict() for r in results], indent=2) + "\n")
+    except OSError as err:
+        raise UsageError(f"cannot write {prefix}.md/.json: {err.strerror or err}") from None
+    if args.json:
+        print(json.dumps([r.to_dict() for r in results], indent=2))
+    else:
+        print(table)
+        print(f"wrote {prefix.with_suffix('.md')}, {png}, {prefix.with_suffix('.json')}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# txl generate
+
+
+def configure_generate(parser: argparse.ArgumentParser) -> None:
+    _add_checkpoint(parser)
+    parser.add_argument("--prompt", help="text to continue (encoded with the checkpoint's vocab.json)")
+    parser.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE (UTF-8)")
+    parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default 200)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (0 = greedy)")
+    parser.add_argument("--top-k", type=int, default=40,
+                        help="sample among the k most likely tokens (0 = all; default 40, the paper's appendix E)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    parser.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    parser.add_argument("--seed", type=int, help="sampling seed (default: random)")
+    parser.add_argument("--mem-len", type=int,
+                        help="memory per layer while generating (default: the checkpoint's; 0 = re-run a "
+                             "sliding window of the training segment length each step)")
+    parser.add_argument("--no-echo", dest="echo", action="store_false", help="do not print the prompt first")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None and args.prompt_file:
+        raise UsageError("give --prompt or --prompt-file, not both")
+    if args.prompt_file:
+        try:
+            text = Path(args.prompt_file).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise UsageError(f"prompt file not found: {args.prompt_file}") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise UsageError(f"cannot read prompt file {args.prompt_file}: {err}") from None
+    elif args.prompt is not None:
+        text = args.prompt
+    else:
+        raise UsageError("no prompt: give --prompt TEXT or --prompt-file FILE")
+    if not text:
+        raise UsageError("the prompt is empty; give at least one token of text")
+    return text
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from txl.generate import check_sampling
+
+    prompt = read_prompt(args)
+    temperature = 0.0 if args.greedy else args.temperature
+    check_sampling(args.max_new_tokens, temperature, args.top_k, args.top_p)
+    _check_nonnegative(args, "mem_len")
+    import torch
+
+    from txl.evaluate import load_checkpoint
+    from txl.generate import generate_text
+
+    device = _device(args.device)
+    ckpt = load_checkpoint(args.checkpoint, device=device, require_vocab=True)
+    mem_len = ckpt.model.mem_len if args.mem_len is None else args.mem_len
+    window = ckpt.train_setting("tgt_len") if mem_len == 0 else None  # the vanilla model's training window
+    generator = torch.Generator().manual_seed(args.seed) if args.seed is not None else None
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    if args.echo:
+        write(prompt)
+    generate_text(ckpt.model, ckpt.vocab, prompt, max_new_tokens=args.max_new_tokens, write=write,
+                  temperature=temperature, top_k=args.top_k, top_p=args.top_p, mem_len=mem_len,
+                  segment_len=window, generator=generator)
+    write("\n")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# txl recl
+
+
+def configure_recl(parser: argparse.ArgumentParser) -> None:
+    _add_checkpoint(parser, nargs="+")
+    parser.add_argument("--data", help="data spec (default: the corpus the first checkpoint trained on)")
+    parser.add_argument("--split", default="valid", help="valid or test (default: valid)")
+    parser.add_argument("--contexts", required=True, metavar="C1,C2,... | START:STOP:STEP",
+                        help="context lengths, increasing; consecutive pairs are the (c, c + Δ) steps")
+    parser.add_argument("--r", default="0.1,0.5,1.0", help="top-r ratios of hard tokens (default 0.1,0.5,1.0)")
+    parser.add_argument("--threshold", type=float, default=0.01, help="relative gain threshold (paper: 0.01)")
+    parser.add_argument("--mode", choices=["window", "memory"], default="window",
+                        help="how context length c is realised: window = a fresh forward over exactly the c "
+                             "previous tokens (the definition; default); memory = mem_len c with same_length "
+                             "(attention length c; reach up to n_layer × c)")
+    parser.add_argument("--positions", type=int,
+                        help="score this many positions, evenly spaced (0 = all; default 2000 in window mode, "
+                             "all in memory mode)")
+    parser.add_argument("--max-tokens", type=int, default=0, help="only use the first N tokens of the split")
+    parser.add_argument("--tgt-len", type=int, default=32, help="memory mode: segment length (default 32)")
+    parser.add_argument("--batch-size", type=int, default=0,
+                        help="window mode: windows per forward (0 = automatic); memory mode: streams (0 = 1)")
+    parser.add_argument("--names", help="comma-separated labels for the checkpoints (default: run names)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--cache", metavar="DIR",
+                        help="store per-token losses here and reuse them (resumable; change r or the "
+                             "threshold without recomputing)")
+    parser.add_argument("--out", metavar="PREFIX", help="write PREFIX.md, PREFIX.json and PREFIX.png")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _label(path: Path) -> str:
+    return path.parent.name if path.name in ("best", "last") else path.name
+
+
+def run_recl(args: argparse.Namespace) -> int:
+    from txl.recl import choose_positions, parse_contexts, parse_rs
+
+    contexts = parse_contexts(args.contexts)
+    rs = parse_rs(args.r)
+    _check_nonnegative(args, "positions", "max_tokens", "batch_size")
+    _check_positive(args, "tgt_len")
+    if not 0 < args.threshold < 1:
+        raise UsageError(f"--threshold must be in (0, 1), got {args.threshold}")
+    names = [n.strip() for n in args.names.split(",")] if args.names else None
+    if names is not None and len(names) != len(args.checkpoint):
+        raise UsageError(f"--names gives {len(names)} labels for {len(args.checkpoint)} checkpoints")
+
+    from txl.evaluate import load_checkpoint, metric_value, open_eval_corpus
+    from txl.recl import compute_recl, context_losses, plot_recl, recl_markdown, weights_key
+
+    device = _device(args.device)
+    ckpts = [load_checkpoint(path, device=device) for path in args.checkpoint]
+    names = names or [_label(c.path) for c in ckpts]
+    if len(set(names)) != len(names):
+        raise UsageError(f"two checkpoints have the same label ({names}); give --names")
+    data = args.data or ckpts[0].data_spec
+    corpus = tokens = None
+    for ckpt in ckpts:  # every model must read the same corpus with the same vocabulary
+        corpus, tokens = open_eval_corpus(ckpt, data, args.split)
+    positions_count = args.positions if args.positions is not None else (2000 if args.mode == "window" else 0)
+    positions = choose_positions(len(tokens), contexts[-1], positions_count, max_tokens=args.max_tokens)
+
+    def log(message: str) -> None:
+        if not args.json:
+            print(message, file=sys.stderr, flush=True)
+
+    losses = {}
+    started = time.perf_counter()
+    for name, ckpt in zip(names, ckpts):
+        log(f"{name}: {args.mode} mode, {len(positions):,} positions, contexts {contexts}")
+        key = f"{weights_key(ckpt.path)}|{corpus.fingerprint}|{args.split}|{ckpt.model.clamp_len}"
+        losses[name] = context_losses(ckpt.model, tokens, positions, contexts, mode=args.mode, tgt_len=args.tgt_len,
+                                      batch_size=args.batch_size, device=device, precision=args.precision,
+                                      cache=Path(args.cache) if args.cache else None, cache_key=key,
+                                      log=lambda m, n=name: log(f"{n}: {m}"))
+    result = compute_recl(losses, contexts, rs, threshold=args.threshold)
+    result.info = {"data": data, "split": args.split, "mode": args.mode, "checkpoints": [str(c.path) for c in ckpts],
+                   "metric": corpus.metric, "seconds": time.perf_counter() - started,
+                   "tgt_len": args.tgt_len if args.mode == "memory" else None,
+                   "first_position": int(positions[0]), "last_position": int(positions[-1])}
+    table = recl_markdown(result, metric=corpus.metric)
+    if args.out:
+        prefix = Path(args.out)
+        png = plot_recl(result, prefix.with_suffix(".png"), metric=corpus.metric)
+        header = (f"RECL ({args.mode} mode) on `{data}` {args.split}: {len(positions):,} positions "
+                  f"(targets {positions[0]:,} … {positions[-1]:,}), contexts {contexts}, threshold "
+                  f"{args.threshold:g}\n\n")
+        try:
+            prefix.with_suffix(".md").write_text(header + table + f"\n![RECL]({png.name})\n")
+            prefix.with_suffix(".json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+        except OSError as err:
+            raise UsageError(f"cannot write {prefix}.md/.json: {err.strerror or err}") from None
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(table)
+        best = {n: metric_value(min(result.mean_loss[n]), corpus.metric) for n in names}
+        print("best " + corpus.metric + ": " + ", ".join(f"{n} {v:.4f}" for n, v in best.items()))
+        if args.out:
+            print(f"wrote {Path(args.out).with_suffix('.md')}, .json, .png")
+    return 0
