@@ -9,11 +9,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
+import helpers
+from helpers import finish, saved_step, train_losses, txl, write_config
 from txl.checkpoint import load_tensors
 from txl.errors import ConfigError, TrainingError
 from txl.optim import lr_at
@@ -21,79 +22,7 @@ from txl.run_config import RunConfig, build_run_config, load_preset, preset_name
 from txl.train import LAST, Trainer
 
 pytestmark = pytest.mark.slow
-
-TOML = """
-[model]
-n_layer = 2
-d_model = 32
-n_head = 2
-d_head = 16
-d_inner = 64
-mem_len = 16
-dropout = {dropout}
-
-[train]
-data = "text:{corpus}?tokenizer=bytes"
-tgt_len = 16
-batch_size = 4
-lr = 2e-3
-max_steps = {steps}
-log_interval = 1
-eval_interval = {eval_interval}
-save_interval = 1
-eval_max_tokens = 2000
-eval_batch_size = 4
-final_splits = []
-varlen = {varlen}
-roll = {varlen}
-"""
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    import random
-
-    rng = random.Random(0)
-    words = ["memory", "segment", "attention", "relative", "position", "token", "layer", "the", "of", "and"]
-    text = "\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(3000))
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text(text)
-    return path
-
-
-@pytest.fixture(autouse=True)
-def cache_dir(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("TXL_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "txl-cache"))
-
-
-def write_config(tmp_path, corpus, *, steps=30, dropout=0.1, varlen="true", eval_interval=1000) -> Path:
-    path = tmp_path / "run.toml"
-    path.write_text(TOML.format(corpus=corpus, steps=steps, dropout=dropout, varlen=varlen,
-                                eval_interval=eval_interval))
-    return path
-
-
-def txl(*args, **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "txl", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kwargs)
-
-
-def finish(proc: subprocess.Popen, timeout=300) -> tuple[int, str]:
-    out, err = proc.communicate(timeout=timeout)
-    return proc.returncode, out + err
-
-
-def train_losses(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
-
-
-def saved_step(run_dir: Path) -> int:
-    try:
-        return json.loads((run_dir / LAST / "trainer_state.json").read_text())["step"]
-    except (FileNotFoundError, json.JSONDecodeError, KeyError):
-        return -1
+corpus, cache_dir = helpers.corpus, helpers.cache_dir  # fixtures
 
 
 def test_sigkill_then_resume_matches_an_uninterrupted_run_bitwise(tmp_path, corpus):

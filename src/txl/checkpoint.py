@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from txl.errors import CheckpointError, ConfigError
+from txl.errors import CheckpointError, ConfigError, OutputError, describe_os_error
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -43,11 +44,19 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_json(path: Path, data: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+    """Write JSON through a temporary sibling, fsync, rename: a crash never leaves half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
 
 
 def read_json(path: Path, what: str) -> Any:
@@ -59,7 +68,7 @@ def read_json(path: Path, what: str) -> Any:
         raise CheckpointError(f"cannot read {what} {path}: {err}") from None
     try:
         return json.loads(text)
-    except json.JSONDecodeError as err:
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, a 5000-digit number, [[[[...
         raise CheckpointError(f"{what} {path} is not valid JSON ({err}); the file is corrupt") from None
 
 
@@ -74,9 +83,10 @@ def atomic_directory(final: str | Path) -> Iterator[Path]:
     try:
         parent.mkdir(parents=True, exist_ok=True)
         recover_directory(final)
+        check_replaceable(final)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
     except OSError as err:
-        raise CheckpointError(f"cannot write to {parent}: {err.strerror or err}") from None
+        raise OutputError(f"cannot write checkpoint {final}: {describe_os_error(err)}") from None
     try:
         yield tmp
         _default_permissions(tmp)
@@ -92,8 +102,29 @@ def atomic_directory(final: str | Path) -> Iterator[Path]:
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(err, OSError):
-            raise CheckpointError(f"cannot write checkpoint {final}: {err.strerror or err}") from None
+            raise OutputError(f"cannot write checkpoint {final}: {describe_os_error(err)}") from None
         raise
+
+
+def check_replaceable(final: Path) -> None:
+    """Refuse to replace anything but an earlier checkpoint: txl never deletes what it did not write.
+
+    Without this, `save_pretrained("~/Documents")` or `txl import-hf SRC SRC` would swap the whole
+    directory (and, run as root, even `/dev/full`) for a checkpoint. A checkpoint is flat: config.json
+    plus JSON and safetensors files.
+    """
+    if final.is_symlink() or (final.exists() and not final.is_dir()):
+        raise OutputError(f"{final} exists and is not a directory; choose another location for the checkpoint")
+    if not final.exists():
+        return
+    entries = list(final.iterdir())
+    foreign = [e.name for e in entries if not (e.is_file() and e.suffix in (".json", ".safetensors"))]
+    if foreign or (entries and not (final / CONFIG_NAME).is_file()):
+        what = f"it holds {foreign[0]!r}" if foreign else f"it has no {CONFIG_NAME}"
+        raise OutputError(
+            f"{final} exists and is not a txl checkpoint ({what}); choose a new directory "
+            "(txl only replaces a checkpoint it wrote)"
+        )
 
 
 def recover_directory(final: str | Path) -> None:
@@ -147,13 +178,23 @@ def tensors_digest(tensors: dict[str, Tensor]) -> str:
 
 def save_tensors(path: str | Path, tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> None:
     """Write a safetensors file with a digest of its contents in the metadata (fsynced)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     meta = {"format": "pt", **(metadata or {}), DIGEST_KEY: tensors_digest(tensors)}
-    save_file(tensors, str(path), metadata=meta)
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
+    try:
+        save_file(tensors, str(path), metadata=meta)
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+    except OSError as err:
+        raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
+    except SafetensorError as err:  # the Rust writer reports I/O failures as "... (os error 28)"
+        code = re.search(r"os error (\d+)", str(err))
+        if code is None:
+            raise
+        number = int(code.group(1))
+        raise OutputError(f"cannot write {path}: {describe_os_error(OSError(number, os.strerror(number)))}") from None
 
 
 def load_tensors(path: str | Path, what: str = "tensor file") -> tuple[dict[str, Tensor], dict[str, str]]:

@@ -9,8 +9,11 @@ subcommand runs, so `txl --help` stays fast. User errors (`TxlError`) print one 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 
 # name -> (help, "module:configure", "module:run")
@@ -81,7 +84,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from txl.errors import TxlError
+    """Exit codes: 0 done, 2 a user error (one line on stderr), 1 an internal error (a bug: the
+    traceback is kept), 130 interrupted, 141 stdout closed early (`txl data list | head -1`)."""
+    from txl.errors import TxlError, describe_out_of_memory, is_out_of_memory
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
@@ -93,16 +98,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     run = _load(COMMANDS[args.command][2])
+    prefix = f"txl {args.command}"
     try:
         return int(run(args) or 0)
     except TxlError as err:
         if args.debug:
             raise
-        print(f"txl {args.command}: error: {err}", file=sys.stderr)
+        print(f"{prefix}: error: {_one_line(err)}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
-        print(f"txl {args.command}: interrupted", file=sys.stderr)
+        print(f"{prefix}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # Whoever read our output stopped reading; point stdout at /dev/null so the interpreter's
+        # final flush does not raise again.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except Exception as err:
+        if args.debug:
+            raise
+        if is_out_of_memory(err):  # a resource limit, not a bug: the cause and the fix are known
+            fix = _MEMORY_FIX.get(args.command, _MEMORY_FIX[""])
+            print(f"{prefix}: error: {describe_out_of_memory(err)}; {fix}", file=sys.stderr)
+            return 2
+        traceback.print_exc()
+        print(f"{prefix}: internal error: this {type(err).__name__} is a bug in txl, not in your input; please report "
+              "it with the traceback above (see SECURITY.md)", file=sys.stderr)
+        return 1
+
+
+_MEMORY_FIX = {
+    "train": "use a smaller model (n_layer, d_model, d_inner), a smaller batch_size or tgt_len, or grad_accum",
+    "": "use a smaller model, batch or segment length, or a machine with more memory",
+}
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split("\n")).strip() or type(err).__name__
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass
@@ -141,7 +142,7 @@ class TransformerXLConfig:
             if not 0.0 <= p < 1.0:
                 raise ConfigError(f"config.{name} must be in [0, 1), got {p}")
         for name in ["init_std", "proj_init_std", "layer_norm_eps"]:
-            if not getattr(self, name) > 0:
+            if not 0 < getattr(self, name) < math.inf:
                 raise ConfigError(f"config.{name} must be > 0, got {getattr(self, name)}")
         if self.same_length and self.mem_len < 1:
             raise ConfigError(
@@ -280,11 +281,11 @@ class TransformerXLConfig:
             text = path.read_text() if path is not None else str(source)
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
-        except (OSError, UnicodeDecodeError) as err:
+        except (OSError, ValueError) as err:  # ValueError: undecodable bytes, a NUL in the path
             raise ConfigError(f"cannot read config file {path}: {err}") from None
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as err:
+        except (ValueError, RecursionError) as err:  # also a 5000-digit number, [[[[... nested too deep
             where = f" in {path}" if path else ""
             raise ConfigError(f"config is not valid JSON{where}: {err}") from None
         return cls.from_dict(data)

@@ -1,12 +1,17 @@
 """Typed errors a user can cause.
 
 Every error a user can trigger (bad config, missing file, corrupt checkpoint, wrong vocabulary, bad CLI
-argument) is raised as a subclass of `TxlError` whose message is one line naming the cause and, where
-there is one, the fix. The CLI prints that line and exits non-zero without a traceback (unless
-`--debug`). Anything else escaping is a bug in txl.
+argument, a full or read-only disk) is raised as a subclass of `TxlError` whose message is one line
+naming the cause and, where there is one, the fix. The CLI prints that line and exits 2 without a
+traceback (unless `--debug`). Anything else escaping is a bug in txl: the CLI keeps its traceback and
+asks for a report (see SECURITY.md and docs/robustness.md).
 """
 
 from __future__ import annotations
+
+import errno
+import re
+import sys
 
 
 class TxlError(Exception):
@@ -32,4 +37,56 @@ class UsageError(TxlError):
 
 
 class TrainingError(TxlError):
-    """Training cannot continue (e.g. too many non-finite losses in a row)."""
+    """Training cannot continue (e.g. too many non-finite losses in a row, or out of memory)."""
+
+
+class OutputError(TxlError):
+    """A file or directory txl must write cannot be written (read-only location, a path below a
+    regular file, a full disk)."""
+
+
+# What to tell the user for the OS errors a write can hit; the key is the errno.
+_OS_FIXES = {
+    errno.ENOSPC: "no space left on the device; free some space or choose another location",
+    errno.EDQUOT: "disk quota exceeded; free some space or choose another location",
+    errno.EROFS: "read-only file system; choose a writable location",
+    errno.EACCES: "permission denied; choose a location you can write to",
+    errno.EPERM: "operation not permitted; choose a location you can write to",
+    errno.ENOTDIR: "a part of the path is a file, not a directory; choose another location",
+    errno.EEXIST: "a file with that name exists where a directory is needed; choose another location",
+    errno.EFBIG: "the file is larger than the file system or a size limit (ulimit -f) allows; free space or raise the limit",
+    errno.EISDIR: "it is a directory; give a file name",
+    errno.ENAMETOOLONG: "the path is too long; choose a shorter one",
+    errno.ENOENT: "no such file or directory",
+}
+
+
+def describe_os_error(err: OSError) -> str:
+    """One line for an `OSError`: the cause in plain words and, for writes, the fix."""
+    text = _OS_FIXES.get(err.errno or -1)
+    if text is None:
+        text = err.strerror or str(err) or type(err).__name__
+    return text.replace("\n", " ")
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """True for the ways torch and Python report a failed allocation (CPU or GPU)."""
+    if isinstance(err, MemoryError):
+        return True
+    torch = sys.modules.get("torch")  # never import torch just to classify an error
+    if torch is None:
+        return False
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    # The CPU allocator raises a plain RuntimeError ("DefaultCPUAllocator: can't allocate memory").
+    return isinstance(err, RuntimeError) and "can't allocate memory" in str(err)
+
+
+def describe_out_of_memory(err: BaseException) -> str:
+    """'out of memory (could not allocate 95.4 GiB)' from torch's CPU or CUDA allocator message."""
+    text = str(err)
+    found = re.search(r"allocate (\d+) bytes", text)  # CPU: "you tried to allocate 102400000000 bytes"
+    if found:
+        return f"out of memory (could not allocate {int(found.group(1)) / 2**30:.1f} GiB)"
+    found = re.search(r"[Tt]ried to allocate ([\d.]+ [KMGT]i?B)", text)  # CUDA
+    return f"out of memory (could not allocate {found.group(1)})" if found else "out of memory"

@@ -64,47 +64,76 @@ HF_DEFAULTS: dict[str, Any] = {
 
 
 def convert_config(hf: dict[str, Any]) -> TransformerXLConfig:
-    """HF TransfoXLConfig dict (new or pre-4.x key names) -> TransformerXLConfig."""
+    """HF TransfoXLConfig dict (new or pre-4.x key names) -> TransformerXLConfig.
+
+    The dict comes from a stranger's config.json: every value is type-checked here, so a wrong one is
+    a `ConfigError` naming the HF key, never a TypeError from `int(None)`.
+    """
+    if not isinstance(hf, dict):
+        raise ConfigError(f"HF config must be a JSON object, got {type(hf).__name__}")
+    if "pos_encoding" in hf:
+        raise ConfigError("this is a txl config.json, not a Hugging Face one; load the directory with "
+                          "TransformerXL.from_pretrained, no import needed")
     cfg = {**HF_DEFAULTS, **hf}
     if "n_token" in hf and "vocab_size" not in hf:  # pre-2020 configs
         cfg["vocab_size"] = hf["n_token"]
     if "tie_weight" in hf and "tie_word_embeddings" not in hf:
         cfg["tie_word_embeddings"] = hf["tie_weight"]
-    if cfg.get("attn_type", 0) != 0:
+
+    def get(key: str, kind: type):
+        value = cfg[key]
+        ok = isinstance(value, bool) if kind is bool else (
+            isinstance(value, int | float if kind is float else int) and not isinstance(value, bool))
+        if not ok:
+            raise ConfigError(f"HF config key {key!r} must be {kind.__name__}, got {value!r}")
+        return kind(value)
+
+    def get_list(key: str, kind: type) -> list:
+        value = cfg[key]
+        if not isinstance(value, list) or not all(isinstance(v, kind) and (kind is bool or not isinstance(v, bool))
+                                                  for v in value):
+            raise ConfigError(f"HF config key {key!r} must be a list of {kind.__name__}, got {value!r}")
+        return value
+
+    if get("attn_type", int) != 0:
         raise ConfigError(
             f"HF config has attn_type={cfg['attn_type']}; only attn_type 0 (relative positions) is "
             "supported by transformers and by this importer"
         )
-    cutoffs = list(cfg["cutoffs"])
-    tie_projs = hf.get("tie_projs")
-    if tie_projs is None:
-        tie_projs = [False] + [bool(cfg["proj_share_all_but_first"])] * len(cutoffs)
-    clamp = int(cfg["clamp_len"])
+    cutoffs = get_list("cutoffs", int)
+    if hf.get("tie_projs") is not None:
+        cfg["tie_projs"] = hf["tie_projs"]
+        tie_projs = get_list("tie_projs", bool)
+    else:
+        tie_projs = [False] + [get("proj_share_all_but_first", bool)] * len(cutoffs)
+    if cfg["d_embed"] is None:  # some hand-written configs: the embedding width is d_model
+        cfg["d_embed"] = cfg["d_model"]
+    clamp = get("clamp_len", int)
     return TransformerXLConfig(
-        vocab_size=int(cfg["vocab_size"]),
-        n_layer=int(cfg["n_layer"]),
-        d_model=int(cfg["d_model"]),
-        n_head=int(cfg["n_head"]),
-        d_head=int(cfg["d_head"]),
-        d_inner=int(cfg["d_inner"]),
-        d_embed=int(cfg["d_embed"]),
-        dropout=float(cfg["dropout"]),
-        dropatt=float(cfg["dropatt"]),
-        mem_len=int(cfg["mem_len"]),
+        vocab_size=get("vocab_size", int),
+        n_layer=get("n_layer", int),
+        d_model=get("d_model", int),
+        n_head=get("n_head", int),
+        d_head=get("d_head", int),
+        d_inner=get("d_inner", int),
+        d_embed=get("d_embed", int),
+        dropout=get("dropout", float),
+        dropatt=get("dropatt", float),
+        mem_len=get("mem_len", int),
         clamp_len=max(clamp, 0),  # HF/reference: <= 0 means no clamp
-        same_length=bool(cfg["same_length"]),
-        pre_lnorm=bool(cfg["pre_lnorm"]),
+        same_length=get("same_length", bool),
+        pre_lnorm=get("pre_lnorm", bool),
         final_norm=False,  # the reference has no final LayerNorm after pre-LN blocks
-        untie_r=bool(cfg["untie_r"]),
+        untie_r=get("untie_r", bool),
         pos_encoding="xl",
         attention="full",
-        cutoffs=tuple(int(c) for c in cutoffs),
-        div_val=int(cfg["div_val"]),
-        tie_weight=bool(cfg["tie_word_embeddings"]),
-        tie_projs=tuple(bool(t) for t in tie_projs),
-        init_std=float(cfg["init_std"]),
-        proj_init_std=float(cfg["proj_init_std"]),
-        layer_norm_eps=float(cfg["layer_norm_epsilon"]),
+        cutoffs=tuple(cutoffs),
+        div_val=get("div_val", int),
+        tie_weight=get("tie_word_embeddings", bool),
+        tie_projs=tuple(tie_projs),
+        init_std=get("init_std", float),
+        proj_init_std=get("proj_init_std", float),
+        layer_norm_eps=get("layer_norm_epsilon", float),
     )
 
 
@@ -192,7 +221,11 @@ def import_hf(src: str | Path, out: str | Path) -> TransformerXLConfig:
         config = convert_config(read_json(src / "config.json", "HF config"))
     except ConfigError as err:
         raise CheckpointError(f"{src / 'config.json'}: {err}") from None
-    tensors = convert_state_dict(read_hf_weights(src), config)
+    try:
+        tensors = convert_state_dict(read_hf_weights(src), config)
+    except (RuntimeError, IndexError) as err:  # torch.stack / torch.cat of tensors whose shapes disagree
+        msg = str(err).splitlines()[0]
+        raise CheckpointError(f"{src}: the HF tensors do not have the shapes config.json implies ({msg})") from None
     model = TransformerXL(config)
     from txl.checkpoint import check_state_dict
 

@@ -10,22 +10,42 @@ import argparse
 import json
 from pathlib import Path
 
-from txl.errors import UsageError
+from txl.errors import OutputError, UsageError, describe_os_error
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise UsageError(f"{run_dir} has no metrics.jsonl; pass the --out directory of a `txl train` run")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as err:
+        raise UsageError(f"cannot read {path}: {describe_os_error(err)}") from None
+    except UnicodeDecodeError as err:
+        raise UsageError(f"{path} is not UTF-8 text (byte {err.start}); the file is damaged") from None
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
             raise UsageError(f"{path}:{number} is not a JSON record; the file is damaged") from None
+        if not _valid_record(record):
+            raise UsageError(f"{path}:{number} is not a metrics record (an object with split, an integer "
+                             "step and numeric values); the file is damaged")
+        records.append(record)
     return records
+
+
+def _valid_record(record) -> bool:
+    if not isinstance(record, dict) or not isinstance(record.get("split"), str):
+        return False
+    step = record.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        return False
+    return all(isinstance(record.get(key), int | float | None) and not isinstance(record.get(key), bool)
+               for key in ("loss", "bpc", "ppl", "lr", "tokens_per_second"))
 
 
 def plot_runs(run_dirs: list[str | Path], out: str | Path, *, title: str | None = None) -> Path:
@@ -67,9 +87,19 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path, *, title: str | None 
     fig.suptitle(title or ", ".join(Path(r).name for r in run_dirs))
     fig.tight_layout()
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    if not out.suffix:
+        out = out.with_suffix(".png")
+    formats = fig.canvas.get_supported_filetypes()
+    if out.suffix.lstrip(".").lower() not in formats:
+        plt.close(fig)
+        raise UsageError(f"--out {out}: unknown image format {out.suffix!r}; end the name with .png, .pdf or .svg")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=120)
+    except OSError as err:
+        raise OutputError(f"cannot write {out}: {describe_os_error(err)}") from None
+    finally:
+        plt.close(fig)
     return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from importlib import resources
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from txl.config import TransformerXLConfig, check_dataclass_types
-from txl.errors import ConfigError
+from txl.errors import ConfigError, describe_os_error
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -72,8 +73,10 @@ class TrainConfig:
         if self.eval_mem_len is not None and self.eval_mem_len < 0:
             raise ConfigError(f"train.eval_mem_len must be >= 0, got {self.eval_mem_len}")
         for name in ("lr", "weight_decay", "eta_min", "clip", "max_minutes"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+            if not 0 <= getattr(self, name) < math.inf:  # also rejects NaN (JSON and TOML allow nan/inf)
+                raise ConfigError(f"train.{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if not 0 <= self.seed < 2**63:  # numpy and torch seeds are unsigned 64-bit
+            raise ConfigError(f"train.seed must be in [0, 2**63), got {self.seed}")
         if self.lr == 0:
             raise ConfigError("train.lr must be > 0")
         if self.batch_size % self.grad_accum:
@@ -131,6 +134,10 @@ def merge(run: RunConfig, data: dict[str, Any], where: str) -> None:
     unknown = sorted(set(data) - {"model", "train"})
     if unknown:
         raise ConfigError(f"unknown section {unknown[0]!r} in {where} (sections: model, train)")
+    for section in ("model", "train"):
+        if not isinstance(data.get(section, {}), dict):
+            raise ConfigError(f"{section} in {where} must be a table ([{section}] with key = value lines), "
+                              f"got {type(data[section]).__name__}")
     model = dict(data.get("model", {}))
     for key in model:
         if key not in MODEL_KEYS:
@@ -156,7 +163,7 @@ def parse_value(text: str) -> Any:
         return lowered == "True"
     try:
         return json.loads(lowered)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, a 5000-digit number, [[[[...: keep the string
         return text
 
 
@@ -197,8 +204,12 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file not found: {path}") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} is not valid TOML: invalid UTF-8 at byte {err.start}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path} is not valid TOML: arrays or tables nested too deeply") from None
     except OSError as err:
-        raise ConfigError(f"cannot read config file {path}: {err.strerror or err}") from None
+        raise ConfigError(f"cannot read config file {path}: {describe_os_error(err)}") from None
 
 
 def load_preset(name: str) -> dict[str, Any]:

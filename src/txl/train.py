@@ -37,12 +37,20 @@ from txl.checkpoint import (
     write_json,
     write_model_files,
 )
-from txl.errors import CheckpointError, ConfigError, TrainingError, UsageError
+from txl.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    OutputError,
+    TrainingError,
+    UsageError,
+    describe_os_error,
+)
 from txl.evaluate import EvalResult, autocast, evaluate, metric_value
 from txl.memory import Memory
 from txl.model import TransformerXL
 from txl.optim import build_optimizer, lr_at, optimizer_state_join, optimizer_state_split, set_lr
-from txl.run_config import RunConfig, build_run_config, preset_names
+from txl.run_config import RunConfig, build_run_config, merge, preset_names
 
 LAST, BEST = "last", "best"
 STATE_FILE = "trainer_state.json"
@@ -142,6 +150,7 @@ class Trainer:
         self.best_valid = math.inf
         self.nonfinite_streak = 0
         self.stop_requested = False
+        self._checked_splits: set[str] = set()
         self.metric = self.corpus.metric
         if resume:
             self.load_checkpoint(self.out / LAST)
@@ -152,13 +161,15 @@ class Trainer:
             raise UsageError(
                 f"{self.out} already holds a run; continue it with --resume {self.out} or pick a new --out"
             )
+        if self.out.exists() and not self.out.is_dir():
+            raise OutputError(f"output directory {self.out} exists and is not a directory; pick a new --out")
         try:
             self.out.mkdir(parents=True, exist_ok=True)
             probe = self.out / ".write-test"
             probe.write_text("")
             probe.unlink()
         except OSError as err:
-            raise UsageError(f"cannot write to output directory {self.out}: {err.strerror or err}") from None
+            raise OutputError(f"cannot write to output directory {self.out}: {describe_os_error(err)}") from None
 
     def write_run_file(self) -> None:
         data = {"config": self.run.to_dict(), "model": self.model_config.to_dict(), "world_size": self.dist.world,
@@ -220,6 +231,7 @@ class Trainer:
             self.model.train()
             while self.step < cfg.max_steps:
                 batch = next(batches)
+                self.check_token_ids(max(int(batch.inputs.max()), int(batch.targets.max())), "train")
                 if batch.step == 0:
                     self.memories = [None] * cfg.grad_accum  # memory does not cross epochs
                 lr = lr_at(self.step, schedule=cfg.schedule, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
@@ -294,8 +306,21 @@ class Trainer:
         self.model.train()
         return result
 
+    def check_token_ids(self, largest: int, split: str) -> None:
+        """Prepared arrays are unsigned, so only an id >= vocab_size can be wrong (a damaged cache):
+        without this it is an IndexError deep inside the embedding. Costs one max over the batch's
+        B×T ids on the CPU per step (microseconds; the model forward itself is left alone)."""
+        if largest >= self.model_config.vocab_size:
+            raise DataError(f"token id {largest} in the {split} split of {self.cfg.data!r} is outside the "
+                            f"vocabulary ({self.model_config.vocab_size} ids): the prepared cache is damaged; "
+                            f"run `txl data prepare {self.cfg.data} --force`")
+
     def evaluate_split(self, split: str, *, max_tokens: int = 0, progress: bool = False) -> EvalResult:
         cfg = self.cfg
+        tokens = self.corpus.split(split)
+        if split not in self._checked_splits and len(tokens):  # once per split: one pass over <= 5% of the corpus
+            self.check_token_ids(int(tokens[: max_tokens + 1 if max_tokens else None].max()), split)
+            self._checked_splits.add(split)
         bsz = cfg.eval_batch_size
         rows = None
         if self.dist.world > 1:
@@ -362,14 +387,17 @@ class Trainer:
                                           "data": self.cfg.data})
 
     def load_checkpoint(self, path: Path) -> None:
+        """Restore everything `save_checkpoint` wrote. The files may be damaged or come from another
+        run: every value is checked before it is used, and any mismatch is one `CheckpointError`."""
+        from txl.checkpoint import WEIGHTS_NAME, check_state_dict, load_config
+
         if not (path / STATE_FILE).is_file():
             raise CheckpointError(f"{path.parent} is not a txl training run (no {LAST}/{STATE_FILE}); "
                                   "pass the --out directory of an earlier `txl train`")
-        state = read_json(path / STATE_FILE, "trainer state")
-        if state.get("vocab_fingerprint") != self.corpus.vocab.fingerprint:
-            raise CheckpointError(f"{path} was trained on a different vocabulary than {self.cfg.data!r}")
-        from txl.checkpoint import WEIGHTS_NAME, check_state_dict, load_config
-
+        state = check_trainer_state(read_json(path / STATE_FILE, "trainer state"), path / STATE_FILE)
+        if state["vocab_fingerprint"] != self.corpus.vocab.fingerprint:
+            raise CheckpointError(f"{path} was trained on a different vocabulary than {self.cfg.data!r} has now "
+                                  "(the corpus files changed); restore them or start a new run")
         saved_config = load_config(path)
         if saved_config.to_dict() != self.model_config.to_dict():
             raise CheckpointError(f"{path}/config.json does not match this run's model config; resume with the "
@@ -377,33 +405,76 @@ class Trainer:
         weights, _ = load_tensors(path / WEIGHTS_NAME, "checkpoint weights")
         check_state_dict(self.model.state_dict(), weights, path)
         self.model.load_state_dict(weights)
-        opt_tensors, _ = load_tensors(path / "optimizer.safetensors", "optimizer state")
-        opt_plain = read_json(path / "optimizer.json", "optimizer state")
+        self._load_optimizer(path)
+        damaged = f"{path / STATE_FILE} is damaged"
         try:
-            self.optimizer.load_state_dict(optimizer_state_join(opt_tensors, opt_plain))
-        except (ValueError, KeyError, RuntimeError) as err:
-            raise CheckpointError(f"{path}: optimizer state does not fit this model ({err})") from None
-        self.scaler.load_state_dict(state["scaler"])
-        self.train_iter.load_state_dict(state["iterator"])
-        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+            self.scaler.load_state_dict(state["scaler"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as err:
+            raise CheckpointError(f"{damaged}: its gradient-scaler state is unusable ({err})") from None
+        try:
+            self.train_iter.load_state_dict(state["iterator"])
+        except DataError as err:
+            raise CheckpointError(f"{damaged} or was saved for other data: {err}") from None
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.elapsed = float(state["elapsed"])
         self.best_valid = math.inf if state["best_valid"] is None else float(state["best_valid"])
-        self.nonfinite_streak = int(state.get("nonfinite_streak", 0))
+        self.nonfinite_streak = state["nonfinite_streak"]
         extra, _ = load_tensors(path / "trainer.safetensors", "trainer state")
-        same_layout = state.get("world_size") == self.dist.world and state.get("grad_accum") == self.cfg.grad_accum
+        same_layout = state["world_size"] == self.dist.world and state["grad_accum"] == self.cfg.grad_accum
         if same_layout:
-            rank = self.dist.rank
-            for j in range(self.cfg.grad_accum):
-                layers = [extra[f"memory.rank{rank}.chunk{j}.layer{i}"].to(self.dist.device)
-                          for i in range(self.model_config.n_layer) if f"memory.rank{rank}.chunk{j}.layer{i}" in extra]
-                self.memories[j] = Memory(tuple(layers)) if layers else None
+            self._load_memory_and_rng(extra, path)
+        elif self.dist.main:
+            print(f"note: {path} was written with world size {state['world_size']} × grad_accum "
+                  f"{state['grad_accum']}; memory and RNG restart (the resume is not bit-exact)",
+                  file=sys.stderr)
+
+    def _load_optimizer(self, path: Path) -> None:
+        opt_tensors, _ = load_tensors(path / "optimizer.safetensors", "optimizer state")
+        opt_plain = read_json(path / "optimizer.json", "optimizer state")
+        unusable = f"{path}: the optimizer state does not fit this model (the checkpoint is damaged or from another run)"
+        if not (isinstance(opt_plain, dict) and isinstance(opt_plain.get("param_groups"), list)
+                and isinstance(opt_plain.get("state", {}), dict)):
+            raise CheckpointError(f"{path}/optimizer.json is damaged: expected an object with param_groups and "
+                                  "state; restore the file or start a new run")
+        fresh_groups = self.optimizer.state_dict()["param_groups"]
+        try:
+            joined = optimizer_state_join(opt_tensors, opt_plain)
+            _check_param_groups(fresh_groups, joined["param_groups"])
+            self.optimizer.load_state_dict(joined)
+        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as err:
+            raise CheckpointError(f"{unusable}: {type(err).__name__}: {err}") from None
+        # torch compares neither state shapes with the parameters nor types; a mismatch would only
+        # fail at the first step, deep inside the optimiser
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                for key, value in self.optimizer.state.get(param, {}).items():
+                    want = (1,) if key == "step" else tuple(param.shape)
+                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+                    if got is None or not value.dtype.is_floating_point or (got != want and value.numel() != 1):
+                        raise CheckpointError(f"{unusable}: {key!r} of a parameter of shape {tuple(param.shape)} is "
+                                              f"{'a tensor of shape ' + str(got) if got is not None else repr(value)}")
+
+    def _load_memory_and_rng(self, extra: dict[str, torch.Tensor], path: Path) -> None:
+        rank = self.dist.rank
+        rows = self.cfg.batch_size // self.dist.world // self.cfg.grad_accum
+        width, mem_len = self.model_config.d_model, self.model_config.mem_len
+        for j in range(self.cfg.grad_accum):
+            names = [f"memory.rank{rank}.chunk{j}.layer{i}" for i in range(self.model_config.n_layer)]
+            layers = [extra[n] for n in names if n in extra]
+            if layers and (len(layers) != len(names) or any(
+                    t.dim() != 3 or t.shape[0] != rows or t.shape[1] > mem_len or t.shape[2] != width
+                    or not t.dtype.is_floating_point for t in layers)):
+                raise CheckpointError(f"{path}/trainer.safetensors: the saved memory does not fit this model "
+                                      f"(expected {self.model_config.n_layer} float tensors of shape ({rows}, <= {mem_len}, "
+                                      f"{width})); the checkpoint is damaged or from another run")
+            self.memories[j] = Memory(tuple(t.to(self.dist.device) for t in layers)) if layers else None
+        try:
             torch.set_rng_state(extra[f"rng.cpu.rank{rank}"])
             if self.dist.device.type == "cuda" and f"rng.cuda.rank{rank}" in extra:
                 torch.cuda.set_rng_state(extra[f"rng.cuda.rank{rank}"], self.dist.device)
-        elif self.dist.main:
-            print(f"note: {path} was written with world size {state.get('world_size')} × grad_accum "
-                  f"{state.get('grad_accum')}; memory and RNG restart (the resume is not bit-exact)",
-                  file=sys.stderr)
+        except (KeyError, TypeError, RuntimeError) as err:
+            raise CheckpointError(f"{path}/trainer.safetensors: the saved random-number state is missing or "
+                                  f"unusable ({type(err).__name__}: {err}); the checkpoint is damaged") from None
 
     # -- signals -----------------------------------------------------------------------------------
     def _install_signal_handlers(self):
@@ -424,6 +495,53 @@ class Trainer:
             signal.signal(sig, handler)
 
 
+# Types of the trainer_state.json fields `load_checkpoint` reads (JSON gives us untyped values).
+_STATE_FIELDS: dict[str, tuple[type, ...]] = {
+    "step": (int,), "tokens_seen": (int,), "elapsed": (int, float), "best_valid": (int, float, type(None)),
+    "nonfinite_streak": (int,), "world_size": (int,), "grad_accum": (int,), "vocab_fingerprint": (str,),
+    "iterator": (dict,), "scaler": (dict,), "run": (dict,),
+}
+
+
+def check_trainer_state(state, where: Path) -> dict:
+    """trainer_state.json must be an object holding every field `load_checkpoint` reads, typed."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{where} is damaged: it holds a JSON {type(state).__name__}, not an object")
+    for key, types in _STATE_FIELDS.items():
+        value = state.get(key)
+        if key not in state or not isinstance(value, types) or isinstance(value, bool):
+            raise CheckpointError(f"{where} is damaged: {key!r} is missing or has the wrong type (expected "
+                                  f"{' or '.join(t.__name__ for t in types)}); restore the file or start a new run")
+        if isinstance(value, int | float) and (value < 0 or not math.isfinite(value)):
+            raise CheckpointError(f"{where} is damaged: {key!r} is {value!r}; restore the file or start a new run")
+    return state
+
+
+def _check_param_groups(fresh: list[dict], saved) -> None:
+    """The saved optimiser hyperparameters must have the types of a freshly built optimiser's:
+    torch copies them unchecked and only fails (or silently misbehaves) at the next step."""
+    if not isinstance(saved, list) or len(saved) != len(fresh):
+        raise ValueError(f"{len(fresh)} parameter group(s) expected")
+    for want, got in zip(fresh, saved):
+        if not isinstance(got, dict):
+            raise TypeError("a parameter group is not an object")
+        for key, value in want.items():
+            if key == "params":
+                continue
+            if key not in got or not _same_kind(value, got[key]):
+                raise TypeError(f"hyperparameter {key!r} is {got.get(key)!r}, expected a value like {value!r}")
+
+
+def _same_kind(want, got) -> bool:
+    if want is None or isinstance(want, bool):
+        return got is None or isinstance(got, bool) if want is None else isinstance(got, bool)
+    if isinstance(want, int | float):
+        return isinstance(got, int | float) and not isinstance(got, bool) and math.isfinite(got)
+    if isinstance(want, tuple | list):
+        return isinstance(got, tuple | list) and len(got) == len(want) and all(map(_same_kind, want, got))
+    return type(got) is type(want)
+
+
 # ---------------------------------------------------------------------------------------------
 # Records: metrics.jsonl (+ TensorBoard when installed), and a tqdm bar
 
@@ -436,13 +554,16 @@ class MetricsLog:
         self.tb = None
         if not enabled:
             return
-        if self.path.exists():  # a resumed run: drop records the crashed session wrote after the checkpoint
-            keep = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and _record_step(line) <= truncate_after]
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text("".join(line + "\n" for line in keep))
-            os.replace(tmp, self.path)
-        self.file = open(self.path, "a")  # noqa: SIM115 (closed in close())
+        try:
+            if self.path.exists():  # a resumed run: drop records the crashed session wrote after the checkpoint
+                text = self.path.read_bytes().decode("utf-8", "replace")  # a damaged line is dropped below
+                keep = [line for line in text.splitlines() if line.strip() and _record_step(line) <= truncate_after]
+                tmp = self.path.with_suffix(".tmp")
+                tmp.write_text("".join(line + "\n" for line in keep))
+                os.replace(tmp, self.path)
+            self.file = open(self.path, "a")  # noqa: SIM115 (closed in close())
+        except OSError as err:
+            raise OutputError(f"cannot write {self.path}: {describe_os_error(err)}") from None
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -453,8 +574,11 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as err:
+            raise OutputError(f"cannot write {self.path}: {describe_os_error(err)}") from None
         if self.tb is not None:
             for key, value in record.items():
                 if key not in ("split", "step") and isinstance(value, (int, float)):
@@ -468,9 +592,11 @@ class MetricsLog:
 
 
 def _record_step(line: str) -> int:
+    """The step of a metrics.jsonl record; a damaged record sorts after every step (and is dropped)."""
     try:
-        return int(json.loads(line).get("step", 0))
-    except (json.JSONDecodeError, ValueError, TypeError):
+        record = json.loads(line)
+        return int(record.get("step", 0)) if isinstance(record, dict) else 1 << 62
+    except (ValueError, TypeError, OverflowError, RecursionError):
         return 1 << 62
 
 
@@ -554,7 +680,10 @@ def write_sample(trainer: Trainer) -> str:
     tokens = list(stream_tokens(trainer.model, prompt, max_new_tokens=trainer.cfg.sample_tokens,
                                 temperature=0.8, top_k=40, generator=generator))
     text = vocab.decode(prompt + tokens)
-    (trainer.out / "sample.txt").write_text(text)
+    try:
+        (trainer.out / "sample.txt").write_text(text, encoding="utf-8", errors="surrogateescape")
+    except OSError as err:
+        raise OutputError(f"cannot write {trainer.out / 'sample.txt'}: {describe_os_error(err)}") from None
     return text
 
 
@@ -601,16 +730,20 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.resume:
         run_dir = Path(args.resume)
         recover_directory(run_dir / LAST)
-        saved = read_json(run_dir / LAST / STATE_FILE, "training state") if (run_dir / LAST).is_dir() else None
-        if saved is None:
-            raise CheckpointError(f"{run_dir} is not a txl training run (no {LAST}/{STATE_FILE})")
-        if args.preset or args.config or args.set or args.data:
+        if not (run_dir / LAST / STATE_FILE).is_file():
+            raise CheckpointError(f"{run_dir} is not a txl training run (no {LAST}/{STATE_FILE}); pass the --out "
+                                  "directory of an earlier `txl train`")
+        if args.preset or args.config or args.set or args.data or args.seed is not None:
             raise UsageError("--resume continues the saved configuration; only --max-steps and --max-minutes "
                              "may change")
-        run = RunConfig.from_dict(saved["run"], f"{run_dir}/{LAST}/{STATE_FILE}")
-        for key in ("max_steps", "max_minutes"):
-            if flags[key] is not None:
-                setattr(run.train, key, flags[key])
+        where = run_dir / LAST / STATE_FILE
+        saved = check_trainer_state(read_json(where, "training state"), where)
+        try:
+            run = RunConfig.from_dict(saved["run"], str(where))
+        except ConfigError as err:
+            raise CheckpointError(f"{where} is damaged: {err}") from None
+        merge(run, {"train": {k: flags[k] for k in ("max_steps", "max_minutes") if flags[k] is not None}},
+              "command-line flags")
         out = run_dir
     else:
         preset = args.preset or (None if args.config else "tiny")

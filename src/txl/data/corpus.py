@@ -70,7 +70,11 @@ class Corpus:
         self.metric: str = meta["metric"]
         self.fingerprint: str = meta["fingerprint"]
         self.source: str = meta["source"]
-        self.vocab = Vocab.load(self.path / "vocab.json")
+        try:
+            self.vocab = Vocab.load(self.path / "vocab.json")
+        except DataError as err:
+            raise DataError(f"the prepared cache {self.path} is damaged ({err}); run `txl data prepare "
+                            f"{spec_text} --force`") from None
         self._arrays: dict[str, np.memmap] = {}
 
     @property
@@ -134,6 +138,10 @@ def _load_memmap(path: Path, expected: int) -> np.memmap:
         raise DataError(
             f"prepared array {path} is unreadable ({err}); run `txl data prepare SPEC --force`"
         ) from None
+    if arr.dtype.kind != "u":  # token ids are written unsigned; anything else is not our array
+        raise DataError(
+            f"prepared array {path} holds {arr.dtype} values, not token ids; run `txl data prepare SPEC --force`"
+        )
     if arr.ndim != 1 or arr.shape[0] != expected:
         raise DataError(
             f"prepared array {path} has shape {arr.shape}, expected ({expected},); run `txl data prepare SPEC --force`"
@@ -180,7 +188,7 @@ def _valid_meta(plan: Plan, directory: Path) -> dict[str, Any] | None:
     """The cache's meta.json if it is complete and its sources are unchanged; None if stale."""
     try:
         meta = json.loads((directory / "meta.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     if (
         not isinstance(meta, dict)
@@ -189,11 +197,14 @@ def _valid_meta(plan: Plan, directory: Path) -> dict[str, Any] | None:
         or meta.get("reader_version") != READER_VERSION
         or meta.get("options") != plan.spec.options
         or not (directory / "vocab.json").is_file()
+        or not _well_formed(meta)  # damaged by hand or by a disk: prepare again rather than fail later
     ):
         return None
     recorded = meta.get("sources")
     current = _stat_sources(plan)
-    if not isinstance(recorded, list) or [s.get("path") for s in recorded] != [s["path"] for s in current]:
+    if not isinstance(recorded, list) or not all(isinstance(s, dict) for s in recorded):
+        return None
+    if [s.get("path") for s in recorded] != [s["path"] for s in current]:
         return None
     refreshed = False
     for old, new, path in zip(recorded, current, plan.sources):
@@ -203,14 +214,36 @@ def _valid_meta(plan: Plan, directory: Path) -> dict[str, Any] | None:
             return None
         old["mtime_ns"] = new["mtime_ns"]  # same bytes, new timestamp (copy, touch, re-download)
         refreshed = True
-    for entry in meta.get("splits", {}).values():
-        if not (directory / entry.get("file", "")).is_file():
+    for entry in meta["splits"].values():
+        if not (directory / entry["file"]).is_file():
             return None
     if refreshed:
         # a read-only cache still serves; the re-hash then just happens again next time
         with contextlib.suppress(OSError):
             atomic_write_json(directory / "meta.json", meta)
     return meta
+
+
+def _well_formed(meta: dict[str, Any]) -> bool:
+    """Every meta.json field `Corpus` reads is there with its type; split files are plain names."""
+    if not all(isinstance(meta.get(k), str) for k in ("name", "metric", "fingerprint", "source")):
+        return False
+    splits = meta.get("splits")
+    if not isinstance(splits, dict) or "train" not in splits:
+        return False
+
+    def count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    def plain(name) -> bool:
+        return isinstance(name, str) and name.endswith(".npy") and "/" not in name and "\\" not in name
+
+    for entry in splits.values():
+        if not isinstance(entry, dict) or not plain(entry.get("file")) or not count(entry.get("tokens")):
+            return False
+        if "offsets" in entry and not (plain(entry["offsets"]) and count(entry.get("sentences"))):
+            return False
+    return isinstance(meta.get("notes", []), list)
 
 
 def open_corpus(

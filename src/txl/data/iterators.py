@@ -109,6 +109,13 @@ def _check_state(state: Any, kind: str, expected: dict[str, Any]) -> dict[str, A
     return state
 
 
+def _state_int(state: dict[str, Any], key: str) -> int:
+    value = state.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise DataError(f"iterator state is damaged: {key!r} is {value!r}, expected an integer >= 0")
+    return value
+
+
 class StreamIterator:
     """Training batches from B contiguous streams (reference `LMOrderedIterator`, batch-first).
 
@@ -259,13 +266,17 @@ class StreamIterator:
             "seed": self.seed,
         }
         state = _check_state(state, "stream", expected)
-        position = int(state["position"])
+        epoch, position, step = (_state_int(state, key) for key in ("epoch", "position", "step"))
         if not 0 <= position <= self.pairs_per_stream:
             raise DataError(
                 f"iterator state position {position} is outside the stream length {self.stream_len}"
             )
-        self._epoch, self._pos, self._step = int(state["epoch"]), position, int(state["step"])
-        self._rng.bit_generator.state = state["rng"]
+        rng = np.random.default_rng(self.seed)
+        try:  # numpy checks the bit generator's name and key; anything else is a damaged state
+            rng.bit_generator.state = state.get("rng")
+        except (TypeError, ValueError, KeyError) as err:
+            raise DataError(f"iterator state has an unusable random-number state ({err})") from None
+        self._epoch, self._pos, self._step, self._rng = epoch, position, step, rng
         self._shifts = self._roll_shifts(self._epoch)
 
 
@@ -496,10 +507,15 @@ class ShuffledSentenceIterator:
             "seed": self.seed,
         }
         state = _check_state(state, "sentences", expected)
-        self._epoch = int(state["epoch"])
+        epoch, cursor, step = (_state_int(state, key) for key in ("epoch", "cursor", "step"))
+        if cursor > self.num_sentences or not isinstance(state.get("done"), bool):
+            raise DataError(f"iterator state is damaged: cursor {cursor} of {self.num_sentences} sentences")
+        try:
+            rows = np.asarray(state.get("rows"), dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            rows = np.zeros(0, dtype=np.int64)
+        if rows.shape != (self.batch_size, 2) or (rows[:, 0] >= self.num_sentences).any() or (rows < -1).any():
+            raise DataError("iterator state rows do not match batch_size and the sentences; the state is damaged")
+        self._epoch, self._cursor, self._step, self._done = epoch, cursor, step, state["done"]
         self._order = self._make_order(self._epoch)
-        self._cursor, self._step, self._done = int(state["cursor"]), int(state["step"]), bool(state["done"])
-        rows = np.asarray(state["rows"], dtype=np.int64)
-        if rows.shape != (self.batch_size, 2):
-            raise DataError("iterator state rows do not match batch_size")
         self._rows = rows

@@ -86,6 +86,10 @@ class Vocab:
             self._stoi = {s: i for i, s in enumerate(self.symbols)}
             if len(self._stoi) != len(self.symbols):
                 raise DataError("vocabulary has duplicate symbols")
+            try:  # JSON can spell lone surrogates ("\ud800"); they cannot be saved or fingerprinted
+                "".join(self.symbols).encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise DataError(f"vocabulary symbol holds {err.object[err.start]!r}, not valid Unicode text") from None
             for role, sym in (("eos", eos), ("bos", bos), ("unk", unk)):
                 if sym is not None and sym not in self._stoi:
                     raise DataError(f"vocabulary {role} symbol {sym!r} is not among its symbols")
@@ -301,7 +305,7 @@ class Vocab:
         """Build a vocabulary from JSON, checking every field (safe on untrusted input)."""
         try:
             d = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as err:
+        except (ValueError, RecursionError) as err:  # also bad UTF-8, 5000-digit numbers, [[[[...
             raise DataError(f"{source} is not valid JSON ({err}); it must be a txl vocab.json") from None
         return cls.from_dict(d, source=source)
 

@@ -1,0 +1,99 @@
+"""Shared by the trainer, fault and robustness tests: a tiny run config, a word corpus, and the
+subprocess helpers that start `python -m txl` and read what a run left on disk.
+
+A plain module (not conftest.py), imported as `helpers` from tests/ (pytest puts the test file's
+directory on sys.path); the fixtures here are used by importing them into a test module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from txl.train import LAST
+
+TOML = """
+[model]
+n_layer = 2
+d_model = 32
+n_head = 2
+d_head = 16
+d_inner = 64
+mem_len = 16
+dropout = {dropout}
+
+[train]
+data = "text:{corpus}?tokenizer=bytes"
+tgt_len = 16
+batch_size = 4
+lr = 2e-3
+max_steps = {steps}
+log_interval = 1
+eval_interval = {eval_interval}
+save_interval = 1
+eval_max_tokens = 2000
+eval_batch_size = 4
+final_splits = []
+varlen = {varlen}
+roll = {varlen}
+"""
+
+
+def make_corpus(path: Path, lines: int = 3000, seed: int = 0) -> Path:
+    """Random lines of ten words: enough text for a few hundred tiny-model steps."""
+    import random
+
+    rng = random.Random(seed)
+    words = ["memory", "segment", "attention", "relative", "position", "token", "layer", "the", "of", "and"]
+    text = "\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(lines))
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return make_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path_factory, monkeypatch) -> Path:
+    """One prepared-corpus cache per test session (also for the `python -m txl` subprocesses)."""
+    path = tmp_path_factory.getbasetemp() / "txl-cache"
+    monkeypatch.setenv("TXL_CACHE_DIR", str(path))
+    return path
+
+
+def write_config(tmp_path, corpus, *, steps=30, dropout=0.1, varlen="true", eval_interval=1000) -> Path:
+    path = tmp_path / "run.toml"
+    path.write_text(TOML.format(corpus=corpus, steps=steps, dropout=dropout, varlen=varlen,
+                                eval_interval=eval_interval))
+    return path
+
+
+def txl(*args, **kwargs) -> subprocess.Popen:
+    """`python -m txl ARGS` with its output captured."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **kwargs.pop("env", {})}
+    return subprocess.Popen([sys.executable, "-m", "txl", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def finish(proc: subprocess.Popen, timeout=300) -> tuple[int, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out + err
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
+
+
+def saved_step(run_dir: Path) -> int:
+    try:
+        return json.loads((run_dir / LAST / "trainer_state.json").read_text())["step"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return -1
