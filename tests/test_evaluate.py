@@ -281,6 +281,12 @@ def test_bad_inputs_end_in_one_line(run_dir, capsys, extra, expected):
     assert len(err.strip().splitlines()) == 1, err
 
 
+def test_an_unwritable_output_is_one_line(run_dir, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    code, _, err = run_cli(capsys, "eval", run_dir[0], "--max-tokens", 50, "--per-token", tmp_path / "file" / "x.npy")
+    assert code == 2 and "cannot write" in err and len(err.strip().splitlines()) == 1
+
+
 def test_unknown_checkpoint_directory(tmp_path, capsys):
     code, _, err = run_cli(capsys, "eval", tmp_path / "nowhere", "--data", "builtin")
     assert code == 2 and "checkpoint not found" in err and len(err.strip().splitlines()) == 1

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from txl.errors import UsageError
+from txl.errors import OutputError, UsageError, describe_os_error
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -178,7 +178,7 @@ def _run_sweep(args: argparse.Namespace, ckpt, mem_lens: list[int], common: dict
         prefix.with_suffix(".md").write_text(header + table + f"\n![sweep]({png.name})\n")
         prefix.with_suffix(".json").write_text(json.dumps([r.to_dict() for r in results], indent=2) + "\n")
     except OSError as err:
-        raise UsageError(f"cannot write {prefix}.md/.json: {err.strerror or err}") from None
+        raise OutputError(f"cannot write {prefix}.md/.json: {describe_os_error(err)}") from None
     if args.json:
         print(json.dumps([r.to_dict() for r in results], indent=2))
     else:
@@ -279,7 +279,9 @@ def configure_recl(parser: argparse.ArgumentParser) -> None:
                         help="score this many positions, evenly spaced (0 = all; default 2000 in window mode, "
                              "all in memory mode)")
     parser.add_argument("--max-tokens", type=int, default=0, help="only use the first N tokens of the split")
-    parser.add_argument("--tgt-len", type=int, default=32, help="memory mode: segment length (default 32)")
+    parser.add_argument("--tgt-len", type=int, default=128,
+                        help="memory mode: segment length (default 128; with same_length every query still sees "
+                             "exactly c keys)")
     parser.add_argument("--batch-size", type=int, default=0,
                         help="window mode: windows per forward (0 = automatic); memory mode: streams (0 = 1)")
     parser.add_argument("--names", help="comma-separated labels for the checkpoints (default: run names)")
@@ -353,7 +355,7 @@ def run_recl(args: argparse.Namespace) -> int:
             prefix.with_suffix(".md").write_text(header + table + f"\n![RECL]({png.name})\n")
             prefix.with_suffix(".json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
         except OSError as err:
-            raise UsageError(f"cannot write {prefix}.md/.json: {err.strerror or err}") from None
+            raise OutputError(f"cannot write {prefix}.md/.json: {describe_os_error(err)}") from None
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:

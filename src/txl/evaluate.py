@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from txl.errors import CheckpointError, DataError, UsageError
+from txl.errors import CheckpointError, DataError, OutputError, UsageError, describe_os_error
 
 
 @dataclass
@@ -407,7 +407,7 @@ def plot_sweep(results: Sequence[EvalResult], path: str | Path, *, title: str = 
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
     except OSError as err:
-        raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
+        raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
     finally:
         plt.close(fig)
     return path
@@ -562,7 +562,7 @@ def save_per_token(values: np.ndarray, path: str | Path) -> Path:
         else:
             raise UsageError(f"--per-token {path}: use a .npy or .txt file name")
     except OSError as err:
-        raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
+        raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
     return path
 
 

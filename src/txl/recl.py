@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from txl.errors import UsageError
+from txl.errors import OutputError, UsageError, describe_os_error
 
 THRESHOLD = 0.01  # the paper's gain threshold (appendix C)
 MODES = ("window", "memory")
@@ -186,7 +186,7 @@ def context_losses(
     contexts: Sequence[int],
     *,
     mode: str = "window",
-    tgt_len: int = 32,
+    tgt_len: int = 128,
     batch_size: int = 0,
     device="cpu",
     precision: str = "fp32",
@@ -232,7 +232,7 @@ def context_losses(
                 np.save(tmp, out[c], allow_pickle=False)
                 tmp.replace(path)
             except OSError as err:
-                raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
+                raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
     return out
 
 
@@ -316,7 +316,7 @@ def plot_recl(result: ReclResult, path: str | Path, *, metric: str = "ppl") -> P
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
     except OSError as err:
-        raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
+        raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
     finally:
         plt.close(fig)
     return path

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 TITLE = "Evaluation speed-up of Transformer-XL over the vanilla Transformer (per scored token)"
 PAPER = {800: 363, 1800: 773, 2800: 1409, 3800: 1874}  # Dai et al. 2019, Table 9 (GPU)
-DEFAULT_TGT_LEN = 512
+DEFAULT_TGT_LEN = 1024  # XL segment length: min(attn_len, this); see docs/evaluation.md
 
 
 @dataclass(frozen=True)
