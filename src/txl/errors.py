@@ -19,6 +19,11 @@ class TxlError(Exception):
 
     exit_code = 2
 
+    def __init__(self, message: object = "", *args: object):
+        # Messages quote user input (paths, keys, values); a line break in it must not break the line.
+        text = str(message).replace("\r", "\\r").replace("\n", "\\n")
+        super().__init__(text, *args)
+
 
 class ConfigError(TxlError, ValueError):
     """An impossible or unknown configuration value (also a `ValueError`)."""

@@ -104,8 +104,10 @@ class RunConfig:
                     "remove model.vocab_size to take it from the data"
                 )
             values["vocab_size"] = vocab_size
-        elif "vocab_size" not in values:
-            values["vocab_size"] = max([256, *[c + 1 for c in values.get("cutoffs", [])]])
+        elif "vocab_size" not in values:  # a placeholder that fits the cutoffs (wrong types fail below)
+            cutoffs = values.get("cutoffs")
+            cutoffs = cutoffs if isinstance(cutoffs, list | tuple) else []
+            values["vocab_size"] = max([256, *[c + 1 for c in cutoffs if isinstance(c, int)]])
         return TransformerXLConfig.from_dict(values)
 
     def to_dict(self) -> dict[str, Any]:

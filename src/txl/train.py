@@ -53,6 +53,7 @@ from txl.optim import build_optimizer, lr_at, optimizer_state_join, optimizer_st
 from txl.run_config import RunConfig, build_run_config, merge, preset_names
 
 LAST, BEST = "last", "best"
+OPTIMIZER_STATE_KEYS = {"step", "exp_avg", "exp_avg_sq"}  # per parameter, for adam, adamw and lamb alike
 STATE_FILE = "trainer_state.json"
 
 
@@ -443,16 +444,22 @@ class Trainer:
             self.optimizer.load_state_dict(joined)
         except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as err:
             raise CheckpointError(f"{unusable}: {type(err).__name__}: {err}") from None
-        # torch compares neither state shapes with the parameters nor types; a mismatch would only
-        # fail at the first step, deep inside the optimiser
+        # torch compares neither state keys nor shapes with the parameters; a mismatch would only fail
+        # at the first step, deep inside the optimiser
         for group in self.optimizer.param_groups:
             for param in group["params"]:
-                for key, value in self.optimizer.state.get(param, {}).items():
-                    want = (1,) if key == "step" else tuple(param.shape)
-                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else None
-                    if got is None or not value.dtype.is_floating_point or (got != want and value.numel() != 1):
-                        raise CheckpointError(f"{unusable}: {key!r} of a parameter of shape {tuple(param.shape)} is "
-                                              f"{'a tensor of shape ' + str(got) if got is not None else repr(value)}")
+                state = self.optimizer.state.get(param, {})  # empty: the parameter never had a gradient
+                if state and set(state) != OPTIMIZER_STATE_KEYS:
+                    raise CheckpointError(f"{unusable}: a parameter's state holds {sorted(state)}, expected "
+                                          f"{sorted(OPTIMIZER_STATE_KEYS)}")
+                for key, value in state.items():
+                    ok = isinstance(value, torch.Tensor) and value.dtype.is_floating_point and (
+                        value.numel() == 1 if key == "step" else tuple(value.shape) == tuple(param.shape))
+                    if not ok:
+                        got = f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(
+                            value, torch.Tensor) else repr(value)
+                        raise CheckpointError(f"{unusable}: {key!r} of a parameter of shape {tuple(param.shape)} "
+                                              f"is {got}")
 
     def _load_memory_and_rng(self, extra: dict[str, torch.Tensor], path: Path) -> None:
         rank = self.dist.rank
@@ -723,28 +730,33 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def resume_config(run_dir: Path, *, max_steps: int | None = None, max_minutes: float | None = None) -> RunConfig:
+    """The configuration saved in RUN/last (after crash recovery), with a new step or time budget."""
+    recover_directory(run_dir / LAST)
+    where = run_dir / LAST / STATE_FILE
+    if not where.is_file():
+        raise CheckpointError(f"{run_dir} is not a txl training run (no {LAST}/{STATE_FILE}); pass the --out "
+                              "directory of an earlier `txl train`")
+    saved = check_trainer_state(read_json(where, "training state"), where)
+    try:
+        run = RunConfig.from_dict(saved["run"], str(where))
+    except ConfigError as err:
+        raise CheckpointError(f"{where} is damaged: {err}") from None
+    budget = {"max_steps": max_steps, "max_minutes": max_minutes}
+    merge(run, {"train": {k: v for k, v in budget.items() if v is not None}}, "command-line flags")
+    return run
+
+
 def run_cli(args: argparse.Namespace) -> int:
     if args.nproc and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return launch(args.nproc)
     flags = {"data": args.data, "max_steps": args.max_steps, "max_minutes": args.max_minutes, "seed": args.seed}
     if args.resume:
-        run_dir = Path(args.resume)
-        recover_directory(run_dir / LAST)
-        if not (run_dir / LAST / STATE_FILE).is_file():
-            raise CheckpointError(f"{run_dir} is not a txl training run (no {LAST}/{STATE_FILE}); pass the --out "
-                                  "directory of an earlier `txl train`")
         if args.preset or args.config or args.set or args.data or args.seed is not None:
             raise UsageError("--resume continues the saved configuration; only --max-steps and --max-minutes "
                              "may change")
-        where = run_dir / LAST / STATE_FILE
-        saved = check_trainer_state(read_json(where, "training state"), where)
-        try:
-            run = RunConfig.from_dict(saved["run"], str(where))
-        except ConfigError as err:
-            raise CheckpointError(f"{where} is damaged: {err}") from None
-        merge(run, {"train": {k: flags[k] for k in ("max_steps", "max_minutes") if flags[k] is not None}},
-              "command-line flags")
-        out = run_dir
+        out = Path(args.resume)
+        run = resume_config(out, max_steps=args.max_steps, max_minutes=args.max_minutes)
     else:
         preset = args.preset or (None if args.config else "tiny")
         run = build_run_config(preset=preset, config_file=args.config, sets=args.set, flags=flags)

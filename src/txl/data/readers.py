@@ -28,6 +28,7 @@ import os
 import sys
 import sysconfig
 import zipfile
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -229,8 +230,8 @@ def _single_archive_source(spec: DataSpec, member: str) -> tuple[Path, Segment]:
                 if name is None:
                     raise DataError(f"{spec.name}: archive {path} has no member {member!r}")
                 size = zf.getinfo(name).file_size
-        except zipfile.BadZipFile:
-            raise DataError(f"{spec.name}: {path} is not a valid zip archive; download it again") from None
+        except ZIP_ERRORS as err:
+            raise DataError(f"{spec.name}: {path} is not a valid zip archive ({err}); download it again") from None
         seg = Segment(path, 0, size, member=name)
     else:
         seg = Segment(path, 0, path.stat().st_size)
@@ -433,6 +434,16 @@ def _plan_builtin(spec: DataSpec) -> Plan:
 # ---- reading byte ranges ---------------------------------------------------------------------
 
 
+# What zipfile raises for a damaged or unsupported archive: a bad CRC or header (BadZipFile), a corrupt
+# deflate stream (zlib.error), a cut-off member (EOFError), an unknown compression method
+# (NotImplementedError), an encrypted member (RuntimeError).
+ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, EOFError, NotImplementedError, RuntimeError)
+
+
+def _damaged_zip_hint(seg: Segment, err: BaseException) -> str:
+    return "; the archive is damaged, download it again" if seg.member is not None and not isinstance(err, OSError) else ""
+
+
 class _SegmentReader:
     """Sequential reads confined to one `Segment` (zip members are decompressed on the fly)."""
 
@@ -453,16 +464,16 @@ class _SegmentReader:
             else:
                 self._f = open(seg.path, "rb")  # noqa: SIM115 - closed in close()
                 self._f.seek(seg.start)
-        except (OSError, zipfile.BadZipFile) as err:
-            raise DataError(f"cannot read {seg.label}: {err}") from None
+        except (OSError, *ZIP_ERRORS) as err:
+            raise DataError(f"cannot read {seg.label}: {err}{_damaged_zip_hint(seg, err)}") from None
 
     def read(self, n: int = BLOCK) -> bytes:
         if self.remaining <= 0:
             return b""
         try:
             data = self._f.read(min(n, self.remaining))
-        except (OSError, zipfile.BadZipFile) as err:
-            raise DataError(f"cannot read {self.seg.label}: {err}") from None
+        except (OSError, *ZIP_ERRORS) as err:
+            raise DataError(f"cannot read {self.seg.label}: {err}{_damaged_zip_hint(self.seg, err)}") from None
         self.remaining -= len(data)
         return data
 
