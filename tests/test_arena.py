@@ -235,6 +235,9 @@ def test_performer_is_strictly_causal_and_stable_in_low_precision():
                              dropatt=0.0, training=False)
         assert outs[dtype].dtype == dtype and torch.isfinite(outs[dtype]).all()
     torch.testing.assert_close(outs[torch.bfloat16].float(), outs[torch.float32], atol=0.1, rtol=0.1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the trainer's mixed precision: still float32 inside
+        autocast_out = kernel(q, k, v, positions=positions, window=None, dropatt=0.0, training=False)
+    torch.testing.assert_close(autocast_out, outs[torch.float32], atol=1e-5, rtol=1e-5)
     # A huge future key changes nothing before it (per-key stabilisers, no global max).
     k_future = k.clone()
     k_future[0, 0, 35] = features[1] * d**0.25 * 1.5

@@ -101,15 +101,19 @@ def causal_linear_attention(
         top = key_scale.new_full((b, h), float("-inf"))
         state = v.new_zeros(b, h, m, d)
         normaliser = v.new_zeros(b, h, m)
+    # Split once: slicing inside the loop would make every slice's backward write a full-length
+    # zero gradient, O(n²/chunk) in total (measured: 52 s instead of ~2 s at n = 16k).
+    chunks = zip(
+        phi_q.split(chunk_size, dim=2),
+        phi_k[:, :, memory_len:].split(chunk_size, dim=2),
+        key_scale[:, :, memory_len:].split(chunk_size, dim=2),
+        v[:, :, memory_len:].split(chunk_size, dim=2),
+    )
     outputs = []
-    for start in range(0, i, chunk_size):
-        stop = min(start + chunk_size, i)
-        q_c = phi_q[:, :, start:stop]  # (b, h, c, m)
-        keys = slice(memory_len + start, memory_len + stop)
-        k_c, s_c, v_c = phi_k[:, :, keys], key_scale[:, :, keys], v[:, :, keys]
+    for q_c, k_c, s_c, v_c in chunks:  # (b, h, c, m), (b, h, c, m), (b, h, c), (b, h, c, d)
         # Each query's scale: the largest stabiliser among the keys it sees (causal running max).
         query_top = torch.maximum(s_c.cummax(-1).values, top[..., None])  # (b, h, c)
-        c = stop - start
+        c = s_c.shape[-1]
         causal = torch.ones(c, c, dtype=torch.bool, device=v.device).tril()
         exponent = (s_c[:, :, None, :] - query_top[..., None]).masked_fill(~causal, float("-inf"))
         weights = (q_c @ k_c.transpose(-1, -2)) * exponent.exp()  # (b, h, c, c), 0 above the diagonal
@@ -170,10 +174,13 @@ class PerformerAttention(nn.Module):
                 self.redraw()
             self.forwards_since_redraw += 1
         q, k = positions.content(q, k)  # RoPE rotates here; absolute encodings are already in the input
-        features = self.features.float()  # stays float32 even in a model cast to bf16
-        phi_q = query_features(q.float(), features)
-        phi_k, key_scale = key_features(k.float(), features)
-        out = self.linear_attention(phi_q, phi_k, key_scale, v.float())
+        # Float32 throughout, even in a bf16 model or under the trainer's autocast (which would
+        # otherwise run these matmuls in bf16).
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            features = self.features.float()
+            phi_q = query_features(q.float(), features)
+            phi_k, key_scale = key_features(k.float(), features)
+            out = self.linear_attention(phi_q, phi_k, key_scale, v.float())
         return out.to(v.dtype)
 
     def linear_attention(self, phi_q: Tensor, phi_k: Tensor, key_scale: Tensor, v: Tensor) -> Tensor:

@@ -1,0 +1,369 @@
+"""`txl bench attention-scaling`: time and peak memory of ONE attention layer against sequence length
+(512 … 32k) for every attention variant of the arena (issue 8; README "The arena").
+
+The layer is `txl.attention.Attention` (q/kv/output projections + the kernel) on one sequence of n
+tokens with no memory (queries = keys = n), the same shape for every variant (default 4 heads × 64,
+d_model 256, RoPE: the one positional encoding every variant supports). Two modes: forward without
+gradients (evaluation) and forward + backward (training).
+
+Fairness (the rules of `txl.bench.common`): at each length the variants alternate call by call in
+this process and we report medians after a warm-up; peak memory is the extra peak RSS of one call
+measured in a fresh process per (variant, length, mode) (`--no-rss` skips it). Full attention runs
+only while its n×n score matrices fit the `--max-gb` budget (estimated before running); cells it
+skips are marked. Linformer is bidirectional (no causal mask, it cannot be causal), so its row is a
+different computation, listed for cost only. Compressive memory is not a kernel (its layer is full
+attention over [compressed ; memory ; segment]), so it has no row here.
+
+Writes `attention_scaling.json`, `attention_scaling.md` and `attention_scaling.png` to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from txl.errors import UsageError
+
+LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+VARIANTS = ("full-eager", "full-fast", "sliding", "sparse", "performer", "linformer")
+
+
+def variant_config(name: str, n: int, args: argparse.Namespace) -> dict:
+    """Config overrides of one variant at length n."""
+    configs = {
+        "full-eager": dict(attention="full", attention_impl="eager"),
+        "full-fast": dict(attention="full", attention_impl="fast"),
+        "sliding": dict(attention="sliding", sliding_window=args.window),
+        "sparse": dict(attention="sparse", sparse_stride=args.stride),
+        "performer": dict(attention="performer", performer_features=args.features),
+        "linformer": dict(attention="linformer", causal=False, linformer_k=args.linformer_k, linformer_max_len=n),
+    }
+    if name not in configs:
+        raise UsageError(f"unknown attention variant {name!r}; choose from {', '.join(VARIANTS)}")
+    return configs[name]
+
+
+def estimated_gb(name: str, n: int, args: argparse.Namespace, backward: bool) -> float:
+    """Rough extra memory of the full-attention variants (n×n float32 scores per head, a few live
+    copies, plus the int64/bool masks the eager reference builds); 0 for the O(n) variants."""
+    if not name.startswith("full"):
+        return 0.0
+    copies = 5 if backward else 2
+    return n * n * (args.heads * args.batch * 4 * copies + 9) / 2**30
+
+
+def build_layer(name: str, n: int, args: argparse.Namespace):
+    """(step, describe) for one variant at length n: step() runs the layer once."""
+    import torch
+
+    from txl.attention import Attention
+    from txl.config import TransformerXLConfig
+    from txl.positional import build_positional
+
+    torch.manual_seed(args.seed)
+    overrides = variant_config(name, n, args)
+    config = TransformerXLConfig(
+        vocab_size=16, n_layer=1, d_model=args.heads * args.d_head, n_head=args.heads, d_head=args.d_head,
+        d_inner=16, mem_len=0, dropout=0.0, dropatt=0.0, pos_encoding=args.pos, **overrides,
+    )
+    layer = Attention(config).train(args.backward_mode)
+    encoding = build_positional(config)
+    x = torch.randn(args.batch, n, config.d_model, requires_grad=args.backward_mode)
+
+    def step() -> None:
+        state = encoding.prepare(k_len=n, clamp_len=0, device=x.device, dtype=x.dtype)
+        positions = encoding.layer(0, state)
+        if args.backward_mode:
+            layer(x, x, positions=positions, window=None).sum().backward()
+            x.grad = None
+            layer.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad():
+                layer(x, x, positions=positions, window=None)
+
+    return step
+
+
+def unsupported(name: str, args: argparse.Namespace) -> str | None:
+    """Why the variant cannot run with these settings (e.g. performer with --pos xl), or None."""
+    from txl.attention import KERNELS
+    from txl.config import TransformerXLConfig
+    from txl.errors import ConfigError
+
+    if name == "full-fast" and ("full", "fast") not in KERNELS:
+        return "no ('full', 'fast') kernel registered"
+    try:
+        TransformerXLConfig(vocab_size=16, n_layer=1, d_model=args.heads * args.d_head, n_head=args.heads,
+                            d_head=args.d_head, d_inner=16, mem_len=0, dropatt=0.0, pos_encoding=args.pos,
+                            **variant_config(name, 1024, args))
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements
+
+
+def time_length(names: list[str], n: int, args: argparse.Namespace, backward: bool) -> dict[str, float]:
+    """Median seconds per call of each variant at length n, alternating variants call by call."""
+    from txl.bench.common import interleaved_medians
+
+    run_args = argparse.Namespace(**{**vars(args), "backward_mode": backward})
+    steps = {name: build_layer(name, n, run_args) for name in names}
+    result = interleaved_medians(steps, warmup=args.warmup, timed=args.steps)
+    return {name: result[name]["median_s"] for name in names}
+
+
+def measure_rss(name: str, n: int, args: argparse.Namespace, backward: bool) -> float | None:
+    """Extra peak RSS (MiB) of one call, in a fresh process; None if the probe failed (e.g. killed)."""
+    payload = {**{k: v for k, v in vars(args).items() if k in PROBE_KEYS}, "name": name, "n": n,
+               "backward_mode": backward}
+    cmd = [sys.executable, "-m", "txl.bench.attention_scaling", "--probe", json.dumps(payload)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.probe_timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    if proc.returncode != 0:
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])["work_rss_mb"]
+
+
+PROBE_KEYS = ("heads", "d_head", "batch", "pos", "window", "stride", "features", "linformer_k", "seed")
+
+
+def probe_main(payload: dict) -> int:
+    import torch
+
+    from txl.bench.common import peak_rss_mb, rss_mb
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    args = argparse.Namespace(**payload)
+    step = build_layer(payload["name"], payload["n"], args)
+    base = rss_mb()
+    step()
+    peak = peak_rss_mb()
+    print(json.dumps({"work_rss_mb": round(peak - base, 1), "base_rss_mb": round(base, 1)}))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def markdown(result: dict) -> str:
+    from txl.bench.common import machine_markdown
+
+    args = result["settings"]
+    lines = [
+        "# Attention scaling: one layer, time and peak memory against sequence length",
+        "",
+        "Written by `txl bench attention-scaling` (src/txl/bench/attention_scaling.py). One attention layer "
+        f"(q/kv/output projections + kernel), batch {args['batch']}, {args['heads']} heads × {args['d_head']}, "
+        f"pos_encoding `{args['pos']}`, no memory (queries = keys = n), float32. Sliding window w = "
+        f"{args['window']}; sparse stride l = {args['stride']}; Performer {args['features']} features; "
+        f"Linformer k = {args['linformer_k']} (bidirectional: a different computation, cost only).",
+        "",
+        f"Time: median of {args['steps']} calls after {args['warmup']} warm-up, variants alternating call by "
+        "call in one process. Memory: extra peak RSS of one call in a fresh process. The machine is shared "
+        "(2 cores): single timings are noisy, compare within a row and read ratios, not absolute values. "
+        "`skip` = not run (full attention over the memory budget, or unsupported); `–` = not measured.",
+        "",
+        machine_markdown(result["machine"]),
+        "",
+    ]
+    for mode, title in (("forward", "Forward (no gradients)"), ("backward", "Forward + backward")):
+        rows = result["modes"].get(mode)
+        if not rows:
+            continue
+        names = result["variants"]
+        lines += [f"## {title}", "", "Time in ms / extra peak memory in MiB.", ""]
+        lines.append("| n | " + " | ".join(names) + " |")
+        lines.append("|---|" + "|".join("---" for _ in names) + "|")
+        for n, cells in rows.items():
+            row = []
+            for name in names:
+                cell = cells.get(name, {})
+                if cell.get("skipped"):
+                    row.append("skip")
+                    continue
+                t = cell.get("time_s")
+                m = cell.get("rss_mb")
+                row.append(f"{t * 1000:,.0f} / {m:,.0f}" if m is not None else f"{t * 1000:,.0f} / –")
+            lines.append(f"| {int(n):,} | " + " | ".join(row) + " |")
+        lines.append("")
+    lines += ["## Targets (issue 8)", ""] + [f"- {line}" for line in result["targets"]] + [""]
+    if result["notes"]:
+        lines += ["## Notes", ""] + [f"- {note}" for note in result["notes"]] + [""]
+    lines += ["Reproduce: `" + result["command"] + "`", ""]
+    return "\n".join(lines)
+
+
+def targets(result: dict) -> list[str]:
+    out = []
+    forward = result["modes"].get("forward", {})
+
+    def cell(n: int, name: str) -> dict:
+        return forward.get(str(n), {}).get(name, {})
+
+    full, sliding = cell(16384, "full-eager"), cell(16384, "sliding")
+    if full.get("time_s") and sliding.get("time_s"):
+        speed = full["time_s"] / sliding["time_s"]
+        text = f"n = 16k, forward: sliding (w = {result['settings']['window']}) is {speed:.1f}× faster than full (eager)"
+        if full.get("rss_mb") and sliding.get("rss_mb"):
+            text += f" and uses {sliding['rss_mb'] / full['rss_mb']:.3f}× its memory"
+        out.append(text + " (target: ≥ 10× faster, ≤ 0.1× memory)")
+    fast = cell(16384, "full-fast")
+    if fast.get("time_s") and sliding.get("time_s"):
+        text = f"n = 16k, forward: sliding vs full (fast kernel): {fast['time_s'] / sliding['time_s']:.1f}× faster"
+        if fast.get("rss_mb") and sliding.get("rss_mb"):
+            text += f", {sliding['rss_mb'] / fast['rss_mb']:.3f}× the memory"
+        out.append(text)
+    p16, p32 = cell(16384, "performer"), cell(32768, "performer")
+    if p16.get("time_s") and p32.get("time_s"):
+        out.append(f"Performer forward time(32k) / time(16k) = {p32['time_s'] / p16['time_s']:.2f} (target ≤ 2.3)")
+    backward = result["modes"].get("backward", {})
+    b16, b32 = backward.get("16384", {}).get("performer", {}), backward.get("32768", {}).get("performer", {})
+    if b16.get("time_s") and b32.get("time_s"):
+        out.append(f"Performer forward+backward time(32k) / time(16k) = {b32['time_s'] / b16['time_s']:.2f}")
+    return out or ["(the target lengths were not measured in this run)"]
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [m for m in ("forward", "backward") if result["modes"].get(m)]
+    fig, axes = plt.subplots(len(modes), 2, figsize=(11, 4.2 * len(modes)), squeeze=False)
+    for row, mode in enumerate(modes):
+        data = result["modes"][mode]
+        for col, (key, label) in enumerate((("time_s", "time per call (s)"), ("rss_mb", "extra peak memory (MiB)"))):
+            ax = axes[row][col]
+            for name in result["variants"]:
+                points = [(int(n), cells[name][key]) for n, cells in data.items()
+                          if cells.get(name, {}).get(key) is not None]
+                if points:
+                    xs, ys = zip(*points)
+                    ax.plot(xs, ys, marker="o", label=name, linestyle="--" if name == "linformer" else "-")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("sequence length n")
+            ax.set_ylabel(label)
+            ax.set_title(f"{'forward' if mode == 'forward' else 'forward + backward'}: {label.split(' (')[0]}")
+            ax.grid(True, which="both", alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=8)
+    fig.suptitle("One attention layer against sequence length (txl bench attention-scaling)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lengths", default=",".join(str(n) for n in LENGTHS),
+                        help="comma-separated sequence lengths (default: 512 … 32768)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {', '.join(VARIANTS)}")
+    parser.add_argument("--modes", default="forward,backward", help="forward and/or backward (= forward + backward)")
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--d-head", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--pos", default="rope", help="positional encoding (variants that cannot apply it are skipped)")
+    parser.add_argument("--window", type=int, default=512, help="sliding window w")
+    parser.add_argument("--stride", type=int, default=128, help="sparse stride l")
+    parser.add_argument("--features", type=int, default=256, help="Performer random features")
+    parser.add_argument("--linformer-k", type=int, default=256)
+    parser.add_argument("--max-gb", type=float, default=12.0,
+                        help="skip full attention when its estimated extra memory exceeds this (GiB)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3, help="timed calls per variant and length (median)")
+    parser.add_argument("--no-rss", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--probe-timeout", type=float, default=900)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="docs", help="directory for attention_scaling.{json,md,png}")
+
+
+def reproduce_command(args: argparse.Namespace) -> str:
+    flags = ["lengths", "variants", "modes", "heads", "d_head", "batch", "pos", "window", "stride", "features",
+             "linformer_k", "max_gb", "warmup", "steps", "out"]
+    parts = [f"--{flag.replace('_', '-')} {getattr(args, flag)}" for flag in flags]
+    return "txl bench attention-scaling " + " ".join(parts) + (" --no-rss" if args.no_rss else "")
+
+
+def run(args: argparse.Namespace) -> int:
+    from txl.bench.common import machine, write_json
+
+    try:
+        lengths = [int(n) for n in str(args.lengths).split(",") if n]
+    except ValueError:
+        raise UsageError(f"--lengths must be comma-separated integers, got {args.lengths!r}") from None
+    names = [n for n in str(args.variants).split(",") if n]
+    modes = [m for m in str(args.modes).split(",") if m]
+    for mode in modes:
+        if mode not in ("forward", "backward"):
+            raise UsageError(f"--modes takes forward and/or backward, got {mode!r}")
+    for name in names:
+        variant_config(name, 1024, args)  # unknown names fail here, by name
+    notes, runnable = [], []
+    for name in names:
+        reason = unsupported(name, args)
+        if reason:
+            notes.append(f"{name} skipped: {reason}")
+        else:
+            runnable.append(name)
+    result = {"settings": {k: getattr(args, k.replace("-", "_")) for k in
+                           ("batch", "heads", "d_head", "pos", "window", "stride", "features", "linformer_k",
+                            "warmup", "steps", "max_gb")},
+              "machine": machine(), "variants": runnable, "modes": {}, "notes": notes,
+              "command": reproduce_command(args)}
+    started = time.perf_counter()
+    for mode in modes:
+        backward = mode == "backward"
+        table: dict[str, dict] = {}
+        for n in lengths:
+            fits = [name for name in runnable if estimated_gb(name, n, args, backward) <= args.max_gb]
+            cells: dict[str, dict] = {name: {"skipped": True} for name in runnable if name not in fits}
+            for name in runnable:
+                if name not in fits:
+                    gb = estimated_gb(name, n, args, backward)
+                    notes.append(f"{mode}, n = {n}: {name} skipped (needs ≈ {gb:.0f} GiB > --max-gb {args.max_gb:g})")
+            times = time_length(fits, n, args, backward) if fits else {}
+            for name in fits:
+                rss = None if args.no_rss else measure_rss(name, n, args, backward)
+                cells[name] = {"time_s": times[name], "rss_mb": rss}
+                print(f"{mode:8s} n={n:6d} {name:11s} {times[name] * 1000:10.1f} ms  "
+                      f"{'–' if rss is None else f'{rss:,.0f} MiB'}", flush=True)
+            table[str(n)] = cells
+            result["modes"][mode] = table
+    result["elapsed_s"] = round(time.perf_counter() - started, 1)
+    result["targets"] = targets(result)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "attention_scaling.json", result)
+    (out / "attention_scaling.md").write_text(markdown(result))
+    plot(result, out / "attention_scaling.png")
+    print("\n".join(result["targets"]))
+    print(f"wrote {out / 'attention_scaling.md'}, .json, .png")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--probe"]:
+        return probe_main(json.loads(argv[1]))
+    parser = argparse.ArgumentParser(prog="txl bench attention-scaling", description=__doc__.split("\n\n")[0])
+    configure(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
