@@ -163,3 +163,72 @@ def test_cheap_dropout_statistics_gradient_and_seeding():
     torch.manual_seed(3)
     b = cheap_dropout(torch.ones(1000), 0.5, True)
     assert torch.equal(a, b)
+
+
+def test_fast_models_use_cheap_dropout_and_eager_models_keep_nn_dropout():
+    from txl.attention_fast import CheapDropout
+
+    config = TransformerXLConfig(vocab_size=11, n_layer=1, d_model=8, n_head=2, d_head=4, d_inner=8, dropout=0.1)
+    fast = TransformerXL(config)
+    eager = TransformerXL(config.replace(attention_impl="eager"))
+    assert isinstance(fast.drop, CheapDropout) and isinstance(fast.blocks[0].ff.drop, CheapDropout)
+    assert not any(isinstance(m, CheapDropout) for m in eager.modules())
+    assert fast.state_dict().keys() == eager.state_dict().keys()
+
+
+def test_projected_position_table_is_memoised_only_while_nothing_can_change_it():
+    eager, fast = pair(mem_len=10)
+    fast.eval()
+    x = torch.randint(0, 53, (2, 10))
+    with torch.no_grad():
+        memory = fast(x).memory
+        first = fast(x, memory=memory).logits
+        cached = fast.pos._inference_tables[0][1]
+        assert fast(x, memory=memory).logits.equal(first)
+        assert fast.pos._inference_tables[0][1] is cached  # same length, weights and dtype: reused
+        fast.pos.r_proj[0].weight.mul_(1.5)  # an in-place update (as an optimizer step) bumps the version
+        changed = fast(x, memory=memory).logits
+        eager.pos.r_proj[0].weight.mul_(1.5)
+        reference = eager.eval()(x, memory=memory).logits
+    assert fast.pos._inference_tables[0][1] is not cached
+    torch.testing.assert_close(changed, reference, atol=1e-5, rtol=0)
+    fast.train()
+    fast(x, memory=memory, labels=x).loss.backward()  # training never reads the memo
+    assert fast.pos.r_proj[0].weight.grad is not None
+
+
+@pytest.mark.parametrize("overrides", [{}, {"pre_lnorm": True}, {"same_length": True}, {"pos_encoding": "rope"}])
+def test_token_by_token_inference_reuses_projections_and_matches_eager(overrides):
+    eager, fast = pair(mem_len=9, **overrides)
+    eager.eval(), fast.eval()
+    x = torch.randint(0, 53, (2, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        mem_e = eager(x[:, :6]).memory
+        mem_f = fast(x[:, :6]).memory
+        assert mem_f.projected == ()  # a prompt segment keeps the plain memory
+        for t in range(6, 20):  # one token at a time, memory full after a few steps
+            out_e = eager(x[:, t : t + 1], memory=mem_e)
+            out_f = fast(x[:, t : t + 1], memory=mem_f)
+            torch.testing.assert_close(out_f.logits, out_e.logits, atol=1e-5, rtol=0)
+            assert len(out_f.memory.projected) == 2 and out_e.memory.projected == ()
+            assert out_f.memory.projected[0].shape[1] == out_f.memory.length
+            mem_e, mem_f = out_e.memory, out_f.memory
+
+
+def test_projection_cache_is_dropped_when_the_weights_change_or_training():
+    eager, fast = pair(mem_len=8)
+    eager.eval(), fast.eval()
+    x = torch.randint(0, 53, (1, 12))
+    with torch.no_grad():
+        memory = fast(x[:, 7:8], memory=fast(x[:, :7]).memory).memory
+        assert memory.projected_key == fast.projection_key(torch.float32, q_len=1)
+        for model in (fast, eager):
+            model.blocks[1].attn.kv_proj.weight.mul_(0.5)  # e.g. an optimizer step between calls
+        assert fast.projection_key(torch.float32, q_len=1) != memory.projected_key
+        torch.testing.assert_close(fast(x[:, 8:9], memory=memory).logits,
+                                   eager(x[:, 8:9], memory=memory).logits, atol=1e-5, rtol=0)
+        long_segment = torch.randint(0, 53, (1, 2))  # a segment, not one token: memory stays at hidden size
+        assert fast(long_segment, memory=memory).memory.projected == ()
+    fast.train()
+    assert fast(x[:, 8:9], memory=memory).memory.projected == ()
+    assert memory.state_dict().keys() == {"memory.0", "memory.1"}  # derived data is never saved

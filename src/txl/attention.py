@@ -103,11 +103,23 @@ class Attention(nn.Module):
         kernel = resolve_kernel(config.attention, config.attention_impl if config.causal else "bidirectional")
         self.kernel = kernel(config) if isinstance(kernel, type) else kernel
 
-    def forward(self, x: Tensor, context: Tensor, *, positions: LayerPositions, window: int | None) -> Tensor:
+    def forward(
+        self, x: Tensor, context: Tensor, *, positions: LayerPositions, window: int | None,
+        projected: Tensor | None = None, sink: list[Tensor] | None = None,
+    ) -> Tensor:
+        """`projected`: kv_proj of the first projected.shape[1] context rows, from the previous call
+        (token-level inference reuses them instead of projecting the memory again); `sink`: receives
+        kv_proj of the whole context for the next call."""
         b, i, _ = x.shape
         n = context.shape[1]
         q = self.q_proj(x).view(b, i, self.n_head, self.d_head).transpose(1, 2)  # (b, h, i, d)
-        kv = self.kv_proj(context).view(b, n, 2, self.n_head, self.d_head)
+        if projected is None:
+            kv = self.kv_proj(context)  # (b, n, 2*h*d)
+        else:
+            kv = torch.cat([projected.to(x.dtype), self.kv_proj(context[:, projected.shape[1] :])], dim=1)
+        if sink is not None:
+            sink.append(kv)
+        kv = kv.view(b, n, 2, self.n_head, self.d_head)
         k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # each (b, h, n, d)
         out = self.kernel(
             q, k, v, positions=positions, window=window, dropatt=self.dropatt, training=self.training

@@ -164,8 +164,10 @@ class _XLAttention(torch.autograd.Function):
         grad_qv = torch.matmul(grad_raw, r).mul_(scale)  # (b, h, i, d)
         grad_r = None
         if ctx.needs_input_grad[4]:
-            # one (h, n, b*i) @ (h, b*i, d) product: faster than b small ones despite the copy
-            grad_r = torch.einsum("bhic,bhid->hcd", grad_raw, qv).mul_(scale)
+            # per (b, h) products straight from the strided view, then a sum over the (small) batch:
+            # einsum would first copy grad_raw into (h, n, b*i), a strided gather measured 2x the bmm
+            per_row = torch.bmm(grad_raw.flatten(0, 1).transpose(1, 2), qv.reshape(b * h, i, d))  # (b*h, n, d)
+            grad_r = per_row.view(b, h, n, d).sum(0).mul_(scale)
         return grad_qu, grad_qv, grad_k, grad_v, grad_r, None, None
 
 
@@ -189,7 +191,7 @@ def fast_attention(
         dtype = q.dtype
         qu = encoding.content(positions.layer, positions.state, q, k)[0].to(dtype)
         qv = (q + encoding._bias(encoding.v, positions.layer)).to(dtype)
-        r = encoding.projected_table(positions.layer, positions.state, k_len).to(dtype)  # (h, n, d)
+        r = encoding.inference_table(positions.layer, positions.state, k_len).to(dtype)  # (h, n, d)
         k, v = k.to(dtype), v.to(dtype)
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (qu, qv, k, v, r))
         if not grad:

@@ -71,7 +71,7 @@ class TransformerXLConfig:
     max_positions: int = 1024  # learned: rows of the absolute table (inputs longer than this fail)
     # --- attention kernel ---------------------------------------------------------------------
     attention: AttentionName = "full"
-    attention_impl: AttentionImpl = "auto"  # eager = reference einsum path; fast = fused/strided
+    attention_impl: AttentionImpl = "auto"  # eager = reference einsum path; fast = fused/strided + cheap dropout RNG
     causal: bool = True  # False = bidirectional encoder (masked LM): no memory, no causal mask
     # sliding (Longformer): O(n·w) time and memory instead of O(n²)
     sliding_window: int = 256  # keys each query sees, itself included (counted in dilated steps)

@@ -31,6 +31,11 @@ class Memory:
 
     hidden: tuple[Tensor, ...]
     compressed: tuple[Tensor, ...] = ()
+    # Token-level inference only (`TransformerXL.forward`): per layer the key/value projections of
+    # `hidden`, (batch, length, 2·n_head·d_head), and the key of the weights and dtype they were made
+    # with. Derived data: never saved, and every method below that builds a new Memory drops it.
+    projected: tuple[Tensor, ...] = ()
+    projected_key: tuple = ()
 
     @property
     def length(self) -> int:

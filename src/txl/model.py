@@ -11,6 +11,7 @@ makes the same blocks a bidirectional encoder for a masked-LM objective (no memo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +22,16 @@ from torch import Tensor, nn
 
 from txl.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txl.attention import Attention
+from txl.attention_fast import use_cheap_dropout
 from txl.config import TransformerXLConfig
 from txl.errors import UsageError
 from txl.memory import Memory, MemoryCompressor, update_memory
 from txl.positional import LayerPositions, build_positional
+
+# Inference with at most this many new tokens per call (generation) caches the memory's key/value
+# projections; longer segments (evaluation) re-project, so memory stays at the hidden states' size
+# and results stay bit-identical to a plain forward.
+PROJECTION_CACHE_MAX_QUERIES = 1
 
 
 class FeedForward(nn.Module):
@@ -51,12 +58,21 @@ class Block(nn.Module):
         self.ff = FeedForward(config)
         self.ff_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
 
-    def forward(self, h: Tensor, context: Tensor, *, positions: LayerPositions, window: int | None) -> Tensor:
-        # `context` is [memory ; h]: the keys/values this layer attends over.
+    def forward(
+        self, h: Tensor, context: Tensor, *, positions: LayerPositions, window: int | None,
+        projected: Tensor | None = None, sink: list[Tensor] | None = None,
+    ) -> Tensor:
+        # `context` is [memory ; h]: the keys/values this layer attends over. `projected`/`sink`: the
+        # key/value projection cache of token-level inference (see `TransformerXL.projection_key`).
+        cache = {"projected": projected, "sink": sink}
         if self.pre_lnorm:
-            h = h + self.attn(self.attn_norm(h), self.attn_norm(context), positions=positions, window=window)
+            if projected is not None:  # the memory rows are projected already: normalise only h
+                context = torch.cat([context[:, : projected.shape[1]], self.attn_norm(h)], dim=1)
+            else:
+                context = self.attn_norm(context)
+            h = h + self.attn(self.attn_norm(h), context, positions=positions, window=window, **cache)
             return h + self.ff(self.ff_norm(h))
-        h = self.attn_norm(h + self.attn(h, context, positions=positions, window=window))
+        h = self.attn_norm(h + self.attn(h, context, positions=positions, window=window, **cache))
         return self.ff_norm(h + self.ff(h))
 
 
@@ -109,6 +125,8 @@ class TransformerXL(nn.Module):
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if final_norm else nn.Identity()
         self.head = AdaptiveLogSoftmax(config, self.embed)
         self.compressor = MemoryCompressor(config) if config.cmem_len else None
+        if config.attention_impl != "eager":  # same distribution, 7x cheaper CPU random numbers
+            use_cheap_dropout(self)
         self.reset_parameters()
 
     # ------------------------------------------------------------------------------------------
@@ -174,16 +192,23 @@ class TransformerXL(nn.Module):
 
         h = self.drop(self.pos.embed(self.embed(input_ids)))  # (b, t, d_model)
         pos_state = self.pos.prepare(k_len=k_len, clamp_len=self.clamp_len, device=h.device, dtype=h.dtype)
+        key = self.projection_key(h.dtype, q_len=q_len, compressed=c_len > 0)
+        reuse = key is not None and memory is not None and memory.projected_key == key and m_len > 0
+        sink: list[Tensor] | None = [] if key is not None else None
         contexts = []
         for i, block in enumerate(self.blocks):
             past = [] if k_len == q_len else [m.to(h.dtype) for m in memory.layer(i)]  # [compressed ; memory]
             context = torch.cat([*past, h], dim=1) if past else h  # (b, n, d)
             contexts.append(context)
-            h = block(h, context, positions=self.pos.layer(i, pos_state), window=window)
+            h = block(h, context, positions=self.pos.layer(i, pos_state), window=window,
+                      projected=memory.projected[i] if reuse else None, sink=sink)
         h = self.drop(self.norm(h))
         aux_loss = None
         if self.compressor is None:
             new_memory = update_memory(contexts, mem_len)
+            if sink is not None and new_memory is not None:
+                tails = tuple(kv[:, -new_memory.length :] for kv in sink)
+                new_memory = dataclasses.replace(new_memory, projected=tails, projected_key=key)
         else:  # states leaving the memory are compressed instead of dropped (Rae et al. 2020)
             learn = self.training and torch.is_grad_enabled()  # the reconstruction loss trains f_c
             new_memory, aux_loss = self.compressor(
@@ -201,6 +226,25 @@ class TransformerXL(nn.Module):
             count = (labels != -100).sum()
             loss = nll.sum() / count.clamp(min=1)
         return TransformerXLOutput(logits=logits, loss=loss, nll=nll, memory=new_memory, hidden=h, aux_loss=aux_loss)
+
+    def projection_key(self, dtype: torch.dtype, *, q_len: int, compressed: bool = False) -> tuple | None:
+        """Token-by-token inference (no autograd, eval mode, at most PROJECTION_CACHE_MAX_QUERIES new
+        tokens, fast path) keeps the key/value projections of the memory in `Memory.projected`, so a
+        generated token costs O(mem_len) attention instead of re-projecting mem_len states in every
+        layer. The key names everything the projections depend on: dtype, autocast, and identity and
+        version of the weights (an optimizer step or load_state_dict bumps the version), so stale
+        projections are never used. None = no cache (training, long segments: evaluation keeps
+        memory at the size of the hidden states; the eager reference path)."""
+        if (torch.is_grad_enabled() or self.training or q_len > PROJECTION_CACHE_MAX_QUERIES or compressed
+                or self.config.attention_impl == "eager"):
+            return None
+        device = self.head.bias.device.type
+        autocast = torch.is_autocast_enabled(device)
+        params = [p for block in self.blocks for p in block.attn.kv_proj.parameters()]
+        if self.config.pre_lnorm:
+            params += [p for block in self.blocks for p in block.attn_norm.parameters()]
+        return (dtype, autocast, torch.get_autocast_dtype(device) if autocast else None,
+                *((p.data_ptr(), p._version) for p in params))
 
     # ------------------------------------------------------------------------------------------
     def save_pretrained(self, directory: str | Path) -> None:

@@ -152,13 +152,14 @@ class XLRelative(PositionalEncoding):
             nn.Linear(config.d_model, config.n_head * config.d_head, bias=False) for _ in range(config.n_layer)
         )
         self.drop = nn.Dropout(config.dropout)
+        self._inference_tables: dict[int, tuple[tuple, Tensor]] = {}  # see `inference_table`
 
     def prepare(self, *, k_len, clamp_len, device, dtype):
         pos = torch.arange(k_len - 1, -1, -1, device=device)  # distances n-1 … 0
         if clamp_len > 0:
             pos = pos.clamp(max=clamp_len)
         table = self.drop(sinusoid_table(pos, self.config.d_model).to(dtype))
-        return {"R": table}
+        return {"R": table, "clamp_len": clamp_len}
 
     def _bias(self, param: Tensor, layer: int) -> Tensor:
         return param[layer if param.shape[0] > 1 else 0][:, None, :]  # (h, 1, d)
@@ -178,6 +179,26 @@ class XLRelative(PositionalEncoding):
             table = state["R"][(last - dist).clamp(min=0)]
         r = self.r_proj[layer](table).view(k_len, self.config.n_head, self.config.d_head)
         return r.transpose(0, 1)
+
+    def inference_table(self, layer: int, state: dict, k_len: int) -> Tensor:
+        """`projected_table(layer, state, k_len)`, memoised when nothing can change it between calls:
+        no autograd and no dropout (evaluation, generation). The key holds everything the result
+        depends on (length, clamp, dtype, device, autocast, the weight's identity and version, which
+        any in-place update such as an optimizer step bumps), so a stale entry is never returned.
+        Generation at a 1k context then projects R once instead of once per token and layer."""
+        if torch.is_grad_enabled() or self.training:
+            return self.projected_table(layer, state, k_len)
+        weight = self.r_proj[layer].weight
+        table = state["R"]
+        autocast = torch.is_autocast_enabled(table.device.type)
+        key = (k_len, state.get("clamp_len"), table.dtype, table.device, autocast,
+               torch.get_autocast_dtype(table.device.type) if autocast else None, weight.data_ptr(), weight._version)
+        hit = self._inference_tables.get(layer)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        r = self.projected_table(layer, state, k_len)
+        self._inference_tables[layer] = (key, r)
+        return r
 
     def score_bias(self, layer, state, q, *, k_len, rel_shift, stride=1):
         r = self.projected_table(layer, state, k_len, stride)  # (h, n, d)

@@ -174,7 +174,17 @@ def build_hf(shape: Shape, *, mem_len: int | None = None, tgt_len: int | None = 
             cutoffs=[], div_val=1, dropout=shape.dropout, dropatt=0.0, clamp_len=-1, untie_r=False,
             same_length=False,
         )
-        return TransfoXLLMHeadModel(config).train(train)
+        model = TransfoXLLMHeadModel(config).train(train)
+    # Under bf16 autocast HF's adaptive-softmax criterion mixes dtypes in an index_put and fails
+    # (transformers 4.35.2); run it in fp32 as our head does its softmax (a 256-way softmax: cheap).
+    crit = model.crit.forward
+
+    def crit_fp32(hidden, labels=None, keep_order=False):
+        with torch.autocast("cpu", enabled=False):
+            return crit(hidden.float(), labels, keep_order)
+
+    model.crit.forward = crit_fp32
+    return model
 
 
 def contender_names(options: BenchOptions) -> list[str]:
