@@ -64,8 +64,10 @@ def read_json(path: Path, what: str) -> Any:
         text = path.read_text()
     except FileNotFoundError:
         raise CheckpointError(f"{what} not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"cannot read {what} {path}: {err}") from None
+    except OSError as err:
+        raise CheckpointError(f"cannot read {what} {path}: {describe_os_error(err, reading=True)}") from None
+    except UnicodeDecodeError as err:
+        raise CheckpointError(f"{what} {path} is not UTF-8 text (byte {err.start}); the file is corrupt") from None
     try:
         return json.loads(text)
     except (ValueError, RecursionError) as err:  # JSONDecodeError, a 5000-digit number, [[[[...
@@ -101,8 +103,11 @@ def atomic_directory(final: str | Path) -> Iterator[Path]:
         fsync_dir(parent)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        kept = "; the previous checkpoint is untouched" if final.exists() else ""
         if isinstance(err, OSError):
-            raise OutputError(f"cannot write checkpoint {final}: {describe_os_error(err)}") from None
+            raise OutputError(f"cannot write checkpoint {final}: {describe_os_error(err)}{kept}") from None
+        if isinstance(err, OutputError):  # a file inside: name it by where it was going, not the temporary name
+            raise OutputError(str(err).replace(str(tmp), str(final)) + kept) from None
         raise
 
 

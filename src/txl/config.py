@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from txl.errors import ConfigError
+from txl.errors import ConfigError, did_you_mean
 
 # Names, not integer codes (the reference's `attn_type` 0..3 maps to xl, shaw, sinusoidal, learned).
 PositionalName = Literal["xl", "shaw", "sinusoidal", "learned", "rope", "alibi"]
@@ -264,7 +264,8 @@ class TransformerXLConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ConfigError(f"unknown config key {unknown[0]!r} (known keys: {', '.join(sorted(known))})")
+            hint = did_you_mean(str(unknown[0]), known) or "; remove it (the keys are the TransformerXLConfig fields)"
+            raise ConfigError(f"unknown config key {unknown[0]!r}{hint}")
         return cls(**data)
 
     def to_json(self, path: str | Path | None = None) -> str:

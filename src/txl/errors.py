@@ -66,12 +66,31 @@ _OS_FIXES = {
 }
 
 
-def describe_os_error(err: OSError) -> str:
-    """One line for an `OSError`: the cause in plain words and, for writes, the fix."""
-    text = _OS_FIXES.get(err.errno or -1)
+# The same for reads: what to do about a file txl must read.
+_OS_READ_FIXES = {
+    errno.EACCES: "permission denied; make the file readable for this user",
+    errno.EPERM: "operation not permitted; make the file readable for this user",
+    errno.EIO: "input/output error; the disk or network file system is failing, copy the file elsewhere",
+    errno.EISDIR: "it is a directory, not a file",
+    errno.ENOTDIR: "a part of the path is a file, not a directory",
+    errno.ENOENT: "no such file or directory",
+}
+
+
+def describe_os_error(err: OSError, *, reading: bool = False) -> str:
+    """One line for an `OSError`: the cause in plain words and the fix (for a write, or a read)."""
+    text = (_OS_READ_FIXES if reading else _OS_FIXES).get(err.errno or -1)
     if text is None:
         text = err.strerror or str(err) or type(err).__name__
     return text.replace("\n", " ")
+
+
+def did_you_mean(name: str, known) -> str:
+    """'; did you mean 'n_layer'?' when `name` is a likely typo of a known name, else ''."""
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def is_out_of_memory(err: BaseException) -> bool:

@@ -26,6 +26,7 @@ Name map (HF -> txl), l = layer, i = cluster:
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import Any
 
@@ -201,9 +202,13 @@ def read_hf_weights(src: Path) -> dict[str, Tensor]:
         try:
             # weights_only=True: tensors and plain containers only; never executes pickled code.
             state = torch.load(bin_file, map_location="cpu", weights_only=True)
-        except Exception as err:
-            msg = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise CheckpointError(f"cannot read {bin_file} as a tensor-only checkpoint ({msg})") from None
+        except Exception as err:  # torch raises UnpicklingError, RuntimeError, EOFError... for bad files
+            # Never echo torch's own advice here: it suggests weights_only=False, i.e. running the code.
+            found = re.search(r"GLOBAL ([\w.]+)", str(err))
+            why = (f"it refers to the Python object {found.group(1)}, and unpickling it could run code" if found
+                   else "it is damaged or not a PyTorch file")
+            raise CheckpointError(f"cannot read {bin_file} as a tensor-only checkpoint: {why}; refused (use the "
+                                  "model.safetensors of the same model instead)") from None
         if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
             raise CheckpointError(f"{bin_file} is not a state dict of tensors")
         return state

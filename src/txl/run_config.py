@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from txl.config import TransformerXLConfig, check_dataclass_types
-from txl.errors import ConfigError, describe_os_error
+from txl.errors import ConfigError, describe_os_error, did_you_mean
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -143,11 +143,11 @@ def merge(run: RunConfig, data: dict[str, Any], where: str) -> None:
     model = dict(data.get("model", {}))
     for key in model:
         if key not in MODEL_KEYS:
-            raise ConfigError(f"unknown key model.{key} in {where}")
+            raise ConfigError(f"unknown key model.{key} in {where}{did_you_mean(str(key), MODEL_KEYS)}")
     train_values = dict(data.get("train", {}))
     for key in train_values:
         if key not in TRAIN_KEYS:
-            raise ConfigError(f"unknown key train.{key} in {where}")
+            raise ConfigError(f"unknown key train.{key} in {where}{did_you_mean(str(key), TRAIN_KEYS)}")
     run.model.update(model)
     try:
         run.model_config()  # validate the model section now, before any data is read
@@ -181,7 +181,8 @@ def apply_sets(run: RunConfig, assignments: list[str]) -> None:
             if in_model and in_train:
                 raise ConfigError(f"--set {name} is ambiguous; write model.{name} or train.{name}")
             if not (in_model or in_train):
-                raise ConfigError(f"unknown key {name!r} in --set (see `txl train --help` for the keys)")
+                hint = did_you_mean(name, [*MODEL_KEYS, *TRAIN_KEYS]) or " (keys: the fields of [model] and [train])"
+                raise ConfigError(f"unknown key {name!r} in --set{hint}")
             section = "model" if in_model else "train"
         if section not in ("model", "train"):
             raise ConfigError(f"unknown section {section!r} in --set {key} (sections: model, train)")

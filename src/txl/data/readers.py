@@ -39,7 +39,7 @@ import numpy as np
 from txl.data.cache import NpyWriter, TokenBuffer
 from txl.data.spec import DataSpec
 from txl.data.vocab import Vocab, _require_tokenizers
-from txl.errors import DataError
+from txl.errors import DataError, describe_os_error
 
 READER_VERSION = 1  # bump when any convention below changes: every cache then re-prepares
 BLOCK = 1 << 20
@@ -440,8 +440,10 @@ def _plan_builtin(spec: DataSpec) -> Plan:
 ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, EOFError, NotImplementedError, RuntimeError)
 
 
-def _damaged_zip_hint(seg: Segment, err: BaseException) -> str:
-    return "; the archive is damaged, download it again" if seg.member is not None and not isinstance(err, OSError) else ""
+def _read_failure(seg: Segment, err: BaseException) -> str:
+    if isinstance(err, OSError):
+        return describe_os_error(err, reading=True)
+    return f"{err}; the archive is damaged, download it again"
 
 
 class _SegmentReader:
@@ -465,7 +467,7 @@ class _SegmentReader:
                 self._f = open(seg.path, "rb")  # noqa: SIM115 - closed in close()
                 self._f.seek(seg.start)
         except (OSError, *ZIP_ERRORS) as err:
-            raise DataError(f"cannot read {seg.label}: {err}{_damaged_zip_hint(seg, err)}") from None
+            raise DataError(f"cannot read {seg.label}: {_read_failure(seg, err)}") from None
 
     def read(self, n: int = BLOCK) -> bytes:
         if self.remaining <= 0:
@@ -473,7 +475,7 @@ class _SegmentReader:
         try:
             data = self._f.read(min(n, self.remaining))
         except (OSError, *ZIP_ERRORS) as err:
-            raise DataError(f"cannot read {self.seg.label}: {err}{_damaged_zip_hint(self.seg, err)}") from None
+            raise DataError(f"cannot read {self.seg.label}: {_read_failure(self.seg, err)}") from None
         self.remaining -= len(data)
         return data
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from txl.data.cache import atomic_write_bytes, smallest_uint
-from txl.errors import DataError
+from txl.errors import DataError, describe_os_error
 
 FORMAT = "txl-vocab"
 VERSION = 1
@@ -355,5 +355,5 @@ class Vocab:
         except FileNotFoundError:
             raise DataError(f"vocabulary file not found: {path}") from None
         except OSError as err:
-            raise DataError(f"cannot read vocabulary file {path}: {err.strerror}") from None
+            raise DataError(f"cannot read vocabulary file {path}: {describe_os_error(err, reading=True)}") from None
         return cls.from_json(data, source=str(path))
