@@ -249,3 +249,15 @@ def test_a_checkpoint_that_is_not_safetensors_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="corrupt or truncated"):
         TransformerXL.from_pretrained(tmp_path / "ckpt")
     assert not (tmp_path / "pwned").exists()
+
+
+def test_pytorch_model_bin_needs_a_torch_without_the_weights_only_bypass(tmp_path, monkeypatch):
+    """torch < 2.6 let a crafted file run code even with weights_only=True (CVE-2025-32434)."""
+    from txl.hf_import import read_hf_weights
+
+    src = _hf_dir(tmp_path, "hf")
+    torch.save({"w": torch.zeros(2)}, src / "pytorch_model.bin")
+    assert set(read_hf_weights(src)) == {"w"}  # a plain tensor file loads on this torch
+    monkeypatch.setattr(torch, "__version__", "2.5.1+cpu")
+    with pytest.raises(CheckpointError, match="CVE-2025-32434"):
+        read_hf_weights(src)

@@ -199,6 +199,10 @@ def read_hf_weights(src: Path) -> dict[str, Tensor]:
         tensors, _ = load_tensors(safetensors_file, "HF weights")
         return tensors
     if bin_file.is_file():
+        if _torch_version() < (2, 6):  # weights_only=True could be bypassed before 2.6 (CVE-2025-32434)
+            raise CheckpointError(f"refusing to read {bin_file} with torch {torch.__version__}: its weights_only "
+                                  "loader can be bypassed (CVE-2025-32434); upgrade to torch>=2.6 or use "
+                                  "model.safetensors")
         try:
             # weights_only=True: tensors and plain containers only; never executes pickled code.
             state = torch.load(bin_file, map_location="cpu", weights_only=True)
@@ -213,6 +217,11 @@ def read_hf_weights(src: Path) -> dict[str, Tensor]:
             raise CheckpointError(f"{bin_file} is not a state dict of tensors")
         return state
     raise CheckpointError(f"{src} has neither model.safetensors nor pytorch_model.bin")
+
+
+def _torch_version() -> tuple[int, int]:
+    found = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
 
 
 def import_hf(src: str | Path, out: str | Path) -> TransformerXLConfig:
