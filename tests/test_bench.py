@@ -90,6 +90,12 @@ def test_mfu_bench_runs_both_precisions(smoke_shape, tmp_path, capsys, monkeypat
     assert all(row["mfu"] > 0 for row in result["rows"]) and "MFU" in text
 
 
+def test_kernel_bench(smoke_shape, tmp_path, capsys):
+    result, text = run_cli(["kernel", "--steps", "1", "--warmup", "0"], tmp_path, capsys)
+    assert [row["mode"] for row in result["rows"]] == ["forward+backward", "forward"]
+    assert all(row["speedup"] > 0 for row in result["rows"]) and "fast × eager" in text
+
+
 def test_flop_count_by_hand():
     shape = SHAPES["smoke"]  # t = 32 tokens, n = 32 keys, d = HD = 32, d_inner 64, vocab 256
     t, n, b = 32, 32, 2
@@ -107,7 +113,8 @@ def test_all_quick_writes_the_report(smoke_shape, tmp_path, capsys, monkeypatch)
     out = tmp_path / "docs"
     assert main(["bench", "all", "--quick", "--no-rss", "--steps", "1", "--warmup", "0", "--out", str(out)]) == 0
     text = (out / "benchmarks.md").read_text()
-    for heading in ("## Machine", "Training throughput", "Evaluation throughput", "Generation", "Model FLOP"):
+    for heading in ("## Machine", "Attention kernel", "Training throughput", "Evaluation throughput", "Generation",
+                    "Model FLOP"):
         assert heading in text
     assert (out / "bench_train.png").stat().st_size > 0
     assert any(p.name.startswith("bench_eval_") for p in out.glob("*.png"))

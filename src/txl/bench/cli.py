@@ -13,6 +13,7 @@ BENCHES: dict[str, str] = {
     "eval": "txl.bench.evaluation",
     "generate": "txl.bench.generation",
     "mfu": "txl.bench.mfu",
+    "kernel": "txl.bench.kernel",
     "eval-speedup": "txl.bench.eval_speedup",  # the evaluation issue's paper-style speed-up table
     "attention-scaling": "txl.bench.attention_scaling",  # the long-text arena's kernels against length
 }

@@ -22,6 +22,7 @@ def plan(options: BenchOptions) -> list[tuple[str, BenchOptions]]:
     if options.quick:
         tiny = options.with_(config="tiny", against=against)  # --quick: warmup 1, 2 timed steps
         return [
+            ("kernel", tiny),
             ("train", tiny),
             ("eval", tiny.with_(mem_lens=(128, 512))),
             ("generate", tiny.with_(impls=("fast",), extra={**options.extra, "context": 256})),
@@ -29,6 +30,8 @@ def plan(options: BenchOptions) -> list[tuple[str, BenchOptions]]:
         ]
     base = options.with_(config="base", against=against)
     return [
+        ("kernel", options.with_(config="tiny", warmup=2, steps=10)),
+        ("kernel", base.with_(warmup=1, steps=5)),
         ("train", options.with_(config="tiny", against=against, warmup=3, steps=15)),
         ("train", base.with_(precision="fp32", warmup=1, steps=4)),
         ("train", base.with_(precision="bf16", warmup=1, steps=4)),
