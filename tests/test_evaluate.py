@@ -239,6 +239,20 @@ def test_sweep_writes_a_table_and_a_png(run_dir, tmp_path, capsys):
     assert [r["mem_len"] for r in rows] == [0, 8, 32]
 
 
+# -- the eval speed-up benchmark (timing itself lives in `txl bench`; this only checks it runs) ---------
+
+
+def test_eval_speedup_bench_runs(capsys):
+    from txl.bench.eval_speedup import main as bench
+
+    assert bench(["--attn-len", "24,40", "--config", "tiny", "--tgt-len", "16", "--steps", "1", "--warmup", "0",
+                  "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [r["attn_len"] for r in result["rows"]] == [24, 40]
+    assert all(r["speedup"] > 0 and r["tgt_len"] == 16 for r in result["rows"])
+    assert bench(["--attn-len", "0", "--config", "tiny"]) == 2
+
+
 # -- checkpoints ---------------------------------------------------------------------------------------
 
 

@@ -17,9 +17,9 @@ Both score real next-token NLL (labels given, logits not kept) on the same rando
 the same model and attention kernel. Weights are random (timing does not depend on them) unless
 `--ckpt` loads a checkpoint. The ratio is per token: vanilla time per token / XL time per token.
 
-Two entry points: the `txl bench` registry contract (TITLE, run(options) -> dict, table(result)),
-where the attention lengths come from `--mem-lens`, and `python -m txl.bench.eval_speedup --attn-len
-800 [--json]` with this module's own flags.
+Command line: `txl bench eval-speedup --attn-len 800[,3800] [--json]` (this module declares its own
+flags: `configure(parser)` and `run(args) -> int`), or the same flags with
+`python -m txl.bench.eval_speedup`. Python: `benchmark(attn_lens, ...) -> dict`, `markdown(result)`.
 """
 
 from __future__ import annotations
@@ -77,15 +77,6 @@ def _build_model(config: str, ckpt: str | None, impl: str):
                                                   n_head=s.n_head, d_head=s.d_head, d_inner=s.d_inner, mem_len=0,
                                                   dropout=0.0, attention_impl=impl))
     return model.eval()
-
-
-def _resolve_impl(impls) -> str:
-    from txl.attention import KERNELS
-
-    for impl in reversed(tuple(impls or ())):  # the last one asked for that exists (default: fast, then eager)
-        if ("full", impl) in KERNELS:
-            return impl
-    return "auto"
 
 
 def measure(model, attn_len: int, *, tgt_len: int, windows: int = 0, warmup: int = 1, steps: int = 5,
@@ -204,7 +195,11 @@ def benchmark(attn_lens, *, config: str = "base", ckpt: str | None = None, tgt_l
     }
 
 
-def table(result: dict) -> str:
+def _times(ratio: float) -> str:
+    return f"{ratio:,.0f}×" if ratio >= 10 else f"{ratio:.2f}×"
+
+
+def markdown(result: dict) -> str:
     lines = [f"{result['model']}; attention kernel `{result['attention_kernel']}`; median of {result['steps']} "
              f"interleaved rounds after {result['warmup']} warm-up", "",
              "| attention length | XL tgt_len | XL ms/token | vanilla ms/token | speed-up | (min–max over rounds) "
@@ -212,8 +207,8 @@ def table(result: dict) -> str:
     for r in result["rows"]:
         paper = f"{r['paper']:,}×" if r.get("paper") else "–"
         lines.append(f"| {r['attn_len']:,} | {r['tgt_len']} | {r['xl_ms_per_token']:.3f} | "
-                     f"{r['vanilla_ms_per_token']:.1f} | **{r['speedup']:,.0f}×** | "
-                     f"{r['speedup_rounds_min']:,.0f}–{r['speedup_rounds_max']:,.0f} | {paper} |")
+                     f"{r['vanilla_ms_per_token']:.1f} | **{_times(r['speedup'])}** | "
+                     f"{_times(r['speedup_rounds_min'])}–{_times(r['speedup_rounds_max'])} | {paper} |")
     m = result["machine"]
     lines += ["", f"machine: {m.get('cpu')}, {m.get('cores')} logical cores, {m.get('threads')} torch threads, "
                   f"torch {m.get('torch')}, load average at the end {m.get('load_average')}"]
@@ -221,23 +216,8 @@ def table(result: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# The `txl bench` registry contract
-
-
-def run(options) -> dict:
-    """`txl bench eval-speedup`: attention lengths from `--mem-lens` (default: the paper's four)."""
-    extra = getattr(options, "extra", {}) or {}
-    attn_lens = tuple(extra.get("attn_lens") or getattr(options, "mem_lens", ()) or tuple(PAPER))
-    quick = getattr(options, "quick", False)
-    return benchmark(attn_lens, config=getattr(options, "config", "base"), ckpt=extra.get("ckpt"),
-                     tgt_len=int(extra.get("tgt_len", 0)), warmup=1 if quick else getattr(options, "warmup", 1),
-                     steps=2 if quick else getattr(options, "steps", 5), threads=getattr(options, "threads", 0),
-                     impl=_resolve_impl(getattr(options, "impls", ("eager", "fast"))),
-                     seed=getattr(options, "seed", 0))
-
-
-# ---------------------------------------------------------------------------------------------
-# Standalone: python -m txl.bench.eval_speedup --attn-len 800 [--json]
+# Command line: `txl bench eval-speedup ...` (the bench registry calls configure/run) or
+# `python -m txl.bench.eval_speedup ...`
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -256,7 +236,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def run_cli(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from txl.errors import UsageError
 
     try:
@@ -265,7 +245,7 @@ def run_cli(args: argparse.Namespace) -> int:
         raise UsageError(f"--attn-len {args.attn_len!r}: give integers, e.g. 800 or 800,3800") from None
     result = benchmark(attn_lens, config=args.config, ckpt=args.ckpt, tgt_len=args.tgt_len, windows=args.windows,
                        warmup=args.warmup, steps=args.steps, threads=args.threads, impl=args.impl)
-    print(json.dumps(result, indent=2) if args.json else f"## {TITLE}\n\n{table(result)}")
+    print(json.dumps(result, indent=2) if args.json else f"## {TITLE}\n\n{markdown(result)}")
     return 0
 
 
@@ -276,7 +256,7 @@ def main(argv=None) -> int:
     configure(parser)
     args = parser.parse_args(argv)
     try:
-        return run_cli(args)
+        return run(args)
     except TxlError as err:
         print(f"eval-speedup: error: {err}", file=sys.stderr)
         return err.exit_code
