@@ -913,6 +913,41 @@ def test_cases_are_many_and_distinct():
     assert len(ids) == len(set(ids)) and len(ids) >= 30
 
 
+def test_debug_shows_the_traceback():
+    from txl.cli import main
+    from txl.errors import ConfigError
+
+    for argv in (["--debug", "train", "--preset", "gigantic"], ["train", "--preset", "gigantic", "--debug"]):
+        with pytest.raises(ConfigError, match="unknown preset"):
+            main(argv)
+
+
+def test_an_unexpected_exception_keeps_its_traceback_and_asks_for_a_report(monkeypatch, capsys):
+    import txl.plot
+    from txl.cli import main
+
+    monkeypatch.setattr(txl.plot, "run_cli", lambda args: 1 / 0)  # stands for any bug
+    code = main(["plot", "RUN"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" in err and "ZeroDivisionError" in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("txl plot: internal error:") and "bug in txl" in last and "report" in last
+    with pytest.raises(ZeroDivisionError):
+        main(["plot", "RUN", "--debug"])
+
+
+def test_a_closed_stdout_is_not_an_error(monkeypatch, capsys):
+    import txl.data.cli
+    from txl.cli import main
+
+    def closed(args):
+        raise BrokenPipeError(32, "Broken pipe")  # `txl data list | head -1`
+
+    monkeypatch.setattr(txl.data.cli, "run", closed)
+    assert main(["data", "list"]) == 141
+    assert capsys.readouterr().err == ""
+
+
 def render_table(results: dict[str, Outcome]) -> str:
     rows = ["| # | bad input | given to | what the user gets | test |", "|---|---|---|---|---|"]
     for number, c in enumerate(CASES, 1):
