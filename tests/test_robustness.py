@@ -948,6 +948,42 @@ def test_a_closed_stdout_is_not_an_error(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
+# Known gaps in files whose authors are still at work: each test marks itself xfail while the gap is
+# there (and only for that reason), and checks the proper one-line error once it is fixed.
+
+
+def _known_gap(args: tuple[str, ...], escaped: str, where: str) -> Outcome:
+    code, err = call_cli(*args)
+    if code == 1 and escaped in err:
+        pytest.xfail(f"known gap in {where}: {escaped} escapes as an internal error")
+    return cli(*args)
+
+
+def test_eval_on_a_cache_with_ids_out_of_range(tmp_path):
+    with env(TXL_CACHE_DIR=str(SHARED.root / "cache")):
+        ctx = Ctx(tmp_path)
+        spec, corpus = _prepared(ctx, "words")
+        code, err = call_cli(*train_args(ctx, "--data", spec, "--set", "max_steps=1"))
+        assert code == 0, err
+        npy = corpus.path / "valid.npy"
+        tokens = np.load(npy, allow_pickle=False)
+        tokens[1] = np.iinfo(tokens.dtype).max
+        np.save(npy, tokens, allow_pickle=False)
+        outcome = _known_gap(("eval", str(ctx.dir / "out"), "--device", "cpu"), "IndexError", "txl/evaluate.py")
+        assert "--force" in outcome.text
+
+
+def test_recl_with_a_damaged_cache(tmp_path):
+    with env(TXL_CACHE_DIR=str(SHARED.root / "cache")):
+        ckpt = Ctx(tmp_path).checkpoint_copy()
+        args = ("recl", str(ckpt), "--contexts", "4,8", "--positions", "20", "--device", "cpu",
+                "--cache", str(tmp_path / "losses"))
+        assert call_cli(*args)[0] == 0
+        for path in (tmp_path / "losses").glob("*.npy"):
+            path.write_bytes(path.read_bytes()[:100])
+        _known_gap(args, "ValueError", "txl/recl.py")
+
+
 def render_table(results: dict[str, Outcome]) -> str:
     rows = ["| # | bad input | given to | what the user gets | test |", "|---|---|---|---|---|"]
     for number, c in enumerate(CASES, 1):
