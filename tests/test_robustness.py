@@ -303,6 +303,18 @@ def _(ctx):
     return cli(*train_args(ctx, "--set", "model.d_inner=1000000000000"))
 
 
+@case("nproc-negative", "a negative process count", "txl train --nproc -2", "--nproc", ">= 0")
+def _(ctx):
+    return cli(*train_args(ctx, "--nproc", "-2"))
+
+
+@case("world-size-garbage", "a malformed WORLD_SIZE in the environment", "WORLD_SIZE=two txl train",
+      "WORLD_SIZE", "unset it")
+def _(ctx):
+    with env(WORLD_SIZE="two"):
+        return cli(*train_args(ctx))
+
+
 # ---------------------------------------------------------------------------------------------
 # Corpora and prepared caches
 

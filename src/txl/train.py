@@ -84,10 +84,18 @@ class Dist:
         return t.tolist()
 
 
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, str(default))
+    if not value.strip().isdigit():
+        raise UsageError(f"environment variable {name}={value!r} must be a non-negative integer (torchrun sets it); "
+                         f"unset it to train in one process")
+    return int(value)
+
+
 def init_distributed(device: str) -> Dist:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world = max(_env_int("WORLD_SIZE", 1), 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but no CUDA device is available; use --device cpu")
@@ -750,7 +758,9 @@ def resume_config(run_dir: Path, *, max_steps: int | None = None, max_minutes: f
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    if args.nproc and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if args.nproc < 0:
+        raise UsageError(f"--nproc must be >= 0 (0 = this process only), got {args.nproc}")
+    if args.nproc and _env_int("WORLD_SIZE", 1) == 1:
         return launch(args.nproc)
     flags = {"data": args.data, "max_steps": args.max_steps, "max_minutes": args.max_minutes, "seed": args.seed}
     if args.resume:
