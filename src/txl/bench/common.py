@@ -284,12 +284,9 @@ def machine() -> dict[str, Any]:
     info["cpu_capability"] = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "?")()
     with contextlib.suppress(OSError):
         info["load_average"] = [round(x, 2) for x in os.getloadavg()]
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        pass
+    version = hf_available()
+    if version:
+        info["transformers"] = version
     return info
 
 

@@ -46,9 +46,10 @@ def make_call(impl: str, shape, batch: int, q_len: int, mem_len: int, mode: str,
     n = q_len + mem_len
     h, d = shape.n_head, shape.d_head
     grad = mode != "forward"
-    q = torch.randn(batch, h, q_len, d, requires_grad=grad)
-    k = torch.randn(batch, h, n, d, requires_grad=grad)
-    v = torch.randn(batch, h, n, d, requires_grad=grad)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32  # as the projections give them
+    q = torch.randn(batch, h, q_len, d).to(dtype).requires_grad_(grad)
+    k = torch.randn(batch, h, n, d).to(dtype).requires_grad_(grad)
+    v = torch.randn(batch, h, n, d).to(dtype).requires_grad_(grad)
 
     def call() -> None:
         with autocast(precision), torch.set_grad_enabled(grad):
