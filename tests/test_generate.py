@@ -11,7 +11,7 @@ import torch
 from txl import TransformerXLConfig
 from txl.cli import main
 from txl.data import Vocab
-from txl.errors import UsageError
+from txl.errors import DataError, UsageError
 from txl.generate import TextStream, generate, generate_rerun, generate_text, stream_tokens
 from txl.model import TransformerXL
 
@@ -161,6 +161,14 @@ def test_bad_inputs_end_in_one_line(ckpt_dir, capsys, argv, expected):
     code, out, err = run_cli(capsys, "generate", ckpt_dir, *argv)
     assert code == 2, (out, err)
     assert expected in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_character_word_vocabulary_explains_the_prompt_format():
+    chars = Vocab("words", ["<eos>", "_", "a", "c", "t"], eos="<eos>")  # PTB-char: symbols are characters
+    model = tiny_model(vocab_size=5)
+    assert generate_text(model, chars, "c a t _", max_new_tokens=2, temperature=0.0)
+    with pytest.raises(DataError, match="space-separated characters"):
+        generate_text(model, chars, "cat", max_new_tokens=2)
 
 
 def test_missing_vocab_and_unknown_checkpoint(tmp_path, capsys):

@@ -141,6 +141,14 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cpu_name() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+    except OSError:
+        return None
+
+
 def _run_sweep(args: argparse.Namespace, ckpt, mem_lens: list[int], common: dict) -> int:
     import platform
 
@@ -167,8 +175,8 @@ def _run_sweep(args: argparse.Namespace, ckpt, mem_lens: list[int], common: dict
               f"{args.warm_memory}, same_length {results[0].same_length}, clamp_len {results[0].clamp_len}, "
               f"{args.precision}\n"
               f"- attention length = mem_len + tgt_len (keys the last query of a segment sees)\n"
-              f"- machine: {platform.machine()} CPU × {torch.get_num_threads()} threads, torch {torch.__version__}, "
-              f"{time.strftime('%Y-%m-%d')}\n\n")
+              f"- machine: {_cpu_name() or platform.machine()}, {torch.get_num_threads()} torch threads, torch "
+              f"{torch.__version__}, {time.strftime('%Y-%m-%d')}\n\n")
     table = sweep_markdown(results)
     prefix = Path(args.sweep_out)
     png = plot_sweep(results, prefix.with_suffix(".png"), train_attn_len=train_attn,

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from txl.errors import UsageError
+from txl.errors import DataError, UsageError
 from txl.memory import Memory
 
 
@@ -156,7 +156,14 @@ def generate_text(
     check_sampling(max_new_tokens, kwargs.get("temperature", 1.0), kwargs.get("top_k", 0), kwargs.get("top_p", 1.0))
     if not prompt:
         raise UsageError("the prompt is empty; give at least one token of text")
-    ids = [int(i) for i in vocab.encode(prompt)]
+    try:
+        ids = [int(i) for i in vocab.encode(prompt)]
+    except DataError as err:
+        special = {vocab.eos, vocab.bos, vocab.unk}
+        if vocab.kind == "words" and all(len(s) == 1 for s in vocab.symbols if s not in special):
+            raise DataError(f"{err}; this vocabulary's words are single characters (PTB-char style): write the "
+                            "prompt as space-separated characters with _ between words, e.g. 't h e _ c a t'") from None
+        raise
     if not ids:
         raise UsageError(f"the prompt {prompt!r} encodes to no tokens with this {vocab.kind} vocabulary; "
                          "give some text")
