@@ -96,6 +96,16 @@ def test_kernel_bench(smoke_shape, tmp_path, capsys):
     assert all(row["speedup"] > 0 for row in result["rows"]) and "fast × eager" in text
 
 
+def test_curve_bench(smoke_shape, tmp_path, capsys):
+    from txl.bench.curve import plot
+
+    result, text = run_cli(["curve", "--quick"], tmp_path, capsys)
+    assert [row["run"] for row in result["rows"]] == ["fp32", "fp32 (dropout seed 1)", "bf16"]
+    assert all(len(c) == 20 for c in result["curves"].values()) and "noise" in text
+    plot(result, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 0
+
+
 def test_flop_count_by_hand():
     shape = SHAPES["smoke"]  # t = 32 tokens, n = 32 keys, d = HD = 32, d_inner 64, vocab 256
     t, n, b = 32, 32, 2

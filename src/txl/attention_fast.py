@@ -1,7 +1,8 @@
-"""The fast `("full", "fast")` attention kernel: same signature and results as `eager_attention`.
+"""The fast `("full", "fast")` attention kernel: same signature and results as `eager_attention`,
+plus the fast path's dropout.
 
 What makes it faster than the eager reference (each kept because it measured faster side by side on
-a 2-core AVX-512 CPU; the numbers are in docs/benchmarks.md):
+a 2-core AVX-512 CPU; `txl bench kernel` and docs/benchmarks.md have the numbers):
 
 - Transformer-XL positions (`pos_encoding="xl"`) get a hand-written autograd function. Forward: the
   position scores BD are computed once against the distance table, rel-shifted as a *strided view*
@@ -10,15 +11,18 @@ a 2-core AVX-512 CPU; the numbers are in docs/benchmarks.md):
   FlashAttention identity dS = P * (dP - rowsum(dO * O)) (Dao et al. 2022, eq. in §3.1), which needs no
   mask pass (P is 0 where masked), and writes dS straight into a padded buffer whose strided view *is*
   the un-shifted gradient of BD, so the inverse rel-shift costs no copy either.
+- The two largest intermediates (BD before the shift, the shift-gradient buffer) live in per-thread
+  scratch buffers (`_workspace`), reused from call to call instead of freshly mapped.
 - Other encodings take a composed autograd path: positional bias (Shaw, ALiBi) through the strided
-  rel-shift, scores by one `baddbmm`, an additive mask.
-- Without gradients (evaluation, generation) the batch×head dimension is processed in chunks, so the
-  score matrix never exceeds `EVAL_CHUNK_ELEMENTS` elements: peak memory stays bounded at mem_len 3800.
+  rel-shift (`rel_shift_fast`), scores by one `baddbmm`, an additive mask.
+- Without gradients (evaluation, generation) one batch row (and a group of heads, for very long
+  memories) is processed at a time, so the score block stays under `EVAL_CHUNK_ELEMENTS` elements.
+- `CheapDropout`: the same dropout distribution from a cheaper CPU random source (below).
 
-Tried and dropped (slower here, see docs/benchmarks.md): SDPA with the position term as a float bias
-(the CPU flash kernel refuses a bias that needs a gradient in torch 2.13, and the math fallback is
-slower than the batched matmuls below), autograd through `as_strided` (its backward falls back to a
-slow overlapping-geometry path), gather-based rel-shift.
+Tried and dropped (slower here): SDPA with the position term as a float bias (the CPU flash kernel
+refuses a bias that needs a gradient in torch 2.13, and the math fallback is slower than the batched
+matmuls below), autograd through `as_strided` (its backward falls back to a slow overlapping-geometry
+path), a gather-based rel-shift.
 
 Dimension names: b batch, h heads, i queries, n keys (memory + segment), d head dim.
 """
@@ -35,8 +39,8 @@ from torch import Tensor
 
 from txl.positional import LayerPositions, XLRelative, rel_shift_strided
 
-# Evaluation processes (b*h) slices in groups whose (i, n) score blocks hold at most this many elements
-# in total (32 Mi fp32 elements = 128 MiB per live score tensor).
+# Without gradients, one batch row at a time with as many heads as keep the (heads, i, n) score block
+# under this many elements (32 Mi = 128 MiB in fp32); at least one head.
 EVAL_CHUNK_ELEMENTS = 1 << 25
 
 _workspaces = threading.local()

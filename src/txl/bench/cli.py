@@ -14,6 +14,7 @@ BENCHES: dict[str, str] = {
     "generate": "txl.bench.generation",
     "mfu": "txl.bench.mfu",
     "kernel": "txl.bench.kernel",
+    "curve": "txl.bench.curve",
     "eval-speedup": "txl.bench.eval_speedup",  # the evaluation issue's paper-style speed-up table
     "attention-scaling": "txl.bench.attention_scaling",  # the long-text arena's kernels against length
 }
