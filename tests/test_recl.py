@@ -135,6 +135,12 @@ def test_recl_cli_end_to_end_and_its_cache(group, tmp_path, capsys, mode):
     assert len(cached) == 6  # 2 models × 3 contexts
     code, out, err = run_cli(capsys, *argv)  # second run: read back, same answer
     assert code == 0 and json.loads(out)["recl"] == first["recl"]
+    cached[0].write_bytes(cached[0].read_bytes()[:100])  # a damaged entry is named, never trusted
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2 and str(cached[0]) in err and "delete" in err and len(err.strip().splitlines()) == 1
+    cached[0].unlink()
+    code, out, err = run_cli(capsys, *argv)  # recomputed
+    assert code == 0 and json.loads(out)["mean_loss"] == first["mean_loss"]
     code, out, err = run_cli(capsys, *argv[:-1], "--out", tmp_path / "docs" / "recl")
     assert code == 0 and "| model | RECL r = 0.1 | RECL r = 1 |" in out
     assert (tmp_path / "docs" / "recl.png").read_bytes()[:4] == b"\x89PNG"

@@ -491,7 +491,15 @@ def open_eval_corpus(ckpt: LoadedCheckpoint, data: str | None, split: str):
         corpus.vocab.check_matches(ckpt.model.config.vocab_size)
         print(f"note: {ckpt.path} has no vocab.json; only the vocabulary size was checked against {spec}",
               file=sys.stderr)
-    return corpus, corpus.split(split)
+    tokens = corpus.split(split)
+    # Prepared arrays are unsigned, so only an id >= vocab_size can be wrong (a damaged cache): one pass
+    # over the split here instead of an IndexError deep inside the embedding (as the trainer does).
+    largest = int(tokens.max()) if len(tokens) else 0
+    if largest >= ckpt.model.config.vocab_size:
+        raise DataError(f"token id {largest} in the {split} split of {spec!r} is outside the vocabulary "
+                        f"({ckpt.model.config.vocab_size} ids): the prepared cache is damaged; run "
+                        f"`txl data prepare {spec} --force`")
+    return corpus, tokens
 
 
 def evaluate_checkpoint(

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from txl.errors import OutputError, UsageError, describe_os_error
+from txl.errors import DataError, OutputError, UsageError, describe_os_error
 
 THRESHOLD = 0.01  # the paper's gain threshold (appendix C)
 MODES = ("window", "memory")
@@ -207,8 +207,8 @@ def context_losses(
             digest = hashlib.sha256(f"{cache_key}|{mode}|{c}|{tgt_len}|{batch_size}|{precision}".encode())
             digest.update(np.ascontiguousarray(positions, dtype=np.int64).tobytes())
             path = Path(cache) / f"losses-{mode}-c{c}-{digest.hexdigest()[:16]}.npy"
-            if path.is_file():
-                out[c] = np.load(path, allow_pickle=False)
+            if path.exists():
+                out[c] = _read_cached(path, len(positions))
                 continue
         start = time.perf_counter()
         if mode == "window":
@@ -234,6 +234,19 @@ def context_losses(
             except OSError as err:
                 raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
     return out
+
+
+def _read_cached(path: Path, n: int) -> np.ndarray:
+    """A cached loss vector; a damaged one (truncated, wrong shape or dtype, not finite) is an error that
+    names the file, as for a damaged prepared corpus, rather than a number silently trusted."""
+    try:
+        values = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        values = None
+    if values is None or values.shape != (n,) or values.dtype.kind != "f" or not np.isfinite(values).all():
+        raise DataError(f"cached losses {path} are damaged (expected {n} finite float values); delete the file "
+                        "(or the whole --cache directory) and run again to recompute them")
+    return values
 
 
 def weights_key(directory: Path) -> str:
