@@ -66,17 +66,22 @@ def run_all(options: BenchOptions, *, out_dir: str | Path = "docs") -> dict:
         result["seconds"] = round(time.time() - t0, 1)
         print(module.table(result) + "\n", flush=True)
         results.append(result)
+        report = write_report(results, out, started=started, quick=options.quick)  # after each: survives a stop
+    print(f"wrote {out / 'benchmarks.md'} ({report['seconds']:.0f} s)")
+    return report
+
+
+def write_report(results: list[dict], out: Path, *, started: float, quick: bool) -> dict:
     report = {
         "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "seconds": round(time.time() - started, 1),
-        "quick": options.quick,
+        "quick": quick,
         "machine": machine(),
         "results": results,
     }
     plots = write_plots(results, out)
     (out / "benchmarks.md").write_text(render(report, plots, out))
     write_json(out / "benchmarks.json", report)
-    print(f"wrote {out / 'benchmarks.md'} ({report['seconds']:.0f} s)")
     return report
 
 
