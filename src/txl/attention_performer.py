@@ -101,34 +101,52 @@ def causal_linear_attention(
         top = key_scale.new_full((b, h), float("-inf"))
         state = v.new_zeros(b, h, m, d)
         normaliser = v.new_zeros(b, h, m)
-    # Split once: slicing inside the loop would make every slice's backward write a full-length
-    # zero gradient, O(n²/chunk) in total (measured: 52 s instead of ~2 s at n = 16k).
-    chunks = zip(
-        phi_q.split(chunk_size, dim=2),
-        phi_k[:, :, memory_len:].split(chunk_size, dim=2),
-        key_scale[:, :, memory_len:].split(chunk_size, dim=2),
-        v[:, :, memory_len:].split(chunk_size, dim=2),
-    )
-    outputs = []
-    for q_c, k_c, s_c, v_c in chunks:  # (b, h, c, m), (b, h, c, m), (b, h, c), (b, h, c, d)
-        # Each query's scale: the largest stabiliser among the keys it sees (causal running max).
-        query_top = torch.maximum(s_c.cummax(-1).values, top[..., None])  # (b, h, c)
-        c = s_c.shape[-1]
-        causal = torch.ones(c, c, dtype=torch.bool, device=v.device).tril()
-        exponent = (s_c[:, :, None, :] - query_top[..., None]).masked_fill(~causal, float("-inf"))
-        weights = (q_c @ k_c.transpose(-1, -2)) * exponent.exp()  # (b, h, c, c), 0 above the diagonal
-        carry = (top[..., None] - query_top).exp()[..., None]  # (b, h, c, 1): old state -> query scale
-        numerator = weights @ v_c + (q_c @ state) * carry
-        denominator = weights.sum(-1, keepdim=True) + (q_c @ normaliser[..., None]) * carry
-        outputs.append(numerator / denominator)
-        # Fold the chunk into the running state, in the scale of the new maximum.
-        new_top = torch.maximum(top, s_c.amax(-1))
-        rescale = (top - new_top).exp()
-        k_weighted = k_c * (s_c - new_top[..., None]).exp()[..., None]
-        state = state * rescale[..., None, None] + torch.einsum("bhjm,bhjd->bhmd", k_weighted, v_c)
-        normaliser = normaliser * rescale[..., None] + k_weighted.sum(2)
-        top = new_top
-    return torch.cat(outputs, dim=2)
+    # The segment in chunks of c queries (padded at the end to whole chunks; padding keys get scale
+    # -inf, i.e. weight 0, padding queries features 1 so their discarded rows never divide 0 by 0).
+    c = chunk_size
+    n_chunks = -(-i // c)
+    pad = n_chunks * c - i
+
+    def chunked(x: Tensor, value: float) -> Tensor:  # (b, h, i, ...) -> (b, h, nc, c, ...)
+        x = x.movedim(2, -1)
+        x = torch.nn.functional.pad(x, (0, pad), value=value).movedim(-1, 2)
+        return x.reshape(b, h, n_chunks, c, *x.shape[3:])
+
+    q_c = chunked(phi_q, 1.0)  # (b, h, nc, c, m)
+    k_c = chunked(phi_k[:, :, memory_len:], 0.0)
+    v_c = chunked(v[:, :, memory_len:], 0.0)  # (b, h, nc, c, d)
+    s_seg = torch.nn.functional.pad(key_scale[:, :, memory_len:], (0, pad), value=float("-inf"))
+    # Each query's scale: the largest stabiliser among the keys it sees (a causal running max);
+    # the state entering chunk t is kept in the scale reached at the end of chunk t-1.
+    query_top = torch.maximum(s_seg.cummax(-1).values, top[..., None]).view(b, h, n_chunks, c)
+    chunk_top = query_top[..., -1]  # (b, h, nc)
+    before = torch.cat([top[..., None], chunk_top[..., :-1]], dim=-1)  # (b, h, nc)
+    s_c = s_seg.view(b, h, n_chunks, c)
+
+    # Inside each chunk: the masked quadratic product, for all chunks at once.
+    causal = torch.ones(c, c, dtype=torch.bool, device=v.device).tril()
+    exponent = (s_c[..., None, :] - query_top[..., None]).masked_fill(~causal, float("-inf"))
+    weights = (q_c @ k_c.transpose(-1, -2)) * exponent.exp()  # (b, h, nc, c, c), 0 above the diagonal
+    # Across chunks: prefix sums of φk vᵀ. Only this recursion is sequential (two small ops a chunk).
+    k_weighted = k_c * (s_c - chunk_top[..., None]).exp()[..., None]  # in the scale of the chunk's end
+    chunk_state = torch.einsum("bhtjm,bhtjd->bhtmd", k_weighted, v_c)  # (b, h, nc, m, d)
+    chunk_normaliser = k_weighted.sum(3)  # (b, h, nc, m)
+    rescale = (before - chunk_top).exp()  # (b, h, nc): old scale -> new scale, <= 1
+    # unbind, not indexing, in the loop: each index's backward would write a full-size zero
+    # gradient (O(n²/c) in total; measured 12 s instead of 1.4 s for the 16k backward).
+    states, normalisers = [], []
+    for rescale_t, state_t, normaliser_t in zip(rescale.unbind(-1), chunk_state.unbind(2), chunk_normaliser.unbind(2)):
+        states.append(state)
+        normalisers.append(normaliser)
+        state = state * rescale_t[..., None, None] + state_t
+        normaliser = normaliser * rescale_t[..., None] + normaliser_t
+    state_in = torch.stack(states, dim=2)  # (b, h, nc, m, d): state entering chunk t, scale `before`
+    normaliser_in = torch.stack(normalisers, dim=2)  # (b, h, nc, m)
+    carry = (before[..., None] - query_top).exp()[..., None]  # (b, h, nc, c, 1): state -> query scale
+    numerator = weights @ v_c + (q_c @ state_in) * carry
+    denominator = weights.sum(-1, keepdim=True) + (q_c @ normaliser_in[..., None]) * carry
+    out = (numerator / denominator).view(b, h, n_chunks * c, d)
+    return out[:, :, :i]
 
 
 def quadratic_linear_attention(phi_q: Tensor, phi_k: Tensor, key_scale: Tensor, v: Tensor, *, causal: bool) -> Tensor:
