@@ -175,24 +175,27 @@ class _XLAttention(torch.autograd.Function):
         b, h, i, d = qu.shape
         n = k.shape[-2]
         grad_out = grad_out.to(out.dtype).reshape(b * h, i, d)
-        k3, v3 = k.reshape(b * h, n, d), v.reshape(b * h, n, d)
-        grad_v = torch.bmm(probs.transpose(1, 2), grad_out).view(b, h, n, d)
+        qu3, k3, v3 = qu.reshape(b * h, i, d), k.reshape(b * h, n, d), v.reshape(b * h, n, d)
+        # Products whose natural form has a big transposed operand (P^T dO, dS^T qu, dBD^T qv) are
+        # computed transposed, (small^T @ big)^T, with the big (i, n) operand as stored: faster in fp32
+        # and much faster in bf16, where a transposed or strided big operand gets copied first.
+        grad_v = torch.bmm(grad_out.transpose(1, 2), probs).transpose(1, 2).unflatten(0, (b, h))  # (b, h, n, d)
         # dS = P * (dP - rowsum(dO * O)) is written straight into the tail of a buffer whose strided view
         # is the gradient of the un-shifted BD block (see `_unshift_view`): no inverse-shift copy.
         buffer, grad_scores = _shift_grad_buffer(probs, i, n, workspace=True)  # grad_scores: (b*h, i, n) view
         torch.bmm(grad_out, v3.transpose(1, 2), out=grad_scores)  # dP
         delta = (grad_out.float() * out.reshape(b * h, i, d).float()).sum(-1, keepdim=True)  # (b*h, i, 1)
         grad_scores.sub_(delta.to(grad_scores.dtype)).mul_(probs)  # masked entries: probs = 0
-        grad_raw = _unshift_view(buffer, i, n).unflatten(0, (b, h))  # (b, h, i, n)
+        grad_raw = _unshift_view(buffer, i, n)  # (b*h, i, n)
         grad_qu = torch.bmm(grad_scores, k3).mul_(scale).view(b, h, i, d)
-        grad_k = torch.bmm(grad_scores.transpose(1, 2), qu.reshape(b * h, i, d)).mul_(scale).view(b, h, n, d)
-        grad_qv = torch.matmul(grad_raw, r).mul_(scale)  # (b, h, i, d)
+        grad_k = torch.bmm(qu3.transpose(1, 2), grad_scores).mul_(scale).transpose(1, 2).unflatten(0, (b, h))
+        grad_qv = torch.matmul(grad_raw.unflatten(0, (b, h)), r).mul_(scale)  # (b, h, i, d)
         grad_r = None
         if ctx.needs_input_grad[4]:
-            # per (b, h) products straight from the strided view, then a sum over the (small) batch:
-            # einsum would first copy grad_raw into (h, n, b*i), a strided gather measured 2x the bmm
-            per_row = torch.bmm(grad_raw.flatten(0, 1).transpose(1, 2), qv.reshape(b * h, i, d))  # (b*h, n, d)
-            grad_r = per_row.view(b, h, n, d).sum(0).mul_(scale)
+            # per (b, h) from the strided view, then a sum over the (small) batch: einsum would first
+            # copy grad_raw into (h, n, b*i), a strided gather measured at 2x the product itself
+            per_row = torch.bmm(qv.reshape(b * h, i, d).transpose(1, 2), grad_raw)  # (b*h, d, n)
+            grad_r = per_row.unflatten(0, (b, h)).sum(0).transpose(1, 2).mul_(scale)  # (h, n, d)
         return grad_qu, grad_qv, grad_k, grad_v, grad_r, None, None
 
 
