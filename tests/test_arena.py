@@ -29,6 +29,16 @@ from txl.positional import build_positional
 POSITIONS = ["xl", "shaw", "rope", "alibi", "sinusoidal"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors gain nothing from intra-op threads, and on a busy machine every parallel region of
+    the many small ops here waits for a descheduled thread (measured: 5 min instead of 30 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny(**overrides) -> TransformerXLConfig:
     base = dict(vocab_size=61, n_layer=2, d_model=32, n_head=4, d_head=8, d_inner=48, mem_len=16,
                 dropout=0.0, dropatt=0.0)
