@@ -221,6 +221,7 @@ def render(report: dict, plots: list[str], out: Path | None = None) -> str:
         f"in {report['seconds'] / 60:.1f} minutes. Regenerate with the same command; every raw timing is in "
         "`benchmarks.json`.",
         "",
+        *([f"> {report['note']}", ""] if report.get("note") else []),
         "## Machine",
         "",
         machine_markdown(report["machine"]),
