@@ -232,3 +232,18 @@ def test_projection_cache_is_dropped_when_the_weights_change_or_training():
     fast.train()
     assert fast(x[:, 8:9], memory=memory).memory.projected == ()
     assert memory.state_dict().keys() == {"memory.0", "memory.1"}  # derived data is never saved
+
+
+def test_position_table_memo_follows_mode_and_arguments():
+    eager, fast = pair(mem_len=10)
+    fast.eval()
+    x = torch.randint(0, 53, (1, 10))
+    with torch.inference_mode():
+        fast(x)  # memoises an inference tensor
+    out = fast(x, labels=x)  # eval mode with autograd: must not reuse it (it could not be saved for backward)
+    out.loss.backward()
+    with torch.no_grad():
+        table = fast.pos.prepare(k_len=7, clamp_len=3, device=x.device, dtype=torch.float32)["R"]
+        assert fast.pos.prepare(k_len=7, clamp_len=3, device=x.device, dtype=torch.float32)["R"] is table
+        fast.pos.train()
+        assert fast.pos.prepare(k_len=7, clamp_len=3, device=x.device, dtype=torch.float32)["R"] is not table
