@@ -127,6 +127,21 @@ def test_memory_covering_the_split_equals_one_full_pass(ckpt, run_dir):
     assert result.loss == pytest.approx(float(reference.mean()), abs=1e-6)
 
 
+def test_row_groups_and_in_place_memory_change_nothing(ckpt, run_dir, monkeypatch):
+    """Long-memory evaluation runs streams in row groups that overwrite one memory in place; forced
+    down to one row per group, it must score every token as the plain allocating forward does."""
+    import txl.evaluate
+
+    _, tokens = _valid(ckpt, run_dir, 600)
+    settings = dict(metric="bpc", batch_size=4, tgt_len=8, mem_len=24)
+    expected = np.zeros(len(tokens) - 1, np.float32)
+    evaluate(ckpt.model, tokens, per_token=expected, **settings)
+    monkeypatch.setattr(txl.evaluate, "EVAL_GROUP_ELEMENTS", 1)  # one row per group
+    grouped = np.zeros(len(tokens) - 1, np.float32)
+    evaluate(ckpt.model, tokens, per_token=grouped, **settings)
+    np.testing.assert_allclose(grouped, expected, atol=1e-6)
+
+
 def _valid(ckpt, run_dir, n: int):
     from txl.data import open_corpus
 

@@ -215,3 +215,23 @@ def test_bad_runtime_arguments():
         model(torch.zeros(2, 3, dtype=torch.long), memory=model(torch.zeros(1, 3, dtype=torch.long)).memory)
     with pytest.raises(UsageError, match=r"\(batch, length\)"):
         model(torch.zeros(3, dtype=torch.long))
+
+
+def test_in_place_memory_gives_the_same_results_and_reuses_the_buffers():
+    model = build(mem_len=6)
+    x = torch.randint(0, 61, (2, 18))
+    with torch.no_grad():
+        memory = model(x[:, :6]).memory  # full: 6 states
+        reference = model(x[:, 6:10], memory=memory)
+        copy = Memory(tuple(h.clone() for h in memory.hidden))
+        buffers = [h.data_ptr() for h in copy.hidden]
+        out = model(x[:, 6:10], memory=copy, in_place_memory=True)
+        assert out.memory is copy and [h.data_ptr() for h in out.memory.hidden] == buffers
+        assert torch.equal(out.logits, reference.logits)
+        for a, b in zip(out.memory.hidden, reference.memory.hidden):
+            assert torch.equal(a, b)
+        # a memory that is not full yet, or a forward with autograd, takes the allocating path
+        short = model(x[:, :3]).memory
+        assert model(x[:, 3:5], memory=short, in_place_memory=True).memory is not short
+    grad_out = model(x[:, 6:10], memory=copy, in_place_memory=True)
+    assert grad_out.memory is not copy

@@ -34,6 +34,7 @@ TITLE = "Evaluation throughput and peak memory against mem_len"
 def make_eval_step(name: str, shape: Shape, precision: str, *, mem_len: int, seed: int = 0) -> Callable[[], None]:
     import torch
 
+    from txl.evaluate import forward_segment
     from txl.memory import Memory
 
     generator = torch.Generator().manual_seed(seed)
@@ -59,15 +60,19 @@ def make_eval_step(name: str, shape: Shape, precision: str, *, mem_len: int, see
 
         return step
 
-    model = build_ours(shape, name.removeprefix("txl-"), mem_len=mem_len, train=False)
+    impl = name.removeprefix("txl-")
+    model = build_ours(shape, impl, mem_len=mem_len, train=False)
     state = [Memory.zeros(shape.n_layer, batch, mem_len, shape.d_model)]
+    in_place = impl == "fast"  # the fast evaluation path: row groups, memory overwritten in place
 
     @torch.no_grad()
     def step() -> None:
         inputs, labels = segment()
         with autocast(precision):
-            out = model(inputs, memory=state[0], labels=labels)
-        state[0] = out.memory
+            if in_place:  # exactly what `txl eval` runs
+                state[0] = forward_segment(model, inputs, labels, state[0], mem_len=mem_len)[1]
+            else:
+                state[0] = model(inputs, memory=state[0], labels=labels).memory
 
     return step
 
