@@ -11,8 +11,9 @@ normalisation and is left out). Output_i = Σ_j φ(q_i)·φ(k_j) v_j / Σ_j φ(q
 the n×n matrix:
 
 - **causal** (the LM): prefix sums S = Σ_{j≤i} φ(k_j) v_jᵀ and z = Σ_{j≤i} φ(k_j) (§2.6), in chunks
-  of `chunk_size` queries: inside a chunk a small masked quadratic product, across chunks the running
-  (S, z). Memory keys simply start the prefix. O(n·m·d) time, O(chunk² + m·d) extra memory per step.
+  of c = `chunk_size` queries: inside each chunk a small masked quadratic product, across chunks the
+  running (S, z). Memory keys simply start the prefix. Everything but the two-op recursion of (S, z)
+  is batched over all chunks. O(n·(c + m)·d) time, O(n·c + (n/c)·m·d) memory: never n×n.
 - **bidirectional** (`causal=False`): S and z over all keys at once.
 
 Numerics (bf16/fp16 safe): features, sums and the division run in float32 whatever the input dtype.

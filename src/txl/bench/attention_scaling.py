@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -109,14 +110,14 @@ def unsupported(name: str, args: argparse.Namespace) -> str | None:
 # Measurements
 
 
-def time_length(names: list[str], n: int, args: argparse.Namespace, backward: bool) -> dict[str, float]:
-    """Median seconds per call of each variant at length n, alternating variants call by call."""
+def time_length(names: list[str], n: int, args: argparse.Namespace, backward: bool) -> dict[str, list[float]]:
+    """Seconds per call of each variant at length n (`--steps` samples), alternating call by call."""
     from txl.bench.common import interleaved_medians
 
     run_args = argparse.Namespace(**{**vars(args), "backward_mode": backward})
     steps = {name: build_layer(name, n, run_args) for name in names}
     result = interleaved_medians(steps, warmup=args.warmup, timed=args.steps)
-    return {name: result[name]["median_s"] for name in names}
+    return {name: result[name]["times_s"] for name in names}
 
 
 def measure_rss(name: str, n: int, args: argparse.Namespace, backward: bool) -> float | None:
@@ -168,10 +169,13 @@ def markdown(result: dict) -> str:
         f"{args['window']}; sparse stride l = {args['stride']}; Performer {args['features']} features; "
         f"Linformer k = {args['linformer_k']} (bidirectional: a different computation, cost only).",
         "",
-        f"Time: median of {args['steps']} calls after {args['warmup']} warm-up, variants alternating call by "
-        "call in one process. Memory: extra peak RSS of one call in a fresh process. The machine is shared "
-        "(2 cores): single timings are noisy, compare within a row and read ratios, not absolute values. "
-        "`skip` = not run (full attention over the memory budget, or unsupported); `–` = not measured.",
+        f"Time: median of {args['rounds'] * args['steps']} calls per cell: the whole sweep ran {args['rounds']} "
+        f"times ({args['steps']} timed call(s) after {args['warmup']} warm-up per cell and round), variants "
+        "alternating call by call in one process, so each cell's calls come from different minutes. Memory: "
+        "extra peak RSS of one call in a fresh process (deterministic). The machine is shared (2 cores, "
+        "other jobs running): timings are noisy, compare within a row and read ratios, not absolute values; "
+        "every sample is in the JSON. `skip` = not run (full attention over the memory budget, or "
+        "unsupported); `–` = not measured.",
         "",
         machine_markdown(result["machine"]),
         "",
@@ -285,7 +289,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-gb", type=float, default=12.0,
                         help="skip full attention when its estimated extra memory exceeds this (GiB)")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=3, help="timed calls per variant and length (median)")
+    parser.add_argument("--steps", type=int, default=1, help="timed calls per variant and length in each round")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="repeat the whole sweep; a cell's time is the median of rounds × steps calls")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-memory subprocesses")
     parser.add_argument("--probe-timeout", type=float, default=900)
     parser.add_argument("--seed", type=int, default=0)
@@ -294,7 +300,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def reproduce_command(args: argparse.Namespace) -> str:
     flags = ["lengths", "variants", "modes", "heads", "d_head", "batch", "pos", "window", "stride", "features",
-             "linformer_k", "max_gb", "warmup", "steps", "out"]
+             "linformer_k", "max_gb", "warmup", "steps", "rounds", "out"]
     parts = [f"--{flag.replace('_', '-')} {getattr(args, flag)}" for flag in flags]
     return "txl bench attention-scaling " + " ".join(parts) + (" --no-rss" if args.no_rss else "")
 
@@ -322,28 +328,48 @@ def run(args: argparse.Namespace) -> int:
             runnable.append(name)
     result = {"settings": {k: getattr(args, k.replace("-", "_")) for k in
                            ("batch", "heads", "d_head", "pos", "window", "stride", "features", "linformer_k",
-                            "warmup", "steps", "max_gb")},
+                            "warmup", "steps", "rounds", "max_gb")},
               "machine": machine(), "variants": runnable, "modes": {}, "notes": notes,
               "command": reproduce_command(args)}
     started = time.perf_counter()
+
+    def fitting(n: int, backward: bool) -> list[str]:
+        return [name for name in runnable if estimated_gb(name, n, args, backward) <= args.max_gb]
+
+    # Timing: the whole sweep `--rounds` times, so each cell's samples come from different minutes
+    # of a shared machine (load bursts last minutes; alternating variants alone cannot cancel them).
+    samples: dict[tuple[str, int, str], list[float]] = {}
+    for round_index in range(args.rounds):
+        for mode in modes:
+            for n in lengths:
+                names_here = fitting(n, mode == "backward")
+                if not names_here:
+                    continue
+                for name, times in time_length(names_here, n, args, mode == "backward").items():
+                    samples.setdefault((mode, n, name), []).extend(times)
+                    print(f"round {round_index + 1}/{args.rounds} {mode:8s} n={n:6d} {name:11s} "
+                          f"{statistics.median(times) * 1000:10.1f} ms", flush=True)
+    # Memory: deterministic, one fresh process per cell.
     for mode in modes:
         backward = mode == "backward"
         table: dict[str, dict] = {}
         for n in lengths:
-            fits = [name for name in runnable if estimated_gb(name, n, args, backward) <= args.max_gb]
-            cells: dict[str, dict] = {name: {"skipped": True} for name in runnable if name not in fits}
+            names_here = fitting(n, backward)
+            cells: dict[str, dict] = {}
             for name in runnable:
-                if name not in fits:
+                if name not in names_here:
+                    cells[name] = {"skipped": True}
                     gb = estimated_gb(name, n, args, backward)
                     notes.append(f"{mode}, n = {n}: {name} skipped (needs ≈ {gb:.0f} GiB > --max-gb {args.max_gb:g})")
-            times = time_length(fits, n, args, backward) if fits else {}
-            for name in fits:
+                    continue
+                times = samples[(mode, n, name)]
                 rss = None if args.no_rss else measure_rss(name, n, args, backward)
-                cells[name] = {"time_s": times[name], "rss_mb": rss}
-                print(f"{mode:8s} n={n:6d} {name:11s} {times[name] * 1000:10.1f} ms  "
+                cells[name] = {"time_s": statistics.median(times), "min_s": min(times),
+                               "times_s": [round(t, 6) for t in times], "rss_mb": rss}
+                print(f"{mode:8s} n={n:6d} {name:11s} median {cells[name]['time_s'] * 1000:10.1f} ms  "
                       f"{'–' if rss is None else f'{rss:,.0f} MiB'}", flush=True)
             table[str(n)] = cells
-            result["modes"][mode] = table
+        result["modes"][mode] = table
     result["elapsed_s"] = round(time.perf_counter() - started, 1)
     result["targets"] = targets(result)
     out = Path(args.out)
