@@ -228,6 +228,26 @@ def test_performer_prefix_sums_equal_masked_quadratic_kernel(n, i, chunk):
     torch.testing.assert_close(prefix, quadratic, atol=1e-5, rtol=1e-4)
 
 
+def test_performer_gradients_equal_an_unstabilised_float64_computation():
+    """Stabilisers are detached (they cancel): gradients must still be those of the plain estimator."""
+    torch.manual_seed(3)
+    q, k, v = torch.randn(1, 2, 20, 8) * 0.7, torch.randn(1, 2, 30, 8) * 0.7, torch.randn(1, 2, 30, 8)
+    features = orthogonal_gaussian(16, 8)
+    grads = []
+    for fast in (True, False):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        if fast:
+            phi_k, scale = key_features(inputs[1], features)
+            out = causal_linear_attention(query_features(inputs[0], features), phi_k, scale, inputs[2], chunk_size=8)
+        else:  # φ(x) = exp(ω·x' - |x'|²/2) as written, in float64, masked quadratic
+            phi_q, phi_k = (feature_logits(t.double(), features.double()).exp() for t in inputs[:2])
+            weights = (phi_q @ phi_k.transpose(-1, -2)) * torch.ones(20, 30, dtype=torch.bool).tril(10)
+            out = (weights @ inputs[2].double()) / weights.sum(-1, keepdim=True)
+        grads.append(torch.autograd.grad((out * torch.linspace(-1, 1, 8)).sum(), inputs))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b.float(), atol=1e-4, rtol=1e-3)
+
+
 def test_performer_is_strictly_causal_and_stable_in_low_precision():
     torch.manual_seed(2)
     d = 256  # |ω|²/2 ≈ 128: exp(ω·k - |k|²/2) overflows float32 for a key aligned with ω

@@ -66,19 +66,24 @@ def orthogonal_gaussian(n_features: int, dim: int, *, generator: torch.Generator
 def feature_logits(x: Tensor, features: Tensor) -> Tensor:
     """ω_r·x' - |x'|²/2 with x' = x / d^(1/4): the log of the positive random features, (.., n, m)."""
     x = x * x.shape[-1] ** -0.25
-    return x @ features.T - (x * x).sum(-1, keepdim=True) / 2
+    return (x @ features.T).sub_((x * x).sum(-1, keepdim=True) / 2)  # in place: one (n, m) buffer
+
+
+# Stabilisers are constants for autograd: they cancel in the ratio (up to FEATURE_EPS), so their
+# gradient is zero, and detaching them lets the (n, m) feature maps be computed in place (large
+# fresh buffers are what these kernels spend their time on at 16k-32k tokens).
 
 
 def query_features(q: Tensor, features: Tensor) -> Tensor:
     logits = feature_logits(q, features)
-    return (logits - logits.amax(-1, keepdim=True)).exp() + FEATURE_EPS  # the max cancels per query
+    return logits.sub_(logits.detach().amax(-1, keepdim=True)).exp_() + FEATURE_EPS  # the max cancels per query
 
 
 def key_features(k: Tensor, features: Tensor) -> tuple[Tensor, Tensor]:
     """φ(k_j) / exp(s_j) and the per-key stabiliser s_j: φ(k_j) = features · exp(s_j)."""
     logits = feature_logits(k, features)
-    stabiliser = logits.amax(-1)  # (.., n)
-    return (logits - stabiliser[..., None]).exp() + FEATURE_EPS, stabiliser
+    stabiliser = logits.detach().amax(-1)  # (.., n)
+    return logits.sub_(stabiliser[..., None]).exp_() + FEATURE_EPS, stabiliser
 
 
 def causal_linear_attention(
@@ -86,11 +91,13 @@ def causal_linear_attention(
 ) -> Tensor:
     """Σ_{j≤p} φq_p·φk_j e^{s_j} v_j / Σ_{j≤p} φq_p·φk_j e^{s_j}, queries = the last i of the n keys.
 
-    phi_q (b, h, i, m); phi_k (b, h, n, m); key_scale = s (b, h, n); v (b, h, n, d); all float32.
+    phi_q (b, h, i, m); phi_k (b, h, n, m); key_scale = s (b, h, n, no gradient); v (b, h, n, d);
+    all float32.
     """
     b, h, i, m = phi_q.shape
     n, d = v.shape[-2:]
     memory_len = n - i
+    key_scale = key_scale.detach()
     # Running state in the scale exp(-top): S = Σ φk e^{s-top} vᵀ, z = Σ φk e^{s-top}.
     if memory_len:
         top = key_scale[..., :memory_len].amax(-1)  # (b, h)
@@ -108,9 +115,9 @@ def causal_linear_attention(
     n_chunks = -(-i // c)
     pad = n_chunks * c - i
 
-    def chunked(x: Tensor, value: float) -> Tensor:  # (b, h, i, ...) -> (b, h, nc, c, ...)
-        x = x.movedim(2, -1)
-        x = torch.nn.functional.pad(x, (0, pad), value=value).movedim(-1, 2)
+    def chunked(x: Tensor, value: float) -> Tensor:  # (b, h, i, ...) -> (b, h, nc, c, ...), a view if no pad
+        if pad:
+            x = torch.nn.functional.pad(x.movedim(2, -1), (0, pad), value=value).movedim(-1, 2)
         return x.reshape(b, h, n_chunks, c, *x.shape[3:])
 
     q_c = chunked(phi_q, 1.0)  # (b, h, nc, c, m)
@@ -126,26 +133,24 @@ def causal_linear_attention(
 
     # Inside each chunk: the masked quadratic product, for all chunks at once.
     causal = torch.ones(c, c, dtype=torch.bool, device=v.device).tril()
-    exponent = (s_c[..., None, :] - query_top[..., None]).masked_fill(~causal, float("-inf"))
-    weights = (q_c @ k_c.transpose(-1, -2)) * exponent.exp()  # (b, h, nc, c, c), 0 above the diagonal
-    # Across chunks: prefix sums of φk vᵀ. Only this recursion is sequential (two small ops a chunk).
-    k_weighted = k_c * (s_c - chunk_top[..., None]).exp()[..., None]  # in the scale of the chunk's end
-    chunk_state = torch.einsum("bhtjm,bhtjd->bhtmd", k_weighted, v_c)  # (b, h, nc, m, d)
-    chunk_normaliser = k_weighted.sum(3)  # (b, h, nc, m)
+    exponent = (s_c[..., None, :] - query_top[..., None]).masked_fill_(~causal, float("-inf")).exp_()
+    weights = (q_c @ k_c.transpose(-1, -2)).mul_(exponent)  # (b, h, nc, c, c), 0 above the diagonal
+    numerator = weights @ v_c  # (b, h, nc, c, d)
+    denominator = weights.sum(-1, keepdim=True)  # (b, h, nc, c, 1)
+    # Across chunks: prefix sums of φk vᵀ. The recursion is sequential; each chunk's queries read the
+    # state entering it right away, so no (nc, m, d) stack of states is ever built. unbind, not
+    # indexing, in the loop: an index's backward writes a full-size zero gradient (O(n²/c) in all).
+    k_weighted = k_c * (s_c - chunk_top[..., None]).exp_()[..., None]  # in the scale of the chunk's end
     rescale = (before - chunk_top).exp()  # (b, h, nc): old scale -> new scale, <= 1
-    # unbind, not indexing, in the loop: each index's backward would write a full-size zero
-    # gradient (O(n²/c) in total; measured 12 s instead of 1.4 s for the 16k backward).
-    states, normalisers = [], []
-    for rescale_t, state_t, normaliser_t in zip(rescale.unbind(-1), chunk_state.unbind(2), chunk_normaliser.unbind(2)):
-        states.append(state)
-        normalisers.append(normaliser)
-        state = state * rescale_t[..., None, None] + state_t
-        normaliser = normaliser * rescale_t[..., None] + normaliser_t
-    state_in = torch.stack(states, dim=2)  # (b, h, nc, m, d): state entering chunk t, scale `before`
-    normaliser_in = torch.stack(normalisers, dim=2)  # (b, h, nc, m)
-    carry = (before[..., None] - query_top).exp()[..., None]  # (b, h, nc, c, 1): state -> query scale
-    numerator = weights @ v_c + (q_c @ state_in) * carry
-    denominator = weights.sum(-1, keepdim=True) + (q_c @ normaliser_in[..., None]) * carry
+    from_state, from_normaliser = [], []
+    for q_t, k_t, v_t, rescale_t in zip(q_c.unbind(2), k_weighted.unbind(2), v_c.unbind(2), rescale.unbind(-1)):
+        from_state.append(q_t @ state)  # (b, h, c, d), in the scale `before` of this chunk
+        from_normaliser.append(q_t @ normaliser[..., None])  # (b, h, c, 1)
+        state = state * rescale_t[..., None, None] + k_t.transpose(-1, -2) @ v_t
+        normaliser = normaliser * rescale_t[..., None] + k_t.sum(-2)
+    carry = (before[..., None] - query_top).exp_()[..., None]  # (b, h, nc, c, 1): state -> query scale
+    numerator = numerator + torch.stack(from_state, dim=2) * carry
+    denominator = denominator + torch.stack(from_normaliser, dim=2) * carry
     out = (numerator / denominator).view(b, h, n_chunks * c, d)
     return out[:, :, :i]
 
