@@ -34,6 +34,7 @@ def make_step(name: str, shape: Shape, precision: str, *, seed: int = 0) -> Call
     import torch
 
     from txl.memory import Memory
+    from txl.optim import build_optimizer
 
     generator = torch.Generator().manual_seed(seed)
     batch, tgt = shape.batch, shape.tgt_len
@@ -69,7 +70,7 @@ def make_step(name: str, shape: Shape, precision: str, *, seed: int = 0) -> Call
     impl = name.removeprefix("txl-")
     model = build_ours(shape, impl)
     params = list(model.parameters())
-    optimizer = torch.optim.Adam(params, lr=2.5e-4)
+    optimizer = build_optimizer("adam", params, lr=2.5e-4, weight_decay=0.0)  # what `txl train` runs
     state = [Memory.zeros(shape.n_layer, batch, shape.mem_len, shape.d_model)]
 
     def step() -> float:
