@@ -98,17 +98,17 @@ def causal_linear_attention(
     n, d = v.shape[-2:]
     memory_len = n - i
     key_scale = key_scale.detach()
-    # Running state in the scale exp(-top): S = Σ φk e^{s-top} vᵀ, z = Σ φk e^{s-top}.
+    # v with a column of ones: every product with it carries the normaliser z = Σ φk along with
+    # S = Σ φk vᵀ, so numerator and denominator come out of the same matmuls (half the small ops).
+    v = torch.cat([v, v.new_ones(b, h, n, 1)], dim=-1)  # (b, h, n, d+1)
+    # Running state in the scale exp(-top): [S | z] = Σ φk e^{s-top} [vᵀ | 1].
     if memory_len:
         top = key_scale[..., :memory_len].amax(-1)  # (b, h)
         weight = (key_scale[..., :memory_len] - top[..., None]).exp()[..., None]
-        phi_mem = phi_k[:, :, :memory_len] * weight
-        state = torch.einsum("bhjm,bhjd->bhmd", phi_mem, v[:, :, :memory_len])
-        normaliser = phi_mem.sum(2)  # (b, h, m)
+        state = torch.einsum("bhjm,bhjd->bhmd", phi_k[:, :, :memory_len] * weight, v[:, :, :memory_len])
     else:
         top = key_scale.new_full((b, h), float("-inf"))
-        state = v.new_zeros(b, h, m, d)
-        normaliser = v.new_zeros(b, h, m)
+        state = v.new_zeros(b, h, m, d + 1)
     # The segment in chunks of c queries (padded at the end to whole chunks; padding keys get scale
     # -inf, i.e. weight 0, padding queries features 1 so their discarded rows never divide 0 by 0).
     c = chunk_size
@@ -122,7 +122,7 @@ def causal_linear_attention(
 
     q_c = chunked(phi_q, 1.0)  # (b, h, nc, c, m)
     k_c = chunked(phi_k[:, :, memory_len:], 0.0)
-    v_c = chunked(v[:, :, memory_len:], 0.0)  # (b, h, nc, c, d)
+    v_c = chunked(v[:, :, memory_len:], 0.0)  # (b, h, nc, c, d+1)
     s_seg = torch.nn.functional.pad(key_scale[:, :, memory_len:], (0, pad), value=float("-inf"))
     # Each query's scale: the largest stabiliser among the keys it sees (a causal running max);
     # the state entering chunk t is kept in the scale reached at the end of chunk t-1.
@@ -135,23 +135,19 @@ def causal_linear_attention(
     causal = torch.ones(c, c, dtype=torch.bool, device=v.device).tril()
     exponent = (s_c[..., None, :] - query_top[..., None]).masked_fill_(~causal, float("-inf")).exp_()
     weights = (q_c @ k_c.transpose(-1, -2)).mul_(exponent)  # (b, h, nc, c, c), 0 above the diagonal
-    numerator = weights @ v_c  # (b, h, nc, c, d)
-    denominator = weights.sum(-1, keepdim=True)  # (b, h, nc, c, 1)
-    # Across chunks: prefix sums of φk vᵀ. The recursion is sequential; each chunk's queries read the
-    # state entering it right away, so no (nc, m, d) stack of states is ever built. unbind, not
-    # indexing, in the loop: an index's backward writes a full-size zero gradient (O(n²/c) in all).
+    inside = weights @ v_c  # (b, h, nc, c, d+1)
+    # Across chunks: prefix sums. The recursion is sequential; each chunk's queries read the state
+    # entering it right away, so no (nc, m, d) stack of states is ever built. unbind, not indexing,
+    # in the loop: an index's backward writes a full-size zero gradient (O(n²/c) in all).
     k_weighted = k_c * (s_c - chunk_top[..., None]).exp_()[..., None]  # in the scale of the chunk's end
     rescale = (before - chunk_top).exp()  # (b, h, nc): old scale -> new scale, <= 1
-    from_state, from_normaliser = [], []
+    from_state = []
     for q_t, k_t, v_t, rescale_t in zip(q_c.unbind(2), k_weighted.unbind(2), v_c.unbind(2), rescale.unbind(-1)):
-        from_state.append(q_t @ state)  # (b, h, c, d), in the scale `before` of this chunk
-        from_normaliser.append(q_t @ normaliser[..., None])  # (b, h, c, 1)
+        from_state.append(q_t @ state)  # (b, h, c, d+1), in the scale `before` of this chunk
         state = state * rescale_t[..., None, None] + k_t.transpose(-1, -2) @ v_t
-        normaliser = normaliser * rescale_t[..., None] + k_t.sum(-2)
     carry = (before[..., None] - query_top).exp_()[..., None]  # (b, h, nc, c, 1): state -> query scale
-    numerator = numerator + torch.stack(from_state, dim=2) * carry
-    denominator = denominator + torch.stack(from_normaliser, dim=2) * carry
-    out = (numerator / denominator).view(b, h, n_chunks * c, d)
+    total = inside + torch.stack(from_state, dim=2) * carry  # (b, h, nc, c, d+1)
+    out = (total[..., :d] / total[..., d:]).reshape(b, h, n_chunks * c, d)
     return out[:, :, :i]
 
 

@@ -28,6 +28,9 @@ The `fast` kernel (the default) costs O(n·w) time and memory and never builds a
    band only: e.g. xl's (q+v)·W_R R is computed for B + w - 1 distances per block, not n;
 3. global columns and rows are computed separately and merged by their log-sum-exp.
 
+The 1/sqrt(d) scale is applied to q (n·d values) rather than to the blocks' scores (n·(B+w)), and
+the mask is one additive tensor shared by the batch and the heads (cheaper than a masked_fill).
+
 `SlidingWindowReference` (`attention_impl="eager"`) builds the same pattern as a dense mask, O(n²),
 and is the ground truth the fast kernel is tested against.
 """

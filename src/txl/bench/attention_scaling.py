@@ -134,7 +134,7 @@ def measure_rss(name: str, n: int, args: argparse.Namespace, backward: bool) -> 
     return json.loads(proc.stdout.strip().splitlines()[-1])["work_rss_mb"]
 
 
-PROBE_KEYS = ("heads", "d_head", "batch", "pos", "window", "stride", "features", "linformer_k", "seed")
+PROBE_KEYS = ("heads", "d_head", "batch", "pos", "window", "stride", "features", "linformer_k", "seed", "threads")
 
 
 def probe_main(payload: dict) -> int:
@@ -142,8 +142,9 @@ def probe_main(payload: dict) -> int:
 
     from txl.bench.common import peak_rss_mb, rss_mb
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     args = argparse.Namespace(**payload)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     step = build_layer(payload["name"], payload["n"], args)
     base = rss_mb()
     step()
@@ -165,7 +166,8 @@ def markdown(result: dict) -> str:
         "",
         "Written by `txl bench attention-scaling` (src/txl/bench/attention_scaling.py). One attention layer "
         f"(q/kv/output projections + kernel), batch {args['batch']}, {args['heads']} heads × {args['d_head']}, "
-        f"pos_encoding `{args['pos']}`, no memory (queries = keys = n), float32. Sliding window w = "
+        f"pos_encoding `{args['pos']}`, no memory (queries = keys = n), float32, {args['threads'] or 'default'} "
+        f"torch thread(s). Sliding window w = "
         f"{args['window']}; sparse stride l = {args['stride']}; Performer {args['features']} features; "
         f"Linformer k = {args['linformer_k']} (bidirectional: a different computation, cost only).",
         "",
@@ -200,7 +202,10 @@ def markdown(result: dict) -> str:
                 row.append(f"{t * 1000:,.0f} / {m:,.0f}" if m is not None else f"{t * 1000:,.0f} / –")
             lines.append(f"| {int(n):,} | " + " | ".join(row) + " |")
         lines.append("")
-    lines += ["## Targets (issue 8)", ""] + [f"- {line}" for line in result["targets"]] + [""]
+    lines += ["## Targets (issue 8)", "",
+              "Ratios of medians; in brackets the same ratio from each cell's fastest call (contention only "
+              "adds time, so the minimum is the least-disturbed sample).", ""]
+    lines += [f"- {line}" for line in result["targets"]] + [""]
     if result["notes"]:
         lines += ["## Notes", ""] + [f"- {note}" for note in result["notes"]] + [""]
     lines += ["Reproduce: `" + result["command"] + "`", ""]
@@ -208,32 +213,31 @@ def markdown(result: dict) -> str:
 
 
 def targets(result: dict) -> list[str]:
+    """The issue's targets, from medians; in brackets the same ratio from each cell's fastest call
+    (contention only ever adds time, so the minimum is the least-disturbed sample)."""
     out = []
-    forward = result["modes"].get("forward", {})
+    window = result["settings"]["window"]
 
-    def cell(n: int, name: str) -> dict:
-        return forward.get(str(n), {}).get(name, {})
+    def cell(mode: str, n: int, name: str) -> dict:
+        return result["modes"].get(mode, {}).get(str(n), {}).get(name, {})
 
-    full, sliding = cell(16384, "full-eager"), cell(16384, "sliding")
-    if full.get("time_s") and sliding.get("time_s"):
-        speed = full["time_s"] / sliding["time_s"]
-        text = f"n = 16k, forward: sliding (w = {result['settings']['window']}) is {speed:.1f}× faster than full (eager)"
-        if full.get("rss_mb") and sliding.get("rss_mb"):
-            text += f" and uses {sliding['rss_mb'] / full['rss_mb']:.3f}× its memory"
-        out.append(text + " (target: ≥ 10× faster, ≤ 0.1× memory)")
-    fast = cell(16384, "full-fast")
-    if fast.get("time_s") and sliding.get("time_s"):
-        text = f"n = 16k, forward: sliding vs full (fast kernel): {fast['time_s'] / sliding['time_s']:.1f}× faster"
-        if fast.get("rss_mb") and sliding.get("rss_mb"):
-            text += f", {sliding['rss_mb'] / fast['rss_mb']:.3f}× the memory"
-        out.append(text)
-    p16, p32 = cell(16384, "performer"), cell(32768, "performer")
-    if p16.get("time_s") and p32.get("time_s"):
-        out.append(f"Performer forward time(32k) / time(16k) = {p32['time_s'] / p16['time_s']:.2f} (target ≤ 2.3)")
-    backward = result["modes"].get("backward", {})
-    b16, b32 = backward.get("16384", {}).get("performer", {}), backward.get("32768", {}).get("performer", {})
-    if b16.get("time_s") and b32.get("time_s"):
-        out.append(f"Performer forward+backward time(32k) / time(16k) = {b32['time_s'] / b16['time_s']:.2f}")
+    def ratio(a: dict, b: dict) -> str:
+        text = f"{a['time_s'] / b['time_s']:.2f}"
+        return text + (f" [{a['min_s'] / b['min_s']:.2f}]" if a.get("min_s") and b.get("min_s") else "")
+
+    sliding = cell("forward", 16384, "sliding")
+    for full_name, label in (("full-eager", "full attention (eager)"), ("full-fast", "full attention (fast kernel)")):
+        full = cell("forward", 16384, full_name)
+        if full.get("time_s") and sliding.get("time_s"):
+            text = f"n = 16k, forward: sliding (w = {window}) is {ratio(full, sliding)}× faster than {label}"
+            if full.get("rss_mb") and sliding.get("rss_mb"):
+                text += f" and uses {sliding['rss_mb'] / full['rss_mb']:.3f}× its memory"
+            out.append(text + (" (target: ≥ 10× faster, ≤ 0.1× memory)" if full_name == "full-eager" else ""))
+    for mode, label in (("forward", "forward"), ("backward", "forward+backward")):
+        p16, p32 = cell(mode, 16384, "performer"), cell(mode, 32768, "performer")
+        if p16.get("time_s") and p32.get("time_s"):
+            out.append(f"Performer {label} time(32k) / time(16k) = {ratio(p32, p16)}"
+                       + (" (target ≤ 2.3)" if mode == "forward" else ""))
     return out or ["(the target lengths were not measured in this run)"]
 
 
@@ -294,20 +298,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="repeat the whole sweep; a cell's time is the median of rounds × steps calls")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-memory subprocesses")
     parser.add_argument("--probe-timeout", type=float, default=900)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (0 = torch's default). 1 by default: on a shared machine every small "
+                        "op of a multi-threaded run waits for a descheduled worker whenever another job runs "
+                        "(measured 40× on a 128×256 matmul), which swamps what is being compared")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="docs", help="directory for attention_scaling.{json,md,png}")
 
 
 def reproduce_command(args: argparse.Namespace) -> str:
     flags = ["lengths", "variants", "modes", "heads", "d_head", "batch", "pos", "window", "stride", "features",
-             "linformer_k", "max_gb", "warmup", "steps", "rounds", "out"]
+             "linformer_k", "max_gb", "warmup", "steps", "rounds", "threads", "out"]
     parts = [f"--{flag.replace('_', '-')} {getattr(args, flag)}" for flag in flags]
     return "txl bench attention-scaling " + " ".join(parts) + (" --no-rss" if args.no_rss else "")
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from txl.bench.common import machine, write_json
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     try:
         lengths = [int(n) for n in str(args.lengths).split(",") if n]
     except ValueError:
@@ -328,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
             runnable.append(name)
     result = {"settings": {k: getattr(args, k.replace("-", "_")) for k in
                            ("batch", "heads", "d_head", "pos", "window", "stride", "features", "linformer_k",
-                            "warmup", "steps", "rounds", "max_gb")},
+                            "warmup", "steps", "rounds", "threads", "max_gb")},
               "machine": machine(), "variants": runnable, "modes": {}, "notes": notes,
               "command": reproduce_command(args)}
     started = time.perf_counter()
