@@ -8,6 +8,7 @@ import itertools
 import pytest
 import torch
 
+import txl.attention_performer as performer_module
 from txl import ConfigError, TransformerXLConfig, UsageError
 from txl.attention import eager_attention
 from txl.attention_performer import (
@@ -217,8 +218,10 @@ def test_performer_approximates_softmax_better_with_more_features(causal):
     assert errors[-1] < 0.25 * errors[0], errors
 
 
+@pytest.mark.parametrize("group_elements", [1 << 20, 1, 2 * 6 * 8 * 8])  # all chunks at once, 1, 2 per group
 @pytest.mark.parametrize(("n", "i", "chunk"), [(30, 30, 7), (50, 30, 8), (50, 30, 64), (9, 1, 4)])
-def test_performer_prefix_sums_equal_masked_quadratic_kernel(n, i, chunk):
+def test_performer_prefix_sums_equal_masked_quadratic_kernel(n, i, chunk, group_elements, monkeypatch):
+    monkeypatch.setattr(performer_module, "GROUP_ELEMENTS", group_elements)
     torch.manual_seed(1)
     q, k, v = torch.randn(2, 3, i, 16), torch.randn(2, 3, n, 16) * 2, torch.randn(2, 3, n, 16)
     features = orthogonal_gaussian(32, 16)
@@ -228,8 +231,10 @@ def test_performer_prefix_sums_equal_masked_quadratic_kernel(n, i, chunk):
     torch.testing.assert_close(prefix, quadratic, atol=1e-5, rtol=1e-4)
 
 
-def test_performer_gradients_equal_an_unstabilised_float64_computation():
+@pytest.mark.parametrize("group_elements", [1 << 20, 1])  # one group of chunks, one chunk per group
+def test_performer_gradients_equal_an_unstabilised_float64_computation(group_elements, monkeypatch):
     """Stabilisers are detached (they cancel): gradients must still be those of the plain estimator."""
+    monkeypatch.setattr(performer_module, "GROUP_ELEMENTS", group_elements)
     torch.manual_seed(3)
     q, k, v = torch.randn(1, 2, 20, 8) * 0.7, torch.randn(1, 2, 30, 8) * 0.7, torch.randn(1, 2, 30, 8)
     features = orthogonal_gaussian(16, 8)

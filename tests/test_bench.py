@@ -146,3 +146,39 @@ def test_each_bench_has_help(name, capsys):
     with pytest.raises(SystemExit) as info:
         main(["bench", name, "--help"])
     assert info.value.code == 0 and "--json" in capsys.readouterr().out
+
+
+def test_arena_variants_get_the_reference_parameter_count():
+    from txl.bench import arena
+
+    target = arena.parameter_count([], 50)
+    for variant in arena.VARIANTS.values():
+        d_inner, count = arena.match_d_inner(variant, target, 50, 512)
+        sets = [f"model.{s}" for s in variant.sets] + [f"model.d_inner={d_inner}"]
+        assert count == arena.parameter_count(sets, 50), variant.name  # the affine prediction is exact
+        assert abs(count - target) / target < 0.005, variant.name
+
+
+@pytest.mark.slow
+def test_arena_trains_side_by_side_and_reuses_finished_runs(tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox {i % 7} jumps\n" for i in range(600)))
+    argv = ["bench", "arena", "--variants", "xl,xl-mem0", "--minutes", "0.01", "--jobs", "2",
+            "--data", f"text:{corpus}", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "docs")]
+    for s in ("model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.d_head=16", "model.d_inner=64",
+              "model.mem_len=16", "train.batch_size=2", "train.tgt_len=16", "train.eval_tgt_len=16",
+              "train.warmup_steps=0"):
+        argv += ["--set", s]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "docs" / "arena.json").read_text())
+    rows = {row["name"]: row for row in report["rows"]}
+    assert set(rows) == {"xl", "xl-mem0"}
+    assert rows["xl"]["parameters"] == rows["xl-mem0"]["parameters"]
+    for row in rows.values():
+        assert row["steps"] > 0 and row["valid"] > 0 and row["peak_rss_mb"] > 10 and row["tokens_per_second"] > 0
+        assert "--set model.d_inner=64" in row["command"] and row["command"].startswith("OMP_NUM_THREADS=1 txl train")
+    text = (tmp_path / "docs" / "arena.md").read_text()
+    assert "| xl-mem0 |" in text and "Linformer" in text and (tmp_path / "docs" / "arena.png").stat().st_size > 0
+    capsys.readouterr()
+    assert main(argv) == 0  # finished runs with the same command are reused, not retrained
+    assert capsys.readouterr().out.count("reusing") == 2

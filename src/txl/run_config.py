@@ -54,7 +54,7 @@ class TrainConfig:
     eval_batch_size: int = 10
     eval_max_tokens: int = 0  # validate on the first N tokens only (0 = the whole split)
     eval_warm_memory: bool = True  # warm each eval stream's memory so every scored token has full context
-    final_splits: tuple[str, ...] = ("valid",)  # evaluated on the whole split at the end of the run
+    final_splits: tuple[str, ...] = ("valid",)  # scored at the end of the run (eval_max_tokens applies)
     max_nonfinite: int = 5  # stop after this many non-finite losses in a row
     sample_tokens: int = 0  # generate this many tokens at the end (0 = no sample)
     sample_prompt: str = ""  # "" = the first 64 tokens of the valid split

@@ -346,6 +346,7 @@ class Trainer:
         if self.dist.world > 1:
             total, count = self.dist.all_sum([result.loss * result.tokens, result.tokens])
             result.loss, result.tokens = total / max(count, 1), int(count)
+        result.split = split
         return result
 
     # -- checkpoints -------------------------------------------------------------------------------

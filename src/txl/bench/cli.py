@@ -17,6 +17,7 @@ BENCHES: dict[str, str] = {
     "curve": "txl.bench.curve",
     "eval-speedup": "txl.bench.eval_speedup",  # the evaluation issue's paper-style speed-up table
     "attention-scaling": "txl.bench.attention_scaling",  # the long-text arena's kernels against length
+    "arena": "txl.bench.arena",  # every arena variant trained on PTB-char under one CPU budget
 }
 
 
