@@ -135,7 +135,7 @@ def _finished(run_dir: Path, line: str) -> dict | None:
     return stamp if stamp.get("command") == line and result.get("steps") else None
 
 
-def run_all(plan: list[dict], args: argparse.Namespace) -> None:
+def train_variants(plan: list[dict], args: argparse.Namespace) -> None:
     """Run the planned trainings, `args.jobs` at a time; record each child's peak RSS (wait4)."""
     from tqdm.auto import tqdm
 
@@ -326,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"reusing {name}: {run_dir} (same command; --fresh retrains)")
         plan.append(item)
     started = time.time()
-    run_all(plan, args)
+    train_variants(plan, args)
     rows = [collect(item) for item in plan]
     ref = next((r for r in rows if r["name"] == REFERENCE), rows[0])
     flags = ["txl", "bench", "arena", "--variants", ",".join(args.variants), "--minutes", f"{args.minutes:g}",
