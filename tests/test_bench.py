@@ -182,3 +182,8 @@ def test_arena_trains_side_by_side_and_reuses_finished_runs(tmp_path, capsys):
     capsys.readouterr()
     assert main(argv) == 0  # finished runs with the same command are reused, not retrained
     assert capsys.readouterr().out.count("reusing") == 2
+    assert main([*argv[:3], "xl", *argv[4:], "--fresh"]) == 0  # an arena run directory is retrained in place
+    assert "reusing" not in capsys.readouterr().out
+    (tmp_path / "runs" / "xl" / "arena.json").unlink()  # no longer ours: left alone, one clear error
+    assert main([*argv[:3], "xl", *argv[4:], "--fresh"]) != 0
+    assert "is not an arena run directory" in capsys.readouterr().err

@@ -207,7 +207,7 @@ def read_hf_weights(src: Path) -> dict[str, Tensor]:
             # weights_only=True: tensors and plain containers only; never executes pickled code.
             state = torch.load(bin_file, map_location="cpu", weights_only=True)
         except Exception as err:  # torch raises UnpicklingError, RuntimeError, EOFError... for bad files
-            # Never echo torch's own advice here: it suggests weights_only=False, i.e. running the code.
+            # Never echo torch's own advice here: it suggests turning weights_only off, i.e. running the code.
             found = re.search(r"GLOBAL ([\w.]+)", str(err))
             why = (f"it refers to the Python object {found.group(1)}, and unpickling it could run code" if found
                    else "it is damaged or not a PyTorch file")

@@ -11,8 +11,9 @@ d_inner so its count is the closest to the reference variant's (`xl`): the FFN w
 knob that does not change what the variant is.
 
 Peak memory is the run process's maximum resident set (getrusage of the child), tokens/s the
-trainer's own figure (training tokens over training wall time). A run already in `--runs` with
-the same command is reused, so an interrupted arena continues; `--fresh` retrains.
+trainer's own figure (training tokens over training wall time). A finished run already in `--runs`
+with the same command is reused, so an interrupted arena continues where it stopped (the run that
+was cut short starts again); `--fresh` retrains every run.
 
 Writes arena.json, arena.md and arena.png (train bpc against minutes) to `--out`.
 """
@@ -23,6 +24,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -132,7 +134,19 @@ def _finished(run_dir: Path, line: str) -> dict | None:
         result = json.loads((run_dir / "result.json").read_text())
     except (OSError, ValueError):
         return None
-    return stamp if stamp.get("command") == line and result.get("steps") else None
+    finished = stamp.get("command") == line and stamp.get("peak_rss_mb") is not None and result.get("steps")
+    return stamp if finished else None
+
+
+def clear_for_training(run_dir: Path) -> None:
+    """An arena run directory is retrained from scratch (--fresh, another command, or a run that was
+    interrupted); anything else in the way is the user's and is left alone."""
+    if not run_dir.exists():
+        return
+    if (run_dir / "arena.json").is_file():
+        shutil.rmtree(run_dir)
+    elif not run_dir.is_dir() or any(run_dir.iterdir()):
+        raise UsageError(f"{run_dir} exists and is not an arena run directory; move it or pick another --runs")
 
 
 def train_variants(plan: list[dict], args: argparse.Namespace) -> None:
@@ -148,7 +162,9 @@ def train_variants(plan: list[dict], args: argparse.Namespace) -> None:
             while todo and len(running) < args.jobs:
                 item = todo.pop(0)
                 run_dir = Path(item["run_dir"])
+                clear_for_training(run_dir)
                 run_dir.mkdir(parents=True, exist_ok=True)
+                (run_dir / "arena.json").write_text(json.dumps({"command": item["command"]}, indent=2) + "\n")
                 log = open(run_dir.parent / f"{run_dir.name}.log", "w")  # noqa: SIM115 (closed on exit)
                 argv = [sys.executable, "-m", "txl", *item["argv"][1:]]
                 proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
