@@ -235,3 +235,10 @@ def test_in_place_memory_gives_the_same_results_and_reuses_the_buffers():
         assert model(x[:, 3:5], memory=short, in_place_memory=True).memory is not short
     grad_out = model(x[:, 6:10], memory=copy, in_place_memory=True)
     assert grad_out.memory is not copy
+
+
+def test_memory_cat_inverts_select_over_row_groups():
+    memory = Memory(tuple(torch.randn(5, 3, 4) for _ in range(2)), tuple(torch.randn(5, 2, 4) for _ in range(2)))
+    joined = Memory.cat([memory.select(slice(0, 2)), memory.select(slice(2, 4)), memory.select(4)])
+    for a, b in zip(joined.hidden + joined.compressed, memory.hidden + memory.compressed, strict=True):
+        assert torch.equal(a, b)

@@ -199,7 +199,6 @@ def evaluate(
                       attn_len=attention_length(mem_len=mem_len, tgt_len=tgt_len, same_length=used_same))
 
 
-
 # Evaluation holds one memory and a bounded working set: streams are run in row groups whose memories
 # are views of one set of buffers, and each group overwrites its rows in place (`in_place_memory`).
 # At mem_len 3800 on the base shape that keeps peak RSS under half of the eager reference's.
@@ -230,11 +229,7 @@ def forward_segment(model, inputs, labels, memory, *, mem_len: int):
         in_place &= part is not None and out.memory is part
     if in_place:
         return torch.cat(nlls), memory
-    if parts[0] is None:
-        return torch.cat(nlls), None
-    hidden = tuple(torch.cat([p.hidden[i] for p in parts]) for i in range(len(parts[0].hidden)))
-    compressed = tuple(torch.cat([p.compressed[i] for p in parts]) for i in range(len(parts[0].compressed)))
-    return torch.cat(nlls), Memory(hidden, compressed)
+    return torch.cat(nlls), None if parts[0] is None else Memory.cat(parts)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -67,6 +67,12 @@ class Memory:
             index = slice(index, index + 1)
         return Memory(tuple(h[index] for h in self.hidden), tuple(c[index] for c in self.compressed))
 
+    @classmethod
+    def cat(cls, parts: Sequence[Memory]) -> Memory:
+        """The inverse of `select` over consecutive row groups: one memory with all their rows."""
+        return cls(tuple(torch.cat(layer) for layer in zip(*(p.hidden for p in parts), strict=True)),
+                   tuple(torch.cat(layer) for layer in zip(*(p.compressed for p in parts), strict=True)))
+
     def truncate(self, mem_len: int) -> Memory | None:
         """Keep the latest mem_len states per layer (the compressed memory is kept as is)."""
         if mem_len <= 0:
