@@ -188,3 +188,59 @@ def test_api_rejects_empty_prompts_and_zero_tokens():
     words = Vocab("words", ["<eos>", "<unk>", "a"], eos="<eos>", unk="<unk>")
     with pytest.raises(UsageError, match="encodes to no tokens"):
         generate_text(tiny_model(vocab_size=3), words, "   ", max_new_tokens=3)
+
+
+def test_append_rows_is_cat_and_keeps_every_earlier_view_intact():
+    from txl.memory import append_rows
+
+    torch.manual_seed(0)
+    with torch.no_grad():
+        past = torch.randn(2, 5, 3)
+        history = [(past, past.clone())]
+        buffers = set()
+        for step in range(40):
+            new = torch.randn(2, 1 + step % 2, 3)
+            expected = torch.cat([history[-1][1], new], dim=1)
+            grown = append_rows(history[-1][0], new)
+            assert torch.equal(grown, expected)
+            buffers.add(grown._base.data_ptr())
+            tail = grown[:, -7:]  # a memory keeps its latest rows, as a view
+            history.append((tail, tail.clone()))
+        assert len(buffers) <= 3  # appends land in spare rows: a new buffer only when one is full
+        # a second append from an old view (a fork) must not overwrite what a later view shows
+        fork = append_rows(history[10][0], torch.full((2, 1, 3), 7.0))
+        assert torch.equal(fork[:, -1], torch.full((2, 3), 7.0))
+        for view, value in history:
+            assert torch.equal(view, value)
+    # with autograd it is plain cat, gradient included
+    a = torch.randn(1, 2, 3, requires_grad=True)
+    append_rows(a, torch.randn(1, 1, 3)).sum().backward()
+    assert torch.equal(a.grad, torch.ones_like(a))
+
+
+def test_token_steps_with_a_full_memory_and_forks_match_the_uncached_model():
+    """The projection cache and in-place appends (token-level inference) against plain forwards with
+    the cache off, through memory truncation, buffer growth, and two continuations of one memory."""
+    model = tiny_model(mem_len=24)
+    ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        cached = model(ids[:, :30])
+        plain = cached
+        for t in range(30, 90):
+            cached = model(ids[:, t : t + 1], memory=cached.memory)
+            # the reference: the same memory values, but a fresh Memory without cache or spare rows
+            fresh = type(plain.memory)(tuple(h.clone() for h in plain.memory.hidden))
+            plain = model(ids[:, t : t + 1], memory=fresh)
+            torch.testing.assert_close(cached.logits, plain.logits, rtol=0, atol=1e-5)
+            assert cached.memory.length == 24
+        fork_a = model(torch.tensor([[1]]), memory=cached.memory)
+        fork_b = model(torch.tensor([[2]]), memory=cached.memory)
+        again_a = model(torch.tensor([[1]]), memory=cached.memory)
+        torch.testing.assert_close(fork_a.logits, again_a.logits, rtol=0, atol=0)
+        next_a = model(torch.tensor([[3]]), memory=fork_a.memory)
+        next_b = model(torch.tensor([[3]]), memory=fork_b.memory)
+        for memory in (fork_a.memory, fork_b.memory):
+            assert torch.equal(memory.hidden[0][:, :-1], cached.memory.hidden[0][:, 1:])
+        assert not torch.equal(next_a.logits, next_b.logits)
+        ref = model(torch.tensor([[3]]), memory=type(plain.memory)(tuple(h.clone() for h in fork_a.memory.hidden)))
+        torch.testing.assert_close(next_a.logits, ref.logits, rtol=0, atol=1e-5)

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from txl.attention_fast import fast_attention
 from txl.config import TransformerXLConfig
+from txl.memory import append_rows
 from txl.positional import LayerPositions, rel_shift_pad
 
 Kernel = Callable[..., Tensor]
@@ -116,7 +117,8 @@ class Attention(nn.Module):
         if projected is None:
             kv = self.kv_proj(context)  # (b, n, 2*h*d)
         else:
-            kv = torch.cat([projected.to(x.dtype), self.kv_proj(context[:, projected.shape[1] :])], dim=1)
+            fresh = self.kv_proj(context[:, projected.shape[1] :])
+            kv = append_rows(projected.to(fresh.dtype), fresh)  # amortised O(new rows), not O(memory)
         if sink is not None:
             sink.append(kv)
         kv = kv.view(b, n, 2, self.n_head, self.d_head)

@@ -25,7 +25,7 @@ from txl.attention import Attention
 from txl.attention_fast import use_cheap_dropout
 from txl.config import TransformerXLConfig
 from txl.errors import UsageError
-from txl.memory import Memory, MemoryCompressor, update_memory
+from txl.memory import Memory, MemoryCompressor, append_rows, update_memory
 from txl.positional import LayerPositions, build_positional
 
 # Inference with at most this many new tokens per call (generation) caches the memory's key/value
@@ -205,7 +205,10 @@ class TransformerXL(nn.Module):
         contexts = []
         for i, block in enumerate(self.blocks):
             past = [] if k_len == q_len else [m.to(h.dtype) for m in memory.layer(i)]  # [compressed ; memory]
-            context = torch.cat([*past, h], dim=1) if past else h  # (b, n, d)
+            if sink is not None and len(past) == 1:  # token-level inference: append, do not copy the memory
+                context = append_rows(past[0], h)
+            else:
+                context = torch.cat([*past, h], dim=1) if past else h  # (b, n, d)
             if in_place:  # `context` holds its own copy of the old memory: overwrite the memory now
                 memory.hidden[i].copy_(context[:, -mem_len:])
             else:
@@ -217,7 +220,8 @@ class TransformerXL(nn.Module):
         if in_place:
             new_memory = memory
         elif self.compressor is None:
-            new_memory = update_memory(contexts, mem_len)
+            # token-level inference keeps views (no autograd to cut), so the next append stays cheap
+            new_memory = update_memory(contexts, mem_len, detach=sink is None)
             if sink is not None and new_memory is not None:
                 tails = tuple(kv[:, -new_memory.length :] for kv in sink)
                 new_memory = dataclasses.replace(new_memory, projected=tails, projected_key=key)
