@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from txl.attention_fast import fast_attention
+from txl.attention_fast import fast_attention, project_context
 from txl.config import TransformerXLConfig
 from txl.memory import append_rows
 from txl.positional import LayerPositions, rel_shift_pad
@@ -99,6 +99,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(inner, config.d_model, bias=False)
         self.drop = nn.Dropout(config.dropout)
         self.dropatt = config.dropatt
+        self.fast_projection = config.attention_impl != "eager"  # the eager path stays the plain reference
         # A bidirectional encoder (causal=False) has its own kernel per attention name; kernels that own
         # parameters or buffers (Linformer projections, Performer features) are modules built per layer.
         kernel = resolve_kernel(config.attention, config.attention_impl if config.causal else "bidirectional")
@@ -106,15 +107,18 @@ class Attention(nn.Module):
 
     def forward(
         self, x: Tensor, context: Tensor, *, positions: LayerPositions, window: int | None,
-        projected: Tensor | None = None, sink: list[Tensor] | None = None,
+        projected: Tensor | None = None, sink: list[Tensor] | None = None, context_ends_with_x: bool = False,
     ) -> Tensor:
         """`projected`: kv_proj of the first projected.shape[1] context rows, from the previous call
         (token-level inference reuses them instead of projecting the memory again); `sink`: receives
-        kv_proj of the whole context for the next call."""
+        kv_proj of the whole context for the next call. `context_ends_with_x`: context is
+        [constant memory ; x] (post-LN blocks), so the fast path skips the memory rows' input gradient."""
         b, i, _ = x.shape
         n = context.shape[1]
         q = self.q_proj(x).view(b, i, self.n_head, self.d_head).transpose(1, 2)  # (b, h, i, d)
-        if projected is None:
+        if projected is None and context_ends_with_x and self.fast_projection and n > i and torch.is_grad_enabled():
+            kv = project_context(context, x, self.kv_proj.weight)
+        elif projected is None:
             kv = self.kv_proj(context)  # (b, n, 2*h*d)
         else:
             fresh = self.kv_proj(context[:, projected.shape[1] :])

@@ -60,10 +60,11 @@ class Block(nn.Module):
 
     def forward(
         self, h: Tensor, context: Tensor, *, positions: LayerPositions, window: int | None,
-        projected: Tensor | None = None, sink: list[Tensor] | None = None,
+        projected: Tensor | None = None, sink: list[Tensor] | None = None, constant_past: bool = False,
     ) -> Tensor:
         # `context` is [memory ; h]: the keys/values this layer attends over. `projected`/`sink`: the
         # key/value projection cache of token-level inference (see `TransformerXL.projection_key`).
+        # `constant_past`: the memory rows need no gradient (they are detached states).
         cache = {"projected": projected, "sink": sink}
         if self.pre_lnorm:
             if projected is not None:  # the memory rows are projected already: normalise only h
@@ -72,7 +73,8 @@ class Block(nn.Module):
                 context = self.attn_norm(context)
             h = h + self.attn(self.attn_norm(h), context, positions=positions, window=window, **cache)
             return h + self.ff(self.ff_norm(h))
-        h = self.attn_norm(h + self.attn(h, context, positions=positions, window=window, **cache))
+        h = self.attn_norm(h + self.attn(h, context, positions=positions, window=window,
+                                         context_ends_with_x=constant_past, **cache))
         return self.ff_norm(h + self.ff(h))
 
 
@@ -214,7 +216,8 @@ class TransformerXL(nn.Module):
             else:
                 contexts.append(context)
             h = block(h, context, positions=self.pos.layer(i, pos_state), window=window,
-                      projected=memory.projected[i] if reuse else None, sink=sink)
+                      projected=memory.projected[i] if reuse else None, sink=sink,
+                      constant_past=not any(m.requires_grad for m in past))
         h = self.drop(self.norm(h))
         aux_loss = None
         if in_place:
