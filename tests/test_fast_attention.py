@@ -247,3 +247,20 @@ def test_position_table_memo_follows_mode_and_arguments():
         assert fast.pos.prepare(k_len=7, clamp_len=3, device=x.device, dtype=torch.float32)["R"] is table
         fast.pos.train()
         assert fast.pos.prepare(k_len=7, clamp_len=3, device=x.device, dtype=torch.float32)["R"] is not table
+
+
+@pytest.mark.parametrize("blocks", [2, 3])
+@pytest.mark.parametrize("variant", ["plain", "clamp_len", "same_length"])
+def test_query_blocks_in_training_match_eager(monkeypatch, blocks, variant):
+    """Training splits the queries into blocks that skip the causally masked keys (a block of 2
+    queries here, so the 6-token test segments really are split); results must not change."""
+    import txl.attention_fast as fast_module
+
+    monkeypatch.setattr(fast_module, "TRAIN_QUERY_BLOCKS", blocks)
+    monkeypatch.setattr(fast_module, "TRAIN_MIN_BLOCK", 2)
+    calls = []
+    original = fast_module._XLAttention.apply
+    monkeypatch.setattr(fast_module._XLAttention, "apply", lambda *a: calls.append(a[0].shape[2]) or original(*a))
+    assert_same(*pair(**VARIANTS[variant]))
+    if variant != "same_length":  # same_length keeps one block: its mask cuts the left, not the corner
+        assert calls and max(calls) < 6, calls
