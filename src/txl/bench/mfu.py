@@ -12,8 +12,11 @@ keys per query row, HD = n_head·d_head, counting a multiply-add as 2 FLOPs:
     head, forward:       2·t·d·vocab
     step = 3 × forward   (backward = gradients of inputs and of weights, 2× the forward)
 
-Score matrices count in full (the masked upper triangle is computed too); elementwise work
-(softmax, LayerNorm, dropout, Adam) is not counted, as in the usual MFU definition (PaLM, app. B).
+Score matrices count in full and every input gradient counts; elementwise work (softmax, LayerNorm,
+dropout, Adam) is not, as in the usual MFU definition (PaLM, app. B): these are the model's FLOPs, the
+same for every implementation. The fast path executes fewer (its training step skips part of the
+causally masked score corner and the input gradient of the detached memory rows: about 7% fewer
+on the base shape), so its MFU is model-FLOP utilisation, not hardware utilisation.
 """
 
 from __future__ import annotations
