@@ -125,10 +125,10 @@ class Attention(nn.Module):
             kv = append_rows(projected.to(fresh.dtype), fresh)  # amortised O(new rows), not O(memory)
         if sink is not None:
             sink.append(kv)
-        kv = kv.view(b, n, 2, self.n_head, self.d_head)
-        k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # each (b, h, n, d)
+        k, v = kv.view(b, n, 2, self.n_head, self.d_head).permute(2, 0, 3, 1, 4).unbind(0)  # each (b, h, n, d)
+        extra = {"kv": kv} if self.kernel is fast_attention else {}  # the fast kernel trains from kv whole
         out = self.kernel(
-            q, k, v, positions=positions, window=window, dropatt=self.dropatt, training=self.training
+            q, k, v, positions=positions, window=window, dropatt=self.dropatt, training=self.training, **extra
         )
         out = out.transpose(1, 2).reshape(b, i, self.n_head * self.d_head)  # (b, i, h*d)
         return self.drop(self.o_proj(out))

@@ -208,25 +208,79 @@ TRAIN_QUERY_BLOCKS = 2
 TRAIN_MIN_BLOCK = 64
 
 
-def _xl_causal_blocks(qu, qv, k, v, r, window, scale) -> Tensor:
-    """`_XLAttention` over query blocks. Block [a, e) of the i queries sees keys [0, n - i + e) and
-    distances 0 … n - i + e - 1, i.e. the last n - i + e rows of r: the same problem on a smaller key
-    range (the rel-shift and the causal mask depend only on each query's distance to its keys)."""
-    b, h, i, d = qu.shape
-    n = k.shape[-2]
-    blocks = max(1, min(TRAIN_QUERY_BLOCKS, i // TRAIN_MIN_BLOCK))
-    if blocks == 1 or window is not None:  # same_length masks the left instead: nothing to skip cheaply
-        return _XLAttention.apply(qu, qv, k, v, r, _mask_bias(i, n, window, qu.device, qu.dtype), scale)
-    # keys and values contiguous once, so each block's key range is a view (no per-block copy)
-    k, v = k.contiguous(), v.contiguous()
-    outs = []
-    edges = [round(c * i / blocks) for c in range(blocks + 1)]
-    for a, e in zip(edges[:-1], edges[1:]):
-        keys = n - i + e
-        mask = _mask_bias(e - a, keys, None, qu.device, qu.dtype)
-        outs.append(_XLAttention.apply(qu[:, :, a:e], qv[:, :, a:e], k[:, :, :keys], v[:, :, :keys],
-                                       r[:, n - keys :], mask, scale))
-    return torch.cat(outs, dim=2)
+def _block_edges(q_len: int, window: int | None) -> list[int]:
+    blocks = max(1, min(TRAIN_QUERY_BLOCKS, q_len // TRAIN_MIN_BLOCK))
+    if window is not None:  # same_length masks the left instead: nothing to skip cheaply
+        blocks = 1
+    return [round(c * q_len / blocks) for c in range(blocks + 1)]
+
+
+class _XLAttentionKV(torch.autograd.Function):
+    """`_XLAttention` for training, over query blocks, reading keys and values from the projection's
+    own (b, n, 2·h·d) output and returning its gradient in that layout.
+
+    Block [a, e) of the i queries sees keys [0, n - i + e) and distances 0 … n - i + e - 1 (the last
+    n - i + e rows of r): the same problem on a smaller key range, since the rel-shift and the causal
+    mask depend only on each query's distance to its keys. Doing the blocks inside one function (key,
+    value and position gradients accumulated in place, transposed, by `baddbmm_`) and taking `kv`
+    whole avoids the slices, zero-filled partial gradients, concatenations and the gather of the key
+    and value gradients back into the projection's layout that autograd would add.
+    """
+
+    @staticmethod
+    def forward(ctx, qu, qv, kv, r, scale, edges, window):
+        b, h, i, d = qu.shape
+        n = kv.shape[1]
+        halves = kv.view(b, n, 2, h, d)
+        k3 = halves[:, :, 0].transpose(1, 2).reshape(b * h, n, d)  # one copy each, then views per block
+        v3 = halves[:, :, 1].transpose(1, 2).reshape(b * h, n, d)
+        qu3 = qu.reshape(b * h, i, d)
+        out = qu3.new_empty(b * h, i, d)
+        probs = []
+        for a, e in zip(edges[:-1], edges[1:]):
+            keys = n - i + e
+            mask = _mask_bias(e - a, keys, window, qu.device, qu.dtype)
+            p = _xl_probs(qu3[:, a:e], qv[:, :, a:e], k3[:, :keys], r[:, n - keys :], mask, scale)
+            out[:, a:e] = torch.bmm(p, v3[:, :keys])
+            probs.append(p)
+        ctx.save_for_backward(qu3, qv, k3, v3, r, out, *probs)
+        ctx.scale, ctx.edges = scale, edges
+        return out.view(b, h, i, d)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qu3, qv, k3, v3, r, out, *probs = ctx.saved_tensors
+        scale, edges = ctx.scale, ctx.edges
+        b, h, i, d = qv.shape
+        n = k3.shape[1]
+        grad_out = grad_out.to(out.dtype).reshape(b * h, i, d)
+        delta = (grad_out.float() * out.float()).sum(-1, keepdim=True).to(out.dtype)  # rowsum(dO * O)
+        grad_qu = torch.empty_like(qu3)
+        grad_qv = torch.empty_like(qv)
+        # transposed accumulators (B, d, n): each block's product lands there without a transpose copy
+        grad_kt = k3.new_zeros(b * h, d, n)
+        grad_vt = k3.new_zeros(b * h, d, n)
+        grad_rt = k3.new_zeros(b * h, d, n) if ctx.needs_input_grad[3] else None
+        for (a, e), p in zip(zip(edges[:-1], edges[1:]), probs):
+            keys, g = n - i + e, grad_out[:, a:e]
+            grad_vt[:, :, :keys].baddbmm_(g.transpose(1, 2), p)
+            buffer, grad_scores = _shift_grad_buffer(p, e - a, keys, workspace=True)
+            torch.bmm(g, v3[:, :keys].transpose(1, 2), out=grad_scores)  # dP
+            grad_scores.sub_(delta[:, a:e]).mul_(p)  # dS; masked entries have p = 0
+            grad_raw = _unshift_view(buffer, e - a, keys)
+            torch.bmm(grad_scores, k3[:, :keys], out=grad_qu[:, a:e])
+            grad_kt[:, :, :keys].baddbmm_(qu3[:, a:e].transpose(1, 2), grad_scores)
+            grad_qv[:, :, a:e] = torch.matmul(grad_raw.unflatten(0, (b, h)), r[:, n - keys :])
+            if grad_rt is not None:
+                grad_rt[:, :, n - keys :].baddbmm_(qv[:, :, a:e].reshape(b * h, e - a, d).transpose(1, 2), grad_raw)
+        grad_kv = k3.new_empty(b, n, 2, h, d)
+        grad_kv[:, :, 0] = grad_kt.mul_(scale).view(b, h, d, n).permute(0, 3, 1, 2)
+        grad_kv[:, :, 1] = grad_vt.view(b, h, d, n).permute(0, 3, 1, 2)
+        grad_r = None
+        if grad_rt is not None:
+            grad_r = grad_rt.view(b, h, d, n).sum(0).transpose(1, 2).mul_(scale)  # (h, n, d)
+        return (grad_qu.mul_(scale).view(b, h, i, d), grad_qv.mul_(scale), grad_kv.view(b, n, 2 * h * d), grad_r,
+                None, None, None)
 
 
 def fast_attention(
@@ -238,8 +292,11 @@ def fast_attention(
     window: int | None,
     dropatt: float,
     training: bool,
+    kv: Tensor | None = None,
 ) -> Tensor:
-    """Drop-in replacement for `eager_attention` (same arguments, same result to float rounding)."""
+    """Drop-in replacement for `eager_attention` (same arguments, same result to float rounding).
+    `kv`: the (b, n, 2·h·d) projection k and v are the halves of (`Attention` passes it); training
+    reads it directly (`_XLAttentionKV`)."""
     q_len, k_len, d_head = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = d_head**-0.5
     mask = _mask_bias(q_len, k_len, window, q.device, q.dtype)
@@ -259,7 +316,9 @@ def fast_attention(
         with torch.autocast(device, enabled=False):
             if not grad:
                 return _xl_forward_chunked(qu, qv, k, v, r, mask, scale)
-            return _xl_causal_blocks(qu, qv, k, v, r, window, scale)
+            if kv is not None:
+                return _XLAttentionKV.apply(qu, qv, kv.to(dtype), r, scale, _block_edges(q_len, window), window)
+            return _XLAttention.apply(qu, qv, k, v, r, mask, scale)
     return _composed_attention(q, k, v, positions=positions, mask=mask, scale=scale,
                                dropatt=dropatt, training=training)
 
