@@ -257,27 +257,37 @@ class _XLAttentionKV(torch.autograd.Function):
         delta = (grad_out.float() * out.float()).sum(-1, keepdim=True).to(out.dtype)  # rowsum(dO * O)
         grad_qu = torch.empty_like(qu3)
         grad_qv = torch.empty_like(qv)
-        # key/value gradients accumulate as (B, n, d), whose copy into the projection's layout moves rows
-        # of d (the transposed (B, d, n) form made the blocks' products 5-15% faster but that final copy
-        # an element-wise gather costing more: measured on the tiny and base shapes, fp32 and bf16)
-        grad_k = torch.zeros_like(k3)
-        grad_v = torch.zeros_like(v3)
+        # Key/value gradients accumulate in fp32 as (B, n, d), whose copy into the projection's layout
+        # moves rows of d; in bf16/fp16 as (B, d, n), since there oneDNN first copies a transposed big
+        # operand (the (keys, queries) view of P or dS), which costs more than the element-wise gather
+        # of the final transposed copy (measured on the tiny and base shapes, 1 thread).
+        low = out.dtype != torch.float32
+        grad_k = k3.new_zeros(b * h, d, n) if low else torch.zeros_like(k3)
+        grad_v = k3.new_zeros(b * h, d, n) if low else torch.zeros_like(v3)
         grad_rt = k3.new_zeros(b * h, d, n) if ctx.needs_input_grad[3] else None
         for (a, e), p in zip(zip(edges[:-1], edges[1:]), probs):
             keys, g = n - i + e, grad_out[:, a:e]
-            grad_v[:, :keys].baddbmm_(p.transpose(1, 2), g)
+            if low:
+                grad_v[:, :, :keys].baddbmm_(g.transpose(1, 2), p)
+            else:
+                grad_v[:, :keys].baddbmm_(p.transpose(1, 2), g)
             buffer, grad_scores = _shift_grad_buffer(p, e - a, keys, workspace=True)
             torch.bmm(g, v3[:, :keys].transpose(1, 2), out=grad_scores)  # dP
             grad_scores.sub_(delta[:, a:e]).mul_(p)  # dS; masked entries have p = 0
             grad_raw = _unshift_view(buffer, e - a, keys)
             torch.bmm(grad_scores, k3[:, :keys], out=grad_qu[:, a:e])
-            grad_k[:, :keys].baddbmm_(grad_scores.transpose(1, 2), qu3[:, a:e])
+            if low:
+                grad_k[:, :, :keys].baddbmm_(qu3[:, a:e].transpose(1, 2), grad_scores)
+                if grad_rt is not None:
+                    grad_raw = grad_raw.contiguous()  # read twice below: one copy instead of two
+            else:
+                grad_k[:, :keys].baddbmm_(grad_scores.transpose(1, 2), qu3[:, a:e])
             grad_qv[:, :, a:e] = torch.matmul(grad_raw.unflatten(0, (b, h)), r[:, n - keys :])
             if grad_rt is not None:
                 grad_rt[:, :, n - keys :].baddbmm_(qv[:, :, a:e].reshape(b * h, e - a, d).transpose(1, 2), grad_raw)
         grad_kv = k3.new_empty(b, n, 2, h, d)
-        grad_kv[:, :, 0] = grad_k.mul_(scale).view(b, h, n, d).transpose(1, 2)
-        grad_kv[:, :, 1] = grad_v.view(b, h, n, d).transpose(1, 2)
+        for half, grad in enumerate((grad_k.mul_(scale), grad_v)):
+            grad_kv[:, :, half] = grad.view(b, h, d, n).permute(0, 3, 1, 2) if low else grad.view(b, h, n, d).transpose(1, 2)
         grad_r = None
         if grad_rt is not None:
             grad_r = grad_rt.view(b, h, d, n).sum(0).transpose(1, 2).mul_(scale)  # (h, n, d)
