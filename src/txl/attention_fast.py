@@ -124,7 +124,7 @@ def _xl_probs(qu: Tensor, qv: Tensor, k: Tensor, r: Tensor, mask: Tensor, scale:
     """
     B, i, _ = qu.shape
     n = k.shape[-2]
-    lead = torch.broadcast_shapes(qv.shape[:-2], r.shape[:-2])
+    lead = qv.shape[:-2]  # r's leading dims (heads) broadcast into qv's; torch.broadcast_shapes is Python-slow
     raw = torch.matmul(qv, r.transpose(-1, -2), out=_workspace("raw", (*lead, i, n), qu))  # against distances
     scores = torch.baddbmm(
         rel_shift_strided(raw).reshape(B, i, n), qu, k.transpose(-1, -2), beta=scale, alpha=scale
