@@ -212,6 +212,11 @@ def test_append_rows_is_cat_and_keeps_every_earlier_view_intact():
         assert torch.equal(fork[:, -1], torch.full((2, 3), 7.0))
         for view, value in history:
             assert torch.equal(view, value)
+    # a buffer made under inference_mode is not written outside it (torch forbids that): a new buffer
+    with torch.inference_mode():
+        made = append_rows(torch.zeros(1, 3, 2), torch.ones(1, 1, 2))
+    with torch.no_grad():
+        assert append_rows(made, torch.full((1, 1, 2), 2.0))[0, :, 0].tolist() == [0, 0, 0, 1, 2]
     # with autograd it is plain cat, gradient included
     a = torch.randn(1, 2, 3, requires_grad=True)
     append_rows(a, torch.randn(1, 1, 3)).sum().backward()

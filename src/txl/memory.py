@@ -135,7 +135,8 @@ def append_rows(past: Tensor, new: Tensor) -> Tensor:
     base = past._base
     if (base is not None and not torch.is_grad_enabled() and base.dim() == 3 and base.is_contiguous()
             and base.shape[0] == b and base.shape[2] == d and past.stride() == base.stride()
-            and new.dtype == past.dtype and new.device == past.device):
+            and new.dtype == past.dtype and new.device == past.device
+            and (torch.is_inference_mode_enabled() or not base.is_inference())):  # inference tensors: no writes outside
         start = (past.storage_offset() - base.storage_offset()) // d
         end = start + n
         if getattr(base, "_txl_filled", None) == end and end + q <= base.shape[1]:
