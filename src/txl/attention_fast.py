@@ -11,6 +11,11 @@ a 2-core AVX-512 CPU; `txl bench kernel` and docs/benchmarks.md have the numbers
   FlashAttention identity dS = P * (dP - rowsum(dO * O)) (Dao et al. 2022, eq. in §3.1), which needs no
   mask pass (P is 0 where masked), and writes dS straight into a padded buffer whose strided view *is*
   the un-shifted gradient of BD, so the inverse rel-shift costs no copy either.
+- Training runs the queries in 2 causal blocks (`_XLAttentionKV`): a block attends to the keys up to
+  its last query only, so part of the masked corner of the score matrix is never computed; keys and
+  values are read from, and their gradient written to, the projection's own layout.
+- Post-LN blocks project keys and values with `project_context`, whose backward skips the input
+  gradient of the memory rows (detached states).
 - The two largest intermediates (BD before the shift, the shift-gradient buffer) live in per-thread
   scratch buffers (`_workspace`), reused from call to call instead of freshly mapped.
 - Other encodings take a composed autograd path: positional bias (Shaw, ALiBi) through the strided
@@ -222,9 +227,10 @@ class _XLAttentionKV(torch.autograd.Function):
     Block [a, e) of the i queries sees keys [0, n - i + e) and distances 0 … n - i + e - 1 (the last
     n - i + e rows of r): the same problem on a smaller key range, since the rel-shift and the causal
     mask depend only on each query's distance to its keys. Doing the blocks inside one function (key,
-    value and position gradients accumulated in place, transposed, by `baddbmm_`) and taking `kv`
+    value and position gradients accumulated in place by `baddbmm_`) and taking `kv`
     whole avoids the slices, zero-filled partial gradients, concatenations and the gather of the key
-    and value gradients back into the projection's layout that autograd would add.
+    and value gradients back into the projection's layout that autograd would add. The backward is
+    `_XLAttention.backward` per block.
     """
 
     @staticmethod
