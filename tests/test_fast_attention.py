@@ -259,8 +259,8 @@ def test_query_blocks_in_training_match_eager(monkeypatch, blocks, variant):
     monkeypatch.setattr(fast_module, "TRAIN_QUERY_BLOCKS", blocks)
     monkeypatch.setattr(fast_module, "TRAIN_MIN_BLOCK", 2)
     calls = []
-    original = fast_module._XLAttentionKV.apply
-    monkeypatch.setattr(fast_module._XLAttentionKV, "apply", lambda *a: calls.append(len(a[5]) - 1) or original(*a))
+    original = fast_module._XLAttention.apply
+    monkeypatch.setattr(fast_module._XLAttention, "apply", lambda *a: calls.append(len(a[5]) - 1) or original(*a))
     assert_same(*pair(**VARIANTS[variant]))
     assert calls  # training went through the blocked kernel
     expected = 1 if variant == "same_length" else blocks  # same_length masks the left: one block

@@ -87,6 +87,16 @@ def resolve_kernel(attention: str, impl: str) -> Kernel:
     return KERNELS[(attention, impl)]
 
 
+def call_kernel(kernel: Kernel, q: Tensor, kv: Tensor, **kwargs) -> Tensor:
+    """Run `kernel` on queries (b, h, i, d) and the key/value projection kv (b, n, 2·h·d): k and v are
+    its two halves as (b, h, n, d) views; the fast kernel also takes kv whole (it trains from it)."""
+    b, h, _, d = q.shape
+    k, v = kv.view(b, kv.shape[1], 2, h, d).permute(2, 0, 3, 1, 4).unbind(0)
+    if kernel is fast_attention:
+        kwargs["kv"] = kv
+    return kernel(q, k, v, **kwargs)
+
+
 class Attention(nn.Module):
     """Queries from the current segment only; keys and values from [SG(memory) ; segment]."""
 
@@ -125,11 +135,8 @@ class Attention(nn.Module):
             kv = append_rows(projected.to(fresh.dtype), fresh)  # amortised O(new rows), not O(memory)
         if sink is not None:
             sink.append(kv)
-        k, v = kv.view(b, n, 2, self.n_head, self.d_head).permute(2, 0, 3, 1, 4).unbind(0)  # each (b, h, n, d)
-        extra = {"kv": kv} if self.kernel is fast_attention else {}  # the fast kernel trains from kv whole
-        out = self.kernel(
-            q, k, v, positions=positions, window=window, dropatt=self.dropatt, training=self.training, **extra
-        )
+        out = call_kernel(self.kernel, q, kv, positions=positions, window=window, dropatt=self.dropatt,
+                          training=self.training)
         out = out.transpose(1, 2).reshape(b, i, self.n_head * self.d_head)  # (b, i, h*d)
         return self.drop(self.o_proj(out))
 

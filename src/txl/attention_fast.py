@@ -11,7 +11,7 @@ a 2-core AVX-512 CPU; `txl bench kernel` and docs/benchmarks.md have the numbers
   FlashAttention identity dS = P * (dP - rowsum(dO * O)) (Dao et al. 2022, eq. in §3.1), which needs no
   mask pass (P is 0 where masked), and writes dS straight into a padded buffer whose strided view *is*
   the un-shifted gradient of BD, so the inverse rel-shift costs no copy either.
-- Training runs the queries in 2 causal blocks (`_XLAttentionKV`): a block attends to the keys up to
+- Training runs the queries in 2 causal blocks (`_XLAttention`): a block attends to the keys up to
   its last query only, so part of the masked corner of the score matrix is never computed; keys and
   values are read from, and their gradient written to, the projection's own layout.
 - Post-LN blocks project keys and values with `project_context`, whose backward skips the input
@@ -157,53 +157,6 @@ def _xl_forward_chunked(qu, qv, k, v, r, mask, scale) -> Tensor:
     return out
 
 
-class _XLAttention(torch.autograd.Function):
-    """softmax(((q+u)·k + shift((q+v)·r)) * scale, masked) · v, with the backward written out.
-
-    Inputs qu, qv (b, h, i, d), k, v (b, h, n, d), r (h, n, d), all of one dtype; `mask` (i, n) additive.
-    """
-
-    @staticmethod
-    def forward(ctx, qu, qv, k, v, r, mask, scale):
-        b, h, i, d = qu.shape
-        n = k.shape[-2]
-        probs = _xl_probs(qu.reshape(b * h, i, d), qv, k.reshape(b * h, n, d), r, mask, scale)  # (b*h, i, n)
-        out = torch.bmm(probs, v.reshape(b * h, n, d)).view(b, h, i, d)
-        ctx.save_for_backward(qu, qv, k, v, r, probs, out)
-        ctx.scale = scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        qu, qv, k, v, r, probs, out = ctx.saved_tensors
-        scale = ctx.scale
-        b, h, i, d = qu.shape
-        n = k.shape[-2]
-        grad_out = grad_out.to(out.dtype).reshape(b * h, i, d)
-        qu3, k3, v3 = qu.reshape(b * h, i, d), k.reshape(b * h, n, d), v.reshape(b * h, n, d)
-        # Products whose natural form has a big transposed operand (P^T dO, dS^T qu, dBD^T qv) are
-        # computed transposed, (small^T @ big)^T, with the big (i, n) operand as stored: faster in fp32
-        # and much faster in bf16, where a transposed or strided big operand gets copied first.
-        grad_v = torch.bmm(grad_out.transpose(1, 2), probs).transpose(1, 2).unflatten(0, (b, h))  # (b, h, n, d)
-        # dS = P * (dP - rowsum(dO * O)) is written straight into the tail of a buffer whose strided view
-        # is the gradient of the un-shifted BD block (see `_unshift_view`): no inverse-shift copy.
-        buffer, grad_scores = _shift_grad_buffer(probs, i, n, workspace=True)  # grad_scores: (b*h, i, n) view
-        torch.bmm(grad_out, v3.transpose(1, 2), out=grad_scores)  # dP
-        delta = (grad_out.float() * out.reshape(b * h, i, d).float()).sum(-1, keepdim=True)  # (b*h, i, 1)
-        grad_scores.sub_(delta.to(grad_scores.dtype)).mul_(probs)  # masked entries: probs = 0
-        grad_raw = _unshift_view(buffer, i, n)  # (b*h, i, n)
-        grad_qu = torch.bmm(grad_scores, k3).mul_(scale).view(b, h, i, d)
-        grad_k = torch.bmm(qu3.transpose(1, 2), grad_scores).mul_(scale).transpose(1, 2).unflatten(0, (b, h))
-        grad_qv = torch.matmul(grad_raw.unflatten(0, (b, h)), r).mul_(scale)  # (b, h, i, d)
-        grad_r = None
-        if ctx.needs_input_grad[4]:
-            # per (b, h) from the strided view, then a sum over the (small) batch: einsum would first
-            # copy grad_raw into (h, n, b*i), a strided gather measured at 2x the product itself
-            per_row = torch.bmm(qv.reshape(b * h, i, d).transpose(1, 2), grad_raw)  # (b*h, d, n)
-            grad_r = per_row.unflatten(0, (b, h)).sum(0).transpose(1, 2).mul_(scale)  # (h, n, d)
-        return grad_qu, grad_qv, grad_k, grad_v, grad_r, None, None
-
-
 # Training splits the queries into this many blocks when a block keeps at least TRAIN_MIN_BLOCK
 # queries: a block attends to the keys up to its last query only, so part of the causally masked
 # corner of the score matrix is never computed (with tgt_len = mem_len, 2 blocks skip 12.5% of the
@@ -220,17 +173,23 @@ def _block_edges(q_len: int, window: int | None) -> list[int]:
     return [round(c * q_len / blocks) for c in range(blocks + 1)]
 
 
-class _XLAttentionKV(torch.autograd.Function):
-    """`_XLAttention` for training, over query blocks, reading keys and values from the projection's
-    own (b, n, 2·h·d) output and returning its gradient in that layout.
+class _XLAttention(torch.autograd.Function):
+    """softmax(((q+u)·k + shift((q+v)·r)) * scale, masked) · v with the backward written out, for
+    training: over causal query blocks, reading keys and values from the projection's own
+    (b, n, 2·h·d) output and returning its gradient in that layout. Inputs qu, qv (b, h, i, d),
+    kv (b, n, 2·h·d), r (h, n, d), all of one dtype.
+
+    Backward: dS = P * (dP - rowsum(dO * O)) (Dao et al. 2022, §3.1), which needs no mask pass (P is 0
+    where masked), written straight into the tail of a buffer whose strided view is the gradient of
+    the un-shifted BD block (`_unshift_view`): no inverse-shift copy. Products whose natural form has a
+    big transposed operand are computed transposed where that avoids a copy (see the accumulators).
 
     Block [a, e) of the i queries sees keys [0, n - i + e) and distances 0 … n - i + e - 1 (the last
     n - i + e rows of r): the same problem on a smaller key range, since the rel-shift and the causal
     mask depend only on each query's distance to its keys. Doing the blocks inside one function (key,
     value and position gradients accumulated in place by `baddbmm_`) and taking `kv`
     whole avoids the slices, zero-filled partial gradients, concatenations and the gather of the key
-    and value gradients back into the projection's layout that autograd would add. The backward is
-    `_XLAttention.backward` per block.
+    and value gradients back into the projection's layout that autograd would add.
     """
 
     @staticmethod
@@ -314,7 +273,7 @@ def fast_attention(
 ) -> Tensor:
     """Drop-in replacement for `eager_attention` (same arguments, same result to float rounding).
     `kv`: the (b, n, 2·h·d) projection k and v are the halves of (`Attention` passes it); training
-    reads it directly (`_XLAttentionKV`)."""
+    reads it directly (`_XLAttention`)."""
     q_len, k_len, d_head = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = d_head**-0.5
     mask = _mask_bias(q_len, k_len, window, q.device, q.dtype)
@@ -334,9 +293,9 @@ def fast_attention(
         with torch.autocast(device, enabled=False):
             if not grad:
                 return _xl_forward_chunked(qu, qv, k, v, r, mask, scale)
-            if kv is not None:
-                return _XLAttentionKV.apply(qu, qv, kv.to(dtype), r, scale, _block_edges(q_len, window), window)
-            return _XLAttention.apply(qu, qv, k, v, r, mask, scale)
+            if kv is None:  # a direct call with k and v apart: the projection's layout, built once
+                kv = torch.stack([k.transpose(1, 2), v.transpose(1, 2)], dim=2).flatten(2)
+            return _XLAttention.apply(qu, qv, kv.to(dtype), r, scale, _block_edges(q_len, window), window)
     return _composed_attention(q, k, v, positions=positions, mask=mask, scale=scale,
                                dropatt=dropatt, training=training)
 

@@ -36,7 +36,7 @@ def cases(options: BenchOptions) -> list[tuple[str, int, int, int, str]]:
 def make_call(impl: str, shape, batch: int, q_len: int, mem_len: int, mode: str, precision: str):
     import torch
 
-    from txl.attention import KERNELS
+    from txl.attention import KERNELS, call_kernel
     from txl.positional import XLRelative
 
     kernel = KERNELS[("full", impl)]
@@ -48,13 +48,13 @@ def make_call(impl: str, shape, batch: int, q_len: int, mem_len: int, mode: str,
     grad = mode != "forward"
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32  # as the projections give them
     q = torch.randn(batch, h, q_len, d).to(dtype).requires_grad_(grad)
-    k = torch.randn(batch, h, n, d).to(dtype).requires_grad_(grad)
-    v = torch.randn(batch, h, n, d).to(dtype).requires_grad_(grad)
+    kv = torch.randn(batch, n, 2 * h * d).to(dtype).requires_grad_(grad)  # the key/value projection's layout
 
     def call() -> None:
         with autocast(precision), torch.set_grad_enabled(grad):
             state = encoding.prepare(k_len=n, clamp_len=0, device=q.device, dtype=q.dtype)
-            out = kernel(q, k, v, positions=encoding.layer(0, state), window=None, dropatt=0.0, training=grad)
+            out = call_kernel(kernel, q, kv, positions=encoding.layer(0, state), window=None, dropatt=0.0,
+                              training=grad)
             if grad:
                 out.float().sum().backward()
 
