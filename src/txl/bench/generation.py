@@ -3,7 +3,8 @@
 Memory reuse (`txl.generate.stream_tokens`, mem_len 1024): the prompt fills the memory once, then
 every new token is one forward pass over that single token attending to the cached states. Full
 re-run (`txl.generate.generate_rerun`): every new token re-runs the whole context, as a model
-without recurrence must. Both use the same model; the two modes alternate round by round.
+without recurrence must. Both use the same model; the two modes alternate round by round (32
+consecutive reuse tokens, then one re-run).
 """
 
 from __future__ import annotations
@@ -35,7 +36,11 @@ def run(options: BenchOptions) -> dict:
     setup_torch(options)
     shape = options.shape
     context = int(options.extra.get("context", CONTEXT))
-    per_round = 8  # reuse tokens timed per round (one re-run token per round)
+    # Reuse tokens timed per round (one re-run token per round). A re-run sweeps megabytes through the
+    # caches and the next few memory-reuse tokens pay for it; real generation produces tokens back to
+    # back, so a round is long enough for that cold start to be a small part of it (tiny shape, 2
+    # threads, 2026-11-22: 2.55 ms per reuse token with 8 tokens per round, 1.09 ms with 32).
+    per_round = 32
     rows, timings = [], {}
     for impl in options.impls:
         model = build_ours(shape, impl, mem_len=context, train=False)
