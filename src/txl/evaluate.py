@@ -425,15 +425,23 @@ def plot_sweep(results: Sequence[EvalResult], path: str | Path, *, title: str = 
 
     path = Path(path)
     metric = results[0].metric
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    ax.plot([r.attn_len for r in results], [r.value for r in results], "o-")
-    if train_attn_len:
-        ax.axvline(train_attn_len, color="grey", linestyle="--", linewidth=1, label="training attention length")
-        ax.legend()
-    ax.set_xlabel("attention length at evaluation (mem_len + tgt_len)")
-    ax.set_ylabel(metric)
-    ax.set_title(title or f"{metric} against evaluation attention length")
-    ax.grid(alpha=0.3)
+    # Without memory the first tokens of every segment have almost no context, so mem_len 0 sits far
+    # above the rest; a second panel then shows mem_len > 0 on its own scale, where the differences
+    # past the training attention length live.
+    with_memory = [r for r in results if r.mem_len > 0]
+    panels = [results, with_memory] if len(with_memory) >= 2 and len(with_memory) < len(results) else [results]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4), squeeze=False)
+    for ax, shown in zip(axes[0], panels):
+        ax.plot([r.attn_len for r in shown], [r.value for r in shown], "o-")
+        if train_attn_len:
+            ax.axvline(train_attn_len, color="grey", linestyle="--", linewidth=1, label="training attention length")
+            ax.legend()
+        ax.set_xlabel("attention length at evaluation (mem_len + tgt_len)")
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_title(title or f"{metric} against evaluation attention length")
+    if len(panels) == 2:
+        axes[0][1].set_title("mem_len > 0, own scale")
     fig.tight_layout()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
