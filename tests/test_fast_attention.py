@@ -249,15 +249,15 @@ def test_position_table_memo_follows_mode_and_arguments():
         assert fast.pos.prepare(k_len=7, clamp_len=3, device=x.device, dtype=torch.float32)["R"] is not table
 
 
-@pytest.mark.parametrize("blocks", [2, 3])
+@pytest.mark.parametrize("blocks", [2, 3, 4])  # 4 blocks of 6 queries: uneven edges 0, 2, 3, 4, 6
 @pytest.mark.parametrize("variant", ["plain", "clamp_len", "same_length"])
 def test_query_blocks_in_training_match_eager(monkeypatch, blocks, variant):
-    """Training splits the queries into blocks that skip the causally masked keys (a block of 2
+    """Training splits the queries into blocks that skip the causally masked keys (blocks of 1-2
     queries here, so the 6-token test segments really are split); results must not change."""
     import txl.attention_fast as fast_module
 
     monkeypatch.setattr(fast_module, "TRAIN_QUERY_BLOCKS", blocks)
-    monkeypatch.setattr(fast_module, "TRAIN_MIN_BLOCK", 2)
+    monkeypatch.setattr(fast_module, "TRAIN_MIN_BLOCK", 1)
     calls = []
     original = fast_module._XLAttention.apply
     monkeypatch.setattr(fast_module._XLAttention, "apply", lambda *a: calls.append(len(a[5]) - 1) or original(*a))
@@ -265,3 +265,26 @@ def test_query_blocks_in_training_match_eager(monkeypatch, blocks, variant):
     assert calls  # training went through the blocked kernel
     expected = 1 if variant == "same_length" else blocks  # same_length masks the left: one block
     assert set(calls) == {expected}, calls
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_context_projection_matches_linear_and_skips_only_the_memory_rows(precision):
+    """`project_context` = F.linear(cat(memory, x)) with gradients for x and the weight only."""
+    from txl.attention_fast import project_context
+
+    torch.manual_seed(0)
+    memory, x = torch.randn(2, 5, 8), torch.randn(2, 3, 8, requires_grad=True)
+    weight = torch.randn(12, 8, requires_grad=True)
+    x_ref, weight_ref = x.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    upstream = torch.randn(2, 8, 12)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        fast = project_context(torch.cat([memory, x], dim=1), x, weight)
+        ref = torch.nn.functional.linear(torch.cat([memory, x_ref], dim=1), weight_ref)
+    assert fast.dtype == ref.dtype
+    (fast.float() * upstream).sum().backward()
+    (ref.float() * upstream).sum().backward()
+    tol = 1e-6 if precision == "fp32" else 2e-2
+    torch.testing.assert_close(fast.float(), ref.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=tol, atol=tol)
+    torch.testing.assert_close(weight.grad, weight_ref.grad, rtol=tol, atol=tol * 10)
+    assert x.grad.dtype == torch.float32 and weight.grad.dtype == torch.float32
