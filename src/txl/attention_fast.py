@@ -179,17 +179,22 @@ class _XLAttention(torch.autograd.Function):
     (b, n, 2·h·d) output and returning its gradient in that layout. Inputs qu, qv (b, h, i, d),
     kv (b, n, 2·h·d), r (h, n, d), all of one dtype.
 
-    Backward: dS = P * (dP - rowsum(dO * O)) (Dao et al. 2022, §3.1), which needs no mask pass (P is 0
-    where masked), written straight into the tail of a buffer whose strided view is the gradient of
-    the un-shifted BD block (`_unshift_view`): no inverse-shift copy. Products whose natural form has a
-    big transposed operand are computed transposed where that avoids a copy (see the accumulators).
-
     Block [a, e) of the i queries sees keys [0, n - i + e) and distances 0 … n - i + e - 1 (the last
     n - i + e rows of r): the same problem on a smaller key range, since the rel-shift and the causal
     mask depend only on each query's distance to its keys. Doing the blocks inside one function (key,
-    value and position gradients accumulated in place by `baddbmm_`) and taking `kv`
-    whole avoids the slices, zero-filled partial gradients, concatenations and the gather of the key
-    and value gradients back into the projection's layout that autograd would add.
+    value and position gradients accumulated in place) and taking `kv` whole avoids the slices,
+    zero-filled partial gradients, concatenations and the gather of the key and value gradients back
+    into the projection's layout that autograd would add.
+
+    The position term runs head-major: (q+v)·r for all batch rows of a head is one product against
+    that head's r, so r is never broadcast (copied) over the batch, and in the backward the position
+    table's gradient sums over the batch inside the product instead of in a (b·h, d, n) accumulator.
+
+    Backward: dS = P * (dP - rowsum(dO * O)) (Dao et al. 2022, §3.1), which needs no mask pass (P is
+    0 where masked). dS is written below one zero row per (batch, head) matrix (`_unshift_grad`): that
+    keeps every product operand in the plain layout oneDNN takes without copying (bf16), and lets the
+    inverse rel-shift read the zeros it needs for the gradient of the un-shifted BD block, which is
+    copied once, head-major, and read by both of its products.
     """
 
     @staticmethod
@@ -203,10 +208,16 @@ class _XLAttention(torch.autograd.Function):
         out = qu3.new_empty(b * h, i, d)
         probs = []
         for a, e in zip(edges[:-1], edges[1:]):
-            keys = n - i + e
-            mask = _mask_bias(e - a, keys, window, qu.device, qu.dtype)
-            p = _xl_probs(qu3[:, a:e], qv[:, :, a:e], k3[:, :keys], r[:, n - keys :], mask, scale)
-            out[:, a:e] = torch.bmm(p, v3[:, :keys])
+            q, keys = e - a, n - i + e
+            raw = torch.bmm(_head_major(qv[:, :, a:e]), r[:, n - keys :].transpose(1, 2),
+                            out=_workspace("raw", (h, b * q, keys), qu))  # against distances
+            scores = qu3.new_empty(b, h, q, keys)
+            scores.copy_(rel_shift_strided(raw.view(h, b, q, keys)).transpose(0, 1))
+            p = scores.view(b * h, q, keys)
+            p.baddbmm_(qu3[:, a:e], k3[:, :keys].transpose(1, 2), beta=scale, alpha=scale)
+            p.add_(_mask_bias(q, keys, window, qu.device, qu.dtype))
+            torch.softmax(p, dim=-1, out=p)  # in place; bf16 accumulates in fp32 (see `_xl_probs`)
+            torch.bmm(p, v3[:, :keys], out=out[:, a:e])
             probs.append(p)
         ctx.save_for_backward(qu3, qv, k3, v3, r, out, *probs)
         ctx.scale, ctx.edges = scale, edges
@@ -229,35 +240,70 @@ class _XLAttention(torch.autograd.Function):
         low = out.dtype != torch.float32
         grad_k = k3.new_zeros(b * h, d, n) if low else torch.zeros_like(k3)
         grad_v = k3.new_zeros(b * h, d, n) if low else torch.zeros_like(v3)
-        grad_rt = k3.new_zeros(b * h, d, n) if ctx.needs_input_grad[3] else None
+        grad_rt = r.new_zeros(h, d, n) if ctx.needs_input_grad[3] else None
         for (a, e), p in zip(zip(edges[:-1], edges[1:]), probs):
-            keys, g = n - i + e, grad_out[:, a:e]
+            q, keys, g = e - a, n - i + e, grad_out[:, a:e]
             if low:
-                grad_v[:, :, :keys].baddbmm_(g.transpose(1, 2), p)
+                _accumulate(grad_v[:, :, :keys], g.transpose(1, 2), p)
             else:
-                grad_v[:, :keys].baddbmm_(p.transpose(1, 2), g)
-            buffer, grad_scores = _shift_grad_buffer(p, e - a, keys, workspace=True)
+                _accumulate(grad_v[:, :keys], p.transpose(1, 2), g)
+            padded = _workspace("grad_scores", (b * h, q + 1, keys), p)
+            padded[:, 0].zero_()
+            grad_scores = padded[:, 1:]
             torch.bmm(g, v3[:, :keys].transpose(1, 2), out=grad_scores)  # dP
             grad_scores.sub_(delta[:, a:e]).mul_(p)  # dS; masked entries have p = 0
-            grad_raw = _unshift_view(buffer, e - a, keys)
-            torch.bmm(grad_scores, k3[:, :keys], out=grad_qu[:, a:e])
+            # The products read dS with its zero row (one extra output row, dropped), so that every
+            # operand stays plain; the zero row meets a zero row of queries (finite, so 0 * it = 0).
+            qu_padded = qu3.new_empty(b * h, q + 1, d)
+            qu_padded[:, 0].zero_()
+            qu_padded[:, 1:] = qu3[:, a:e]
+            grad_qu[:, a:e] = torch.bmm(padded, k3[:, :keys])[:, 1:]
             if low:
-                grad_k[:, :, :keys].baddbmm_(qu3[:, a:e].transpose(1, 2), grad_scores)
-                if grad_rt is not None:
-                    grad_raw = grad_raw.contiguous()  # read twice below: one copy instead of two
+                _accumulate(grad_k[:, :, :keys], qu_padded.transpose(1, 2), padded)
             else:
-                grad_k[:, :keys].baddbmm_(grad_scores.transpose(1, 2), qu3[:, a:e])
-            grad_qv[:, :, a:e] = torch.matmul(grad_raw.unflatten(0, (b, h)), r[:, n - keys :])
+                _accumulate(grad_k[:, :keys], padded.transpose(1, 2), qu_padded)
+            grad_raw = _workspace("grad_raw", (h, b, q, keys), p)
+            grad_raw.copy_(_unshift_grad(padded, b, h).transpose(0, 1))  # (h, b, q, keys), plain
+            grad_raw = grad_raw.view(h, b * q, keys)
+            grad_qv[:, :, a:e] = torch.bmm(grad_raw, r[:, n - keys :]).view(h, b, q, d).transpose(0, 1)
             if grad_rt is not None:
-                grad_rt[:, :, n - keys :].baddbmm_(qv[:, :, a:e].reshape(b * h, e - a, d).transpose(1, 2), grad_raw)
+                _accumulate(grad_rt[:, :, n - keys :], _head_major(qv[:, :, a:e]).transpose(1, 2), grad_raw)
         grad_kv = k3.new_empty(b, n, 2, h, d)
         for half, grad in enumerate((grad_k.mul_(scale), grad_v)):
             grad_kv[:, :, half] = grad.view(b, h, d, n).permute(0, 3, 1, 2) if low else grad.view(b, h, n, d).transpose(1, 2)
-        grad_r = None
-        if grad_rt is not None:
-            grad_r = grad_rt.view(b, h, d, n).sum(0).transpose(1, 2).mul_(scale)  # (h, n, d)
+        grad_r = grad_rt.transpose(1, 2).mul(scale) if grad_rt is not None else None  # (h, n, d)
         return (grad_qu.mul_(scale).view(b, h, i, d), grad_qv.mul_(scale), grad_kv.view(b, n, 2 * h * d), grad_r,
                 None, None, None)
+
+
+def _head_major(x: Tensor) -> Tensor:
+    """(b, h, q, d) -> (h, b·q, d), contiguous: the rows of one head across the batch."""
+    b, h, q, d = x.shape
+    return x.transpose(0, 1).reshape(h, b * q, d)
+
+
+def _unshift_grad(padded: Tensor, b: int, h: int) -> Tensor:
+    """The gradient of the un-shifted BD block, (b, h, q, keys), as a view of `padded`: (b·h, q+1, keys)
+    holding dS of the shifted scores below a zero row.
+
+    The forward read shifted[i, j] = raw[i, j - i + q - 1] (`rel_shift_strided`), so the gradient of
+    raw[i, c] is dS[i, c + i - (q - 1)], read with row stride keys + 1 from q - 1 entries before dS's
+    row i. Entries no valid score came from land on zeros: for row 0, the tail of the zero row above;
+    for row i > 0, row i - 1's causally masked tail, where dS = 0 because P = 0 there.
+    """
+    _, rows, keys = padded.shape
+    q = rows - 1
+    size, (matrix, row, _) = (b, h, q, keys), padded.stride()
+    return padded.as_strided(size, (h * matrix, matrix, row + 1, 1), padded.storage_offset() + row - (q - 1))
+
+
+def _accumulate(acc: Tensor, x: Tensor, y: Tensor) -> None:
+    """acc += x @ y (batched). Into a slice whose matrices are not evenly spaced, the CPU fp32 `baddbmm_`
+    falls back to one `addmm_` per batch entry; a product into a fresh tensor and an add is faster."""
+    if acc.dtype == torch.float32 and acc.device.type == "cpu" and not acc.is_contiguous():
+        acc.add_(torch.bmm(x, y))
+    else:
+        acc.baddbmm_(x, y)
 
 
 def fast_attention(
