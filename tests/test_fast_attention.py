@@ -165,6 +165,27 @@ def test_cheap_dropout_statistics_gradient_and_seeding():
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_relu_dropout_is_dropout_of_relu_with_the_same_random_numbers(dtype):
+    from txl.attention_fast import CheapDropout
+
+    drop = CheapDropout(0.1)
+    x = torch.randn(64, 300, dtype=dtype)
+    x[0, :5] = 0.0  # relu's kink: zero gradient on both paths
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch.manual_seed(5)
+    reference = drop(torch.relu(a))
+    torch.manual_seed(5)
+    fused = drop.after_relu(b * 1)  # after_relu overwrites its input: give it a non-leaf
+    assert torch.equal(fused, reference)
+    upstream = torch.randn_like(reference)
+    reference.backward(upstream)
+    fused.backward(upstream)
+    assert torch.equal(b.grad, a.grad)
+    drop.eval()
+    assert torch.equal(drop.after_relu(x.clone()), torch.relu(x))
+
+
 def test_fast_models_use_cheap_dropout_and_eager_models_keep_nn_dropout():
     from txl.attention_fast import CheapDropout
 

@@ -416,20 +416,25 @@ def project_context(context: Tensor, fresh: Tensor, weight: Tensor) -> Tensor:
 # state), different stream than `nn.Dropout`: the eager path keeps `nn.Dropout`.
 
 
+def _dropout_scale(x: Tensor, p: float) -> Tensor:
+    """x's dropout multiplier: 0 with probability round(p * 2^16) / 2^16, else 1 / keep-probability."""
+    cut = round(p * 65536)
+    words = (x.numel() + 3) // 4
+    bits = torch.empty(words, dtype=torch.int64, device=x.device).random_(-(2**63), None)
+    uniform = bits.view(torch.int16)[: x.numel()].view(x.shape)  # integers uniform on [-2^15, 2^15)
+    # Keep where uniform >= threshold, as a float multiplier (0 or 1/keep-probability) built with
+    # float arithmetic only: clamping the integers to [threshold-1, threshold] leaves exactly two
+    # values. Bool tensors were the slow part here: `>=` plus a bool->float cast took 4x longer,
+    # and torch.where / x * bool 10-50x longer than a float product (this CPU, torch 2.13).
+    threshold = cut - 32768
+    scale = uniform.to(torch.float32).clamp_(threshold - 1, threshold).sub_(threshold - 1)
+    return scale.mul_(65536 / (65536 - cut)).to(x.dtype)
+
+
 class _CheapDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, p: float) -> Tensor:
-        cut = round(p * 65536)
-        words = (x.numel() + 3) // 4
-        bits = torch.empty(words, dtype=torch.int64, device=x.device).random_(-(2**63), None)
-        uniform = bits.view(torch.int16)[: x.numel()].view(x.shape)  # integers uniform on [-2^15, 2^15)
-        # Keep where uniform >= threshold, as a float multiplier (0 or 1/keep-probability) built with
-        # float arithmetic only: clamping the integers to [threshold-1, threshold] leaves exactly two
-        # values. Bool tensors were the slow part here: `>=` plus a bool->float cast took 4x longer,
-        # and torch.where / x * bool 10-50x longer than a float product (this CPU, torch 2.13).
-        threshold = cut - 32768
-        scale = uniform.to(torch.float32).clamp_(threshold - 1, threshold).sub_(threshold - 1)
-        scale = scale.mul_(65536 / (65536 - cut)).to(x.dtype)
+        scale = _dropout_scale(x, p)
         ctx.save_for_backward(scale)
         return x * scale
 
@@ -437,6 +442,28 @@ class _CheapDropout(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         (scale,) = ctx.saved_tensors
         return grad * scale, None
+
+
+class _ReluDropout(torch.autograd.Function):
+    """dropout(relu(x)) for the feed-forward hidden layer, computed in place in x (the first linear
+    layer's output, which nothing else keeps) as relu(x * scale): equal, since scale >= 0. The
+    backward needs only the output: where it is positive the multiplier was 1/keep, elsewhere the
+    gradient is 0. One fresh hidden-sized tensor instead of three, and one saved instead of three
+    (measured: 1 ms less per call on the tiny benchmark's (8, 128, 512) hidden layer, this CPU)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, p: float) -> Tensor:
+        out = x.mul_(_dropout_scale(x, p)).clamp_min_(0)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(out)
+        # the forward's multiplier as stored in x's dtype (rounded in bf16), so the gradient is dropout's
+        ctx.inverse_keep = float(torch.tensor(65536 / (65536 - round(p * 65536)), dtype=x.dtype))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (out,) = ctx.saved_tensors
+        return torch.ops.aten.threshold_backward(grad, out, 0).mul_(ctx.inverse_keep), None
 
 
 def cheap_dropout(x: Tensor, p: float, training: bool) -> Tensor:
@@ -452,6 +479,12 @@ class CheapDropout(torch.nn.Dropout):
 
     def forward(self, x: Tensor) -> Tensor:
         return cheap_dropout(x, self.p, self.training)
+
+    def after_relu(self, x: Tensor) -> Tensor:
+        """self(relu(x)), fused (`_ReluDropout`); x is consumed (overwritten) when that runs."""
+        if not self.training or self.p == 0.0 or x.device.type != "cpu" or self.p >= 1.0:
+            return self(F.relu(x))
+        return _ReluDropout.apply(x, self.p)
 
 
 def use_cheap_dropout(module: torch.nn.Module) -> None:

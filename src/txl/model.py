@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from txl.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txl.attention import Attention
-from txl.attention_fast import use_cheap_dropout
+from txl.attention_fast import CheapDropout, use_cheap_dropout
 from txl.config import TransformerXLConfig
 from txl.errors import UsageError
 from txl.memory import Memory, MemoryCompressor, append_rows, update_memory
@@ -44,7 +44,12 @@ class FeedForward(nn.Module):
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.drop(self.fc2(self.drop(F.relu(self.fc1(x)))))
+        hidden = self.fc1(x)
+        if isinstance(self.drop, CheapDropout):  # the fast path's fused ReLU + dropout
+            hidden = self.drop.after_relu(hidden)
+        else:
+            hidden = self.drop(F.relu(hidden))
+        return self.drop(self.fc2(hidden))
 
 
 class Block(nn.Module):
