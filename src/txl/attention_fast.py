@@ -5,24 +5,25 @@ What makes it faster than the eager reference (each kept because it measured fas
 a 2-core AVX-512 CPU; `txl bench kernel` and docs/benchmarks.md have the numbers):
 
 - Transformer-XL positions (`pos_encoding="xl"`) get a hand-written autograd function. Forward: the
-  position scores BD are computed once against the distance table, rel-shifted as a *strided view*
-  (no padded copy, `rel_shift_strided`), and fed as the `input` of one `baddbmm` that adds the content
-  scores AC and the scale in the same pass; the mask is added and softmax runs in place. Backward uses the
-  FlashAttention identity dS = P * (dP - rowsum(dO * O)) (Dao et al. 2022, eq. in §3.1), which needs no
-  mask pass (P is 0 where masked), and writes dS straight into a padded buffer whose strided view *is*
-  the un-shifted gradient of BD, so the inverse rel-shift costs no copy either.
+  position scores BD are computed once against the distance table (head-major in training: one
+  product per head over all batch rows), rel-shifted as a *strided view* (no padded copy,
+  `rel_shift_strided`), and one `baddbmm` adds the content scores AC and the scale; the mask is added
+  and softmax runs in place. Backward uses the FlashAttention identity dS = P * (dP - rowsum(dO * O))
+  (Dao et al. 2022, eq. in §3.1), which needs no mask pass (P is 0 where masked), and writes dS below
+  a zero row so that a strided view of it *is* the un-shifted gradient of BD (`_unshift_grad`).
 - Training runs the queries in 2 causal blocks (`_XLAttention`): a block attends to the keys up to
   its last query only, so part of the masked corner of the score matrix is never computed; keys and
   values are read from, and their gradient written to, the projection's own layout.
 - Post-LN blocks project keys and values with `project_context`, whose backward skips the input
   gradient of the memory rows (detached states).
-- The two largest intermediates (BD before the shift, the shift-gradient buffer) live in per-thread
-  scratch buffers (`_workspace`), reused from call to call instead of freshly mapped.
+- The largest intermediates (BD before the shift, dS, the un-shifted gradient of BD) live in
+  per-thread scratch buffers (`_workspace`), reused from call to call instead of freshly mapped.
 - Other encodings take a composed autograd path: positional bias (Shaw, ALiBi) through the strided
   rel-shift (`rel_shift_fast`), scores by one `baddbmm`, an additive mask.
 - Without gradients (evaluation, generation) one batch row (and a group of heads, for very long
   memories) is processed at a time, so the score block stays under `EVAL_CHUNK_ELEMENTS` elements.
-- `CheapDropout`: the same dropout distribution from a cheaper CPU random source (below).
+- `CheapDropout`: the same dropout distribution from a cheaper CPU random source, and ReLU + dropout
+  fused for the feed-forward layer (below).
 
 Tried and dropped (slower here): SDPA with the position term as a float bias (the CPU flash kernel
 refuses a bias that needs a gradient in torch 2.13, and the math fallback is slower than the batched
@@ -92,10 +93,9 @@ def _unshift_view(buffer: Tensor, q_len: int, k_len: int) -> Tensor:
     return buffer.as_strided((*lead, q_len, k_len), (*lead_strides, width + 1, 1), buffer.storage_offset())
 
 
-def _shift_grad_buffer(like: Tensor, q_len: int, k_len: int, workspace: bool = False) -> tuple[Tensor, Tensor]:
+def _shift_grad_buffer(like: Tensor, q_len: int, k_len: int) -> tuple[Tensor, Tensor]:
     """An uninitialised (.., q, k_len+q-1) buffer with zeroed left columns, and its (.., q, k_len) tail."""
-    shape = (*like.shape[:-2], q_len, k_len + q_len - 1)
-    buffer = _workspace("shift_grad", shape, like) if workspace else like.new_empty(shape)
+    buffer = like.new_empty((*like.shape[:-2], q_len, k_len + q_len - 1))
     buffer[..., : q_len - 1].zero_()
     return buffer, buffer[..., q_len - 1 :]
 
