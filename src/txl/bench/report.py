@@ -33,7 +33,7 @@ def plan(options: BenchOptions) -> list[tuple[str, BenchOptions]]:
     return [
         ("kernel", options.with_(config="tiny", warmup=2, steps=10)),
         ("kernel", base.with_(warmup=1, steps=5)),
-        ("train", options.with_(config="tiny", against=against, warmup=3, steps=15)),
+        ("train", options.with_(config="tiny", against=against, warmup=3, steps=40)),
         ("train", base.with_(precision="fp32", warmup=1, steps=4)),
         ("train", base.with_(precision="bf16", warmup=1, steps=4)),
         ("eval", base.with_(precision="fp32", warmup=1, steps=3)),
