@@ -466,12 +466,16 @@ class _ReluDropout(torch.autograd.Function):
         return torch.ops.aten.threshold_backward(grad, out, 0).mul_(ctx.inverse_keep), None
 
 
+def _cheap_source(x: Tensor, p: float, training: bool) -> bool:
+    """Whether dropout of x draws from the cheap source: training on CPU with 0 < p < 1 (accelerators
+    have fast counter-based RNG already; p = 0 is the identity, p = 1 left to F.dropout)."""
+    return training and 0.0 < p < 1.0 and x.device.type == "cpu"
+
+
 def cheap_dropout(x: Tensor, p: float, training: bool) -> Tensor:
     if not training or p == 0.0:
         return x
-    if x.device.type != "cpu" or p >= 1.0:
-        return F.dropout(x, p, training)  # accelerators have fast counter-based RNG already
-    return _CheapDropout.apply(x, p)
+    return _CheapDropout.apply(x, p) if _cheap_source(x, p, training) else F.dropout(x, p, training)
 
 
 class CheapDropout(torch.nn.Dropout):
@@ -482,9 +486,9 @@ class CheapDropout(torch.nn.Dropout):
 
     def after_relu(self, x: Tensor) -> Tensor:
         """self(relu(x)), fused (`_ReluDropout`) in training on CPU."""
-        if not self.training or self.p == 0.0 or x.device.type != "cpu" or self.p >= 1.0:
-            return self(F.relu(x))
-        return _ReluDropout.apply(x, self.p)
+        if _cheap_source(x, self.p, self.training):
+            return _ReluDropout.apply(x, self.p)
+        return self(F.relu(x))
 
 
 def use_cheap_dropout(module: torch.nn.Module) -> None:
