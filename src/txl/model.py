@@ -264,9 +264,9 @@ class TransformerXL(nn.Module):
             return None
         device = self.head.bias.device.type
         autocast = torch.is_autocast_enabled(device)
-        params = [p for block in self.blocks for p in block.attn.kv_proj.parameters()]
+        params = [block.attn.kv_proj.weight for block in self.blocks]  # bias-free; read per call, never cached
         if self.config.pre_lnorm:
-            params += [p for block in self.blocks for p in block.attn_norm.parameters()]
+            params += [p for block in self.blocks for p in (block.attn_norm.weight, block.attn_norm.bias)]
         return (dtype, autocast, torch.get_autocast_dtype(device) if autocast else None,
                 *((p.data_ptr(), p._version) for p in params))
 
