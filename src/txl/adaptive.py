@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from txl.config import TransformerXLConfig
+from txl.linear_fast import linear
 
 
 def cluster_bounds(config: TransformerXLConfig) -> list[tuple[int, int]]:
@@ -38,6 +39,7 @@ class AdaptiveEmbedding(nn.Module):
     def __init__(self, config: TransformerXLConfig):
         super().__init__()
         self.config = config
+        self._linear = F.linear if config.attention_impl == "eager" else linear  # the fast path's products
         self.bounds = cluster_bounds(config)
         self.scale = config.d_model**0.5
         dims = cluster_dims(config)
@@ -60,7 +62,7 @@ class AdaptiveEmbedding(nn.Module):
             emb = self.layers[0](input_ids)
             proj = self.proj(0)
             if proj is not None:
-                emb = F.linear(emb, proj)
+                emb = self._linear(emb, proj)
             return emb * self.scale
         # Every cluster embeds every token with a clamped index and the rows outside the cluster are
         # zeroed: static shapes (compile-friendly, no host sync) and an exact sum, since only one
@@ -69,7 +71,7 @@ class AdaptiveEmbedding(nn.Module):
         for i, (lo, hi) in enumerate(self.bounds):
             inside = (input_ids >= lo) & (input_ids < hi)
             emb = self.layers[i]((input_ids - lo).clamp(0, hi - lo - 1))
-            emb = F.linear(emb, self.projs[str(i)]) * inside.unsqueeze(-1).to(emb.dtype)
+            emb = self._linear(emb, self.projs[str(i)]) * inside.unsqueeze(-1).to(emb.dtype)
             out = emb if out is None else out + emb
         return out * self.scale
 
@@ -80,6 +82,7 @@ class AdaptiveLogSoftmax(nn.Module):
     def __init__(self, config: TransformerXLConfig, embedding: AdaptiveEmbedding):
         super().__init__()
         self.config = config
+        self._linear = F.linear if config.attention_impl == "eager" else linear  # the fast path's products
         self.bounds = cluster_bounds(config)
         self.n_clusters = len(config.cutoffs)
         self.shortlist = self.bounds[0][1]
@@ -122,8 +125,8 @@ class AdaptiveLogSoftmax(nn.Module):
 
     def _logits(self, hidden: Tensor, weight: Tensor, bias: Tensor, proj: Tensor | None) -> Tensor:
         if proj is not None:
-            hidden = F.linear(hidden, proj.t())  # (n, d_model) @ (d_model, d_i)
-        return F.linear(hidden, weight, bias)
+            hidden = self._linear(hidden, proj.t())  # (n, d_model) @ (d_model, d_i)
+        return self._linear(hidden, weight, bias)
 
     def _head(self, hidden: Tensor) -> Tensor:
         lo, hi = self.bounds[0]

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from txl.linear_fast import input_grad, linear, weight_grad
 from txl.positional import LayerPositions, XLRelative, rel_shift_strided
 
 # Without gradients, one batch row at a time with as many heads as keep the (heads, i, n) score block
@@ -131,8 +132,11 @@ def _xl_probs(qu: Tensor, qv: Tensor, k: Tensor, r: Tensor, mask: Tensor | None,
     B, i, _ = qu.shape
     n = k.shape[-2]
     lead = qv.shape[:-2]  # r's leading dims (heads) broadcast into qv's; torch.broadcast_shapes is Python-slow
-    raw = torch.matmul(qv, r.transpose(-1, -2), out=_workspace("raw", (*lead, i, n), qu))  # against distances
-    shifted = rel_shift_strided(raw) if i > 1 else raw  # one query: its columns are distances n-1 … 0 already
+    if i == 1:  # a generated token: its columns are distances n-1 … 0 already (no shift), and small
+        raw = shifted = torch.matmul(qv, r.transpose(-1, -2))  # (a workspace `out=` costs it a copy)
+    else:
+        raw = torch.matmul(qv, r.transpose(-1, -2), out=_workspace("raw", (*lead, i, n), qu))  # against distances
+        shifted = rel_shift_strided(raw)
     scores = torch.baddbmm(
         shifted.reshape(B, i, n), qu, k.transpose(-1, -2), beta=scale, alpha=scale
     )  # (B, i, n); the shifted view is read once, as baddbmm's input
@@ -408,7 +412,7 @@ class _ContextProjection(torch.autograd.Function):
         context, weight_c = context.to(dtype), weight.to(dtype)
         ctx.save_for_backward(context, weight_c)
         ctx.fresh_len, ctx.dtypes = fresh.shape[1], (fresh.dtype, weight.dtype)
-        return F.linear(context, weight_c)
+        return linear(context, weight_c)
 
     @staticmethod
     def backward(ctx, grad):
@@ -416,9 +420,9 @@ class _ContextProjection(torch.autograd.Function):
         grad = grad.to(context.dtype)
         grad_fresh = grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_fresh = torch.matmul(grad[:, -ctx.fresh_len :], weight).to(ctx.dtypes[0])
+            grad_fresh = input_grad(grad[:, -ctx.fresh_len :], weight).to(ctx.dtypes[0])
         if ctx.needs_input_grad[2]:
-            grad_weight = torch.mm(grad.flatten(0, 1).t(), context.flatten(0, 1)).to(ctx.dtypes[1])
+            grad_weight = weight_grad(grad.flatten(0, 1), context.flatten(0, 1)).to(ctx.dtypes[1])
         return None, grad_fresh, grad_weight, None
 
 
