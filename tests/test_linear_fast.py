@@ -87,3 +87,21 @@ def test_fast_models_use_fast_linear_eager_models_keep_nn_linear_same_state_dict
     assert all(type(m) is nn.Linear for m in eager.modules() if isinstance(m, nn.Linear))
     assert fast.state_dict().keys() == eager.state_dict().keys()
     eager.load_state_dict(fast.state_dict())  # interchangeable checkpoints
+
+
+@pytest.mark.slow
+def test_torch_compile_of_a_fast_model_trains_a_step():
+    """`compile = true` in a run config: inductor cannot lower the oneDNN op, so compiled graphs use
+    F.linear (`applies` is False while compiling) and must still match the uncompiled model."""
+    torch.manual_seed(0)
+    cfg = TransformerXLConfig(n_layer=1, d_model=64, n_head=2, d_head=32, d_inner=128, vocab_size=64, mem_len=16,
+                              dropout=0.0)
+    model = TransformerXL(cfg)
+    x = torch.randint(0, 64, (8, 64), generator=torch.Generator().manual_seed(1))
+    assert any(applies(torch.empty(8 * 64, 64), m.weight) for m in model.modules() if isinstance(m, FastLinear))
+    expected = model(x, labels=x).loss
+    compiled = torch.compile(model)
+    loss = compiled(x, labels=x).loss
+    loss.backward()
+    torch.testing.assert_close(loss, expected, atol=1e-4, rtol=1e-4)
+    assert all(p.grad is not None for p in model.blocks[0].ff.parameters())

@@ -15,8 +15,9 @@ gradient reads the weight transposed in place, and the weight gradient is comput
 the smaller one.
 
 It runs only where it was measured to pay: CPU, fp32 (autocast off: bf16 and fp16 already go to
-oneDNN), x86-64, and a product of at least `MIN_MACS` multiply-adds (below that the op's ~14 us
-fixed cost loses to MKL: a generated token's (1, 128) x (128, 512) is 5 us in MKL, 15 in oneDNN).
+oneDNN), x86-64, outside `torch.compile` (whose inductor backend fails to lower the op), and a
+product of at least `MIN_MACS` multiply-adds (below that the op's ~14 us fixed cost loses to MKL: a
+generated token's (1, 128) x (128, 512) is 5 us in MKL, 15 in oneDNN).
 Everything else is `F.linear`. The eager reference path keeps plain `nn.Linear`.
 """
 
@@ -53,6 +54,7 @@ def applies(x: Tensor, weight: Tensor) -> bool:
     return (
         x.numel() * weight.shape[0] >= MIN_MACS  # first: the cheap test that rejects a generated token
         and _ONEDNN is not None
+        and not torch.compiler.is_compiling()  # inductor cannot lower the op in a training graph: F.linear
         and x.device.type == "cpu"
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
