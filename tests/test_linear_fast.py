@@ -66,8 +66,12 @@ def test_transposed_weight_view_and_weight_gradient_of_the_view():
 
 def test_small_products_bf16_autocast_and_missing_op_fall_back_to_torch(monkeypatch):
     x, w, b = _inputs((1,), 128, 512, True)
-    assert not applies(x, w)  # a generated token: below MIN_MACS
+    assert not applies(x, w)  # a tiny model's generated token: below MIN_MACS and MIN_WEIGHT
     assert torch.equal(linear(x, w, b), F.linear(x, w, b))
+    if linear_fast._ONEDNN is not None:  # a large weight streams faster through oneDNN even for one row
+        big_x, big_w, big_b = _inputs((1,), 512, 2048, True)
+        assert applies(big_x, big_w)
+        torch.testing.assert_close(linear(big_x, big_w, big_b), F.linear(big_x, big_w, big_b), rtol=1e-5, atol=1e-5)
     x, w, b = _inputs((64,), 128, 512, True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not applies(x, w)
