@@ -52,17 +52,21 @@ def _onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return _ONEDNN(x, weight, bias, "none", [], "")
 
 
-def applies(x: Tensor, weight: Tensor) -> bool:
-    """Whether x @ weight^T goes to oneDNN (see the module docstring)."""
+def _eligible(a: Tensor, b: Tensor) -> bool:
     return (
-        (x.numel() * weight.shape[0] >= MIN_MACS or weight.numel() >= MIN_WEIGHT)  # first: the cheapest test
-        and _ONEDNN is not None
+        _ONEDNN is not None
         and not torch.compiler.is_compiling()  # inductor cannot lower the op in a training graph: F.linear
-        and x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
+        and a.device.type == "cpu"
+        and a.dtype == torch.float32
+        and b.dtype == torch.float32
         and not torch.is_autocast_enabled("cpu")
     )
+
+
+def applies(x: Tensor, weight: Tensor) -> bool:
+    """Whether x @ weight^T goes to oneDNN (see the module docstring)."""
+    big = x.numel() * weight.shape[0] >= MIN_MACS or weight.numel() >= MIN_WEIGHT  # first: the cheapest test
+    return big and _eligible(x, weight)
 
 
 def input_grad(grad: Tensor, weight: Tensor) -> Tensor:
@@ -74,7 +78,7 @@ def input_grad(grad: Tensor, weight: Tensor) -> Tensor:
 
 def weight_grad(grad: Tensor, x: Tensor) -> Tensor:
     """grad^T @ x for 2-d grad (rows, out) and x (rows, in): the weight gradient, (out, in)."""
-    if not applies(x, grad.t()):
+    if x.numel() * grad.shape[1] < MIN_MACS or not _eligible(x, grad):  # (no weight is read here)
         return torch.mm(grad.t(), x)
     if x.shape[1] <= grad.shape[1]:  # oneDNN copies its first argument, transposed: the smaller one
         return _onednn(x.t(), grad.t()).t().contiguous()
