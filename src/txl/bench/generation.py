@@ -3,7 +3,7 @@
 Memory reuse (`txl.generate.stream_tokens`, mem_len 1024): the prompt fills the memory once, then
 every new token is one forward pass over that single token attending to the cached states. Full
 re-run (`txl.generate.generate_rerun`): every new token re-runs the whole context, as a model
-without recurrence must. Both use the same model; the two modes alternate round by round (32
+without recurrence must. Both use the same model; the two modes alternate round by round (128
 consecutive reuse tokens, then one re-run).
 """
 
@@ -38,9 +38,10 @@ def run(options: BenchOptions) -> dict:
     context = int(options.extra.get("context", CONTEXT))
     # Reuse tokens timed per round (one re-run token per round). A re-run sweeps megabytes through the
     # caches and the next few memory-reuse tokens pay for it; real generation produces tokens back to
-    # back, so a round is long enough for that cold start to be a small part of it (tiny shape, 2
-    # threads, 2026-11-22: 2.55 ms per reuse token with 8 tokens per round, 1.09 ms with 32).
-    per_round = 32
+    # back, so a round is long enough for that cold start to be a small part of it. Tiny shape, 2
+    # threads, 2026-11-22, median time of the k-th token after a re-run: 3.4, 1.7, 1.4, 1.3, 1.1 ms,
+    # then 1.0 ms from the 7th on, i.e. ~4 ms of cold start per round: 12% of a 32-token round, 3% of 128.
+    per_round = 128
     rows, timings = [], {}
     for impl in options.impls:
         model = build_ours(shape, impl, mem_len=context, train=False)
