@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from txl.config import TransformerXLConfig
-from txl.linear_fast import linear
+from txl.linear_fast import linear_for
 
 
 def cluster_bounds(config: TransformerXLConfig) -> list[tuple[int, int]]:
@@ -39,7 +39,7 @@ class AdaptiveEmbedding(nn.Module):
     def __init__(self, config: TransformerXLConfig):
         super().__init__()
         self.config = config
-        self._linear = F.linear if config.attention_impl == "eager" else linear  # the fast path's products
+        self._linear = linear_for(config.attention_impl)
         self.bounds = cluster_bounds(config)
         self.scale = config.d_model**0.5
         dims = cluster_dims(config)
@@ -82,7 +82,7 @@ class AdaptiveLogSoftmax(nn.Module):
     def __init__(self, config: TransformerXLConfig, embedding: AdaptiveEmbedding):
         super().__init__()
         self.config = config
-        self._linear = F.linear if config.attention_impl == "eager" else linear  # the fast path's products
+        self._linear = linear_for(config.attention_impl)
         self.bounds = cluster_bounds(config)
         self.n_clusters = len(config.cutoffs)
         self.shortlist = self.bounds[0][1]
