@@ -8,10 +8,11 @@ import itertools
 import pytest
 import torch
 
-import txl.attention_performer as performer_module
+import txl.attention.performer as performer_module
 from txl import ConfigError, TransformerXLConfig, UsageError
-from txl.attention import eager_attention
-from txl.attention_performer import (
+from txl.attention.eager import eager_attention
+from txl.attention.masks import CAUSAL, AttentionMask
+from txl.attention.performer import (
     PerformerAttention,
     causal_linear_attention,
     feature_logits,
@@ -21,7 +22,7 @@ from txl.attention_performer import (
     query_features,
     redraw_features,
 )
-from txl.attention_sliding import banded_attention, sliding_reference
+from txl.attention.sliding import banded_attention, sliding_reference
 from txl.masked_lm import mask_tokens
 from txl.memory import Memory
 from txl.model import TransformerXL
@@ -83,7 +84,7 @@ def run_banded(q, k, v, positions, head_windows, *, global_tokens=0, horizon=Non
 @pytest.mark.parametrize(("n", "i"), [(24, 24), (40, 24), (9, 1)])  # no memory, memory, one query
 def test_sliding_window_covering_everything_equals_full_causal_attention(pos, n, i):
     q, k, v, positions = layer_inputs(pos, n=n, i=i)
-    full = eager_attention(q, k, v, positions=positions, window=None, dropatt=0.0, training=False)
+    full, _ = eager_attention(q, k, v, positions=positions, mask=CAUSAL, dropatt=0.0, training=False)
     sliding = run_banded(q, k, v, positions, [(n, 1)] * 4)
     torch.testing.assert_close(sliding, full, atol=1e-5, rtol=1e-5)
 
@@ -93,7 +94,8 @@ def test_sliding_window_covering_everything_equals_full_causal_attention(pos, n,
 def test_dilation_one_equals_plain_sliding_window(pos, window):
     # eager_attention's `window` is the plain window (the `window` most recent keys, itself included).
     q, k, v, positions = layer_inputs(pos, n=45, i=29, shaw_values=pos == "shaw")
-    plain = eager_attention(q, k, v, positions=positions, window=window, dropatt=0.0, training=False)
+    plain, _ = eager_attention(q, k, v, positions=positions, mask=AttentionMask(window=window), dropatt=0.0,
+                                training=False)
     for block_size in (None, 4):
         banded = run_banded(q, k, v, positions, [(window, 1)] * 4, block_size=block_size)
         torch.testing.assert_close(banded, plain, atol=1e-5, rtol=1e-5)
@@ -266,17 +268,17 @@ def test_performer_is_strictly_causal_and_stable_in_low_precision():
     positions = build_positional(tiny(pos_encoding="sinusoidal")).layer(0, {})
     outs = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        outs[dtype] = kernel(q.to(dtype), k.to(dtype), v.to(dtype), positions=positions, window=None,
-                             dropatt=0.0, training=False)
+        outs[dtype], _ = kernel(q.to(dtype), k.to(dtype), v.to(dtype), positions=positions, mask=CAUSAL,
+                                dropatt=0.0, training=False)
         assert outs[dtype].dtype == dtype and torch.isfinite(outs[dtype]).all()
     torch.testing.assert_close(outs[torch.bfloat16].float(), outs[torch.float32], atol=0.1, rtol=0.1)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the trainer's mixed precision: still float32 inside
-        autocast_out = kernel(q, k, v, positions=positions, window=None, dropatt=0.0, training=False)
+        autocast_out, _ = kernel(q, k, v, positions=positions, mask=CAUSAL, dropatt=0.0, training=False)
     torch.testing.assert_close(autocast_out, outs[torch.float32], atol=1e-5, rtol=1e-5)
     # A huge future key changes nothing before it (per-key stabilisers, no global max).
     k_future = k.clone()
     k_future[0, 0, 35] = features[1] * d**0.25 * 1.5
-    after = kernel(q, k_future, v, positions=positions, window=None, dropatt=0.0, training=False)
+    after, _ = kernel(q, k_future, v, positions=positions, mask=CAUSAL, dropatt=0.0, training=False)
     assert torch.equal(after[:, :, :35], outs[torch.float32][:, :, :35])
 
 

@@ -1,4 +1,5 @@
-"""The fast attention path (`attention_impl="fast"`) computes what the eager reference computes.
+"""The fast path (`attention_impl="fast"` and the fast backend, `backend="auto"`) computes what the eager
+reference (`attention_impl="eager"`, `backend="reference"`) computes.
 
 Both models share weights; three segments with memory run in training mode (dropout 0, so the two
 are deterministic) and then in evaluation mode. Logits must agree within 1e-5 and every parameter
@@ -12,7 +13,9 @@ import torch
 
 from txl import TransformerXLConfig
 from txl.attention import KERNELS, resolve_kernel
-from txl.attention_fast import cheap_dropout, fast_attention, rel_shift_fast
+from txl.attention.xl_fast import fast_attention, rel_shift_fast
+from txl.fast.dropout import cheap_dropout
+from txl.fast.memory import projection_key
 from txl.model import TransformerXL
 from txl.positional import rel_shift_pad
 
@@ -31,7 +34,7 @@ def pair(**overrides) -> tuple[TransformerXL, TransformerXL]:
                 dropout=0.0, dropatt=0.0)
     config = TransformerXLConfig(**{**base, **overrides})
     torch.manual_seed(0)
-    eager = TransformerXL(config.replace(attention_impl="eager"))
+    eager = TransformerXL(config.replace(attention_impl="eager", backend="reference"))
     with torch.no_grad():  # non-trivial biases, u/v, LayerNorm shifts
         for p in eager.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -56,6 +59,11 @@ def run_segments(model, tokens, seg=6):
     with torch.no_grad():
         evaluated = model(tokens[:, 3 * seg : 4 * seg], memory=memory).logits
     return torch.cat(logits, 1), grads, evaluated
+
+
+def projected(memory):
+    """The key/value projections a memory carries (the fast backend's projection cache), or ()."""
+    return getattr(memory, "projected", ())
 
 
 def assert_same(eager, fast, batch=3):
@@ -100,7 +108,7 @@ def test_attention_dropout_path_matches_eager_given_the_same_random_stream():
 
 
 def test_chunked_evaluation_equals_one_chunk(monkeypatch):
-    import txl.attention_fast as fast_module
+    import txl.attention.xl_fast as fast_module
 
     eager, fast = pair(n_head=4, mem_len=20)
     x = torch.randint(0, 53, (3, 30))
@@ -167,7 +175,7 @@ def test_cheap_dropout_statistics_gradient_and_seeding():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_relu_dropout_is_dropout_of_relu_with_the_same_random_numbers(dtype):
-    from txl.attention_fast import CheapDropout
+    from txl.fast.dropout import CheapDropout
 
     drop = CheapDropout(0.1)
     x = torch.randn(64, 300, dtype=dtype)
@@ -187,11 +195,11 @@ def test_fused_relu_dropout_is_dropout_of_relu_with_the_same_random_numbers(dtyp
 
 
 def test_fast_models_use_cheap_dropout_and_eager_models_keep_nn_dropout():
-    from txl.attention_fast import CheapDropout
+    from txl.fast.dropout import CheapDropout
 
     config = TransformerXLConfig(vocab_size=11, n_layer=1, d_model=8, n_head=2, d_head=4, d_inner=8, dropout=0.1)
     fast = TransformerXL(config)
-    eager = TransformerXL(config.replace(attention_impl="eager"))
+    eager = TransformerXL(config.replace(backend="reference"))
     assert isinstance(fast.drop, CheapDropout) and isinstance(fast.blocks[0].ff.drop, CheapDropout)
     assert not any(isinstance(m, CheapDropout) for m in eager.modules())
     assert fast.state_dict().keys() == eager.state_dict().keys()
@@ -204,14 +212,14 @@ def test_projected_position_table_is_memoised_only_while_nothing_can_change_it()
     with torch.no_grad():
         memory = fast(x).memory
         first = fast(x, memory=memory).logits
-        cached = fast.pos._inference_tables[0][1]
+        cached = fast.pos._table_memo[0][1]
         assert fast(x, memory=memory).logits.equal(first)
-        assert fast.pos._inference_tables[0][1] is cached  # same length, weights and dtype: reused
+        assert fast.pos._table_memo[0][1] is cached  # same length, weights and dtype: reused
         fast.pos.r_proj[0].weight.mul_(1.5)  # an in-place update (as an optimizer step) bumps the version
         changed = fast(x, memory=memory).logits
         eager.pos.r_proj[0].weight.mul_(1.5)
         reference = eager.eval()(x, memory=memory).logits
-    assert fast.pos._inference_tables[0][1] is not cached
+    assert fast.pos._table_memo[0][1] is not cached
     torch.testing.assert_close(changed, reference, atol=1e-5, rtol=0)
     fast.train()
     fast(x, memory=memory, labels=x).loss.backward()  # training never reads the memo
@@ -226,13 +234,13 @@ def test_token_by_token_inference_reuses_projections_and_matches_eager(overrides
     with torch.no_grad():
         mem_e = eager(x[:, :6]).memory
         mem_f = fast(x[:, :6]).memory
-        assert mem_f.projected == ()  # a prompt segment keeps the plain memory
+        assert projected(mem_f) == ()  # a prompt segment keeps the plain memory
         for t in range(6, 20):  # one token at a time, memory full after a few steps
             out_e = eager(x[:, t : t + 1], memory=mem_e)
             out_f = fast(x[:, t : t + 1], memory=mem_f)
             torch.testing.assert_close(out_f.logits, out_e.logits, atol=1e-5, rtol=0)
-            assert len(out_f.memory.projected) == 2 and out_e.memory.projected == ()
-            assert out_f.memory.projected[0].shape[1] == out_f.memory.length
+            assert len(projected(out_f.memory)) == 2 and projected(out_e.memory) == ()
+            assert projected(out_f.memory)[0].shape[1] == out_f.memory.length
             mem_e, mem_f = out_e.memory, out_f.memory
 
 
@@ -242,16 +250,16 @@ def test_projection_cache_is_dropped_when_the_weights_change_or_training():
     x = torch.randint(0, 53, (1, 12))
     with torch.no_grad():
         memory = fast(x[:, 7:8], memory=fast(x[:, :7]).memory).memory
-        assert memory.projected_key == fast.projection_key(torch.float32, q_len=1)
+        assert memory.key == projection_key(fast, torch.float32)
         for model in (fast, eager):
             model.blocks[1].attn.kv_proj.weight.mul_(0.5)  # e.g. an optimizer step between calls
-        assert fast.projection_key(torch.float32, q_len=1) != memory.projected_key
+        assert projection_key(fast, torch.float32) != memory.key
         torch.testing.assert_close(fast(x[:, 8:9], memory=memory).logits,
                                    eager(x[:, 8:9], memory=memory).logits, atol=1e-5, rtol=0)
         long_segment = torch.randint(0, 53, (1, 2))  # a segment, not one token: memory stays at hidden size
-        assert fast(long_segment, memory=memory).memory.projected == ()
+        assert projected(fast(long_segment, memory=memory).memory) == ()
     fast.train()
-    assert fast(x[:, 8:9], memory=memory).memory.projected == ()
+    assert projected(fast(x[:, 8:9], memory=memory).memory) == ()
     assert memory.state_dict().keys() == {"memory.0", "memory.1"}  # derived data is never saved
 
 
@@ -275,7 +283,7 @@ def test_position_table_memo_follows_mode_and_arguments():
 def test_query_blocks_in_training_match_eager(monkeypatch, blocks, variant):
     """Training splits the queries into blocks that skip the causally masked keys (blocks of 1-2
     queries here, so the 6-token test segments really are split); results must not change."""
-    import txl.attention_fast as fast_module
+    import txl.attention.xl_fast as fast_module
 
     monkeypatch.setattr(fast_module, "TRAIN_QUERY_BLOCKS", blocks)
     monkeypatch.setattr(fast_module, "TRAIN_MIN_BLOCK", 1)
@@ -291,7 +299,7 @@ def test_query_blocks_in_training_match_eager(monkeypatch, blocks, variant):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_context_projection_matches_linear_and_skips_only_the_memory_rows(precision):
     """`project_context` = F.linear(cat(memory, x)) with gradients for x and the weight only."""
-    from txl.attention_fast import project_context
+    from txl.fast.projection import project_context
 
     torch.manual_seed(0)
     memory, x = torch.randn(2, 5, 8), torch.randn(2, 3, 8, requires_grad=True)
@@ -316,7 +324,7 @@ def test_blocked_kernel_in_bf16_matches_fp32_on_the_same_inputs(edges):
     """The bf16 backward has its own layout (transposed key/value accumulators): pin it against the fp32
     kernel on bf16-representable inputs. A wrong slice or shift gives O(1) errors; bf16 rounding
     stays within a few percent of each gradient's scale."""
-    from txl.attention_fast import _XLAttention
+    from txl.attention.xl_fast import _XLAttention
 
     torch.manual_seed(0)
     b, h, i, n, d = 2, 3, 5, 9, 8

@@ -191,7 +191,7 @@ def test_api_rejects_empty_prompts_and_zero_tokens():
 
 
 def test_append_rows_is_cat_and_keeps_every_earlier_view_intact():
-    from txl.memory import append_rows
+    from txl.fast.memory import append_rows
 
     torch.manual_seed(0)
     with torch.no_grad():

@@ -1,13 +1,13 @@
-"""The fast path's oneDNN fp32 linear layers against torch's own (`txl.linear_fast`)."""
+"""The fast backend's oneDNN fp32 linear layers against torch's own (`txl.fast.linear`)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from txl import linear_fast
+from txl.fast import linear as linear_fast
 from txl.config import TransformerXLConfig
-from txl.linear_fast import FastLinear, applies, linear
+from txl.fast.linear import FastLinear, applies, linear
 from txl.model import TransformerXL
 
 needs_onednn = pytest.mark.skipif(linear_fast._ONEDNN is None, reason="no oneDNN linear on this machine")
@@ -84,8 +84,8 @@ def test_small_products_bf16_autocast_and_missing_op_fall_back_to_torch(monkeypa
 
 def test_fast_models_use_fast_linear_eager_models_keep_nn_linear_same_state_dict():
     base = dict(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, vocab_size=50, mem_len=8)
-    fast = TransformerXL(TransformerXLConfig(**base, attention_impl="fast"))
-    eager = TransformerXL(TransformerXLConfig(**base, attention_impl="eager"))
+    fast = TransformerXL(TransformerXLConfig(**base, backend="auto"))
+    eager = TransformerXL(TransformerXLConfig(**base, backend="reference"))
     linears = [m for m in fast.modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is FastLinear for m in linears)
     assert all(type(m) is nn.Linear for m in eager.modules() if isinstance(m, nn.Linear))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from txl import TransformerXLConfig
-from txl.attention import causal_mask
+from txl.attention.masks import causal_mask
 from txl.memory import Memory
 from txl.model import TransformerXL
 
@@ -223,17 +223,17 @@ def test_in_place_memory_gives_the_same_results_and_reuses_the_buffers():
     with torch.no_grad():
         memory = model(x[:, :6]).memory  # full: 6 states
         reference = model(x[:, 6:10], memory=memory)
-        copy = Memory(tuple(h.clone() for h in memory.hidden))
+        copy = Memory(tuple(h.clone() for h in memory.hidden)).donate()
         buffers = [h.data_ptr() for h in copy.hidden]
-        out = model(x[:, 6:10], memory=copy, in_place_memory=True)
+        out = model(x[:, 6:10], memory=copy)
         assert out.memory is copy and [h.data_ptr() for h in out.memory.hidden] == buffers
         assert torch.equal(out.logits, reference.logits)
         for a, b in zip(out.memory.hidden, reference.memory.hidden):
             assert torch.equal(a, b)
         # a memory that is not full yet, or a forward with autograd, takes the allocating path
-        short = model(x[:, :3]).memory
-        assert model(x[:, 3:5], memory=short, in_place_memory=True).memory is not short
-    grad_out = model(x[:, 6:10], memory=copy, in_place_memory=True)
+        short = model(x[:, :3]).memory.donate()
+        assert model(x[:, 3:5], memory=short).memory is not short
+    grad_out = model(x[:, 6:10], memory=copy)
     assert grad_out.memory is not copy
 
 

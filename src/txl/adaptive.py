@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from txl.config import TransformerXLConfig
-from txl.linear_fast import linear_for
 
 
 def cluster_bounds(config: TransformerXLConfig) -> list[tuple[int, int]]:
@@ -36,10 +35,11 @@ def cluster_dims(config: TransformerXLConfig) -> list[int]:
 class AdaptiveEmbedding(nn.Module):
     """Token ids (b, t) -> (b, t, d_model), scaled by sqrt(d_model) as the reference does."""
 
+    linear_fn = staticmethod(F.linear)  # the projections' product (the fast backend swaps in its own)
+
     def __init__(self, config: TransformerXLConfig):
         super().__init__()
         self.config = config
-        self._linear = linear_for(config.attention_impl)
         self.bounds = cluster_bounds(config)
         self.scale = config.d_model**0.5
         dims = cluster_dims(config)
@@ -62,7 +62,7 @@ class AdaptiveEmbedding(nn.Module):
             emb = self.layers[0](input_ids)
             proj = self.proj(0)
             if proj is not None:
-                emb = self._linear(emb, proj)
+                emb = self.linear_fn(emb, proj)
             return emb * self.scale
         # Every cluster embeds every token with a clamped index and the rows outside the cluster are
         # zeroed: static shapes (compile-friendly, no host sync) and an exact sum, since only one
@@ -71,7 +71,7 @@ class AdaptiveEmbedding(nn.Module):
         for i, (lo, hi) in enumerate(self.bounds):
             inside = (input_ids >= lo) & (input_ids < hi)
             emb = self.layers[i]((input_ids - lo).clamp(0, hi - lo - 1))
-            emb = self._linear(emb, self.projs[str(i)]) * inside.unsqueeze(-1).to(emb.dtype)
+            emb = self.linear_fn(emb, self.projs[str(i)]) * inside.unsqueeze(-1).to(emb.dtype)
             out = emb if out is None else out + emb
         return out * self.scale
 
@@ -79,10 +79,11 @@ class AdaptiveEmbedding(nn.Module):
 class AdaptiveLogSoftmax(nn.Module):
     """Hidden states (n, d_model) -> logits / log-probabilities and per-token NLL in input order."""
 
+    linear_fn = staticmethod(F.linear)  # the output layer's product (the fast backend swaps in its own)
+
     def __init__(self, config: TransformerXLConfig, embedding: AdaptiveEmbedding):
         super().__init__()
         self.config = config
-        self._linear = linear_for(config.attention_impl)
         self.bounds = cluster_bounds(config)
         self.n_clusters = len(config.cutoffs)
         self.shortlist = self.bounds[0][1]
@@ -125,8 +126,8 @@ class AdaptiveLogSoftmax(nn.Module):
 
     def _logits(self, hidden: Tensor, weight: Tensor, bias: Tensor, proj: Tensor | None) -> Tensor:
         if proj is not None:
-            hidden = self._linear(hidden, proj.t())  # (n, d_model) @ (d_model, d_i)
-        return self._linear(hidden, weight, bias)
+            hidden = self.linear_fn(hidden, proj.t())  # (n, d_model) @ (d_model, d_i)
+        return self.linear_fn(hidden, weight, bias)
 
     def _head(self, hidden: Tensor) -> Tensor:
         lo, hi = self.bounds[0]

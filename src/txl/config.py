@@ -15,38 +15,29 @@ import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, ClassVar, Literal, get_args, get_origin
 
 from txl.errors import ConfigError, did_you_mean
 
 # Names, not integer codes (the reference's `attn_type` 0..3 maps to xl, shaw, sinusoidal, learned).
+# These are the built-in entries of the registries (`txl.positional.register_encoding`,
+# `txl.attention.register`); a name registered from user code is accepted too.
 PositionalName = Literal["xl", "shaw", "sinusoidal", "learned", "rope", "alibi"]
-# The long-text arena (README "The arena"): every kernel takes the same inputs, see txl/attention.py.
+# The long-text arena (README "The arena"): every kernel takes the same inputs, see txl/attention/.
 AttentionName = Literal["full", "sliding", "sparse", "performer", "linformer"]
 AttentionImpl = Literal["auto", "eager", "fast"]
+Backend = Literal["auto", "reference"]
 CompressionName = Literal["conv", "mean", "max"]
 
 POSITIONAL_NAMES: tuple[str, ...] = get_args(PositionalName)
 ATTENTION_NAMES: tuple[str, ...] = get_args(AttentionName)
 ATTENTION_IMPLS: tuple[str, ...] = get_args(AttentionImpl)
-
-# Which positional encodings each attention variant can apply. Kernelized (performer) and projected
-# (linformer) attention never form a score matrix, so encodings that add a term to the scores (xl,
-# shaw, alibi) are impossible there; RoPE lives in q and k, absolute encodings in the input.
-CONTENT_ONLY_POSITIONS: tuple[str, ...] = ("rope", "sinusoidal", "learned")
-ATTENTION_POSITIONS: dict[str, tuple[str, ...]] = {
-    "full": POSITIONAL_NAMES,
-    "sliding": POSITIONAL_NAMES,
-    "sparse": POSITIONAL_NAMES,
-    "performer": CONTENT_ONLY_POSITIONS,
-    "linformer": CONTENT_ONLY_POSITIONS,
-}
-# Attention that can run without a causal mask (`causal=False`, the bidirectional encoder).
-BIDIRECTIONAL_ATTENTION: tuple[str, ...] = ("full", "performer", "linformer")
+REGISTRY_FIELDS = ("attention", "pos_encoding")  # Literal fields that also accept registered names
 
 
 @dataclass
 class TransformerXLConfig:
+    REGISTRY_FIELDS: ClassVar[tuple[str, ...]] = REGISTRY_FIELDS
     # --- shape --------------------------------------------------------------------------------
     vocab_size: int = 256
     n_layer: int = 12
@@ -71,7 +62,8 @@ class TransformerXLConfig:
     max_positions: int = 1024  # learned: rows of the absolute table (inputs longer than this fail)
     # --- attention kernel ---------------------------------------------------------------------
     attention: AttentionName = "full"
-    attention_impl: AttentionImpl = "auto"  # eager = reference einsum path; fast = fused/strided + cheap dropout RNG
+    attention_impl: AttentionImpl = "auto"  # the kernel: eager = the reference einsum; fast = fused/strided; auto = fast if any
+    backend: Backend = "auto"  # auto = the CPU fast backend (txl/fast: dropout RNG, oneDNN linears, caches); reference = plain PyTorch
     causal: bool = True  # False = bidirectional encoder (masked LM): no memory, no causal mask
     # sliding (Longformer): O(n·w) time and memory instead of O(n²)
     sliding_window: int = 256  # keys each query sees, itself included (counted in dilated steps)
@@ -179,7 +171,8 @@ class TransformerXLConfig:
         self._validate_arena()
 
     def _validate_arena(self) -> None:
-        """The long-text attention variants and the bidirectional encoder (README "The arena")."""
+        """The long-text attention variants and the bidirectional encoder (README "The arena"). What a
+        kernel can take is checked by the kernel's registry entry (`txl.attention.registry.check_config`)."""
         for name in ["sliding_window", "sparse_stride", "performer_features", "linformer_k",
                      "linformer_max_len", "cmem_ratio"]:
             if getattr(self, name) < 1:
@@ -187,59 +180,16 @@ class TransformerXLConfig:
         for name in ["global_tokens", "performer_redraw_interval", "cmem_len"]:
             if getattr(self, name) < 0:
                 raise ConfigError(f"config.{name} must be >= 0, got {getattr(self, name)}")
-        dilation = self.sliding_dilation
-        if dilation and (len(dilation) not in (1, self.n_head) or min(dilation) < 1):
-            raise ConfigError(
-                f"config.sliding_dilation needs one value >= 1 for all heads or one per head "
-                f"(n_head={self.n_head}), got {list(dilation)}"
-            )
-        if self.attention != "sliding" and (dilation or self.global_tokens):
-            field = "sliding_dilation" if dilation else "global_tokens"
+        if self.attention != "sliding" and (self.sliding_dilation or self.global_tokens):
+            field = "sliding_dilation" if self.sliding_dilation else "global_tokens"
             raise ConfigError(f"config.{field} only applies to attention='sliding'")
-        if self.shaw_values and (self.attention == "sparse" or len(set(dilation)) > 1):
-            raise ConfigError(
-                "config.shaw_values needs every head on one attention pattern; it is not available with "
-                "attention='sparse' or mixed sliding_dilation"
-            )
-        if self.attention == "sparse" and self.n_head < 2:
-            raise ConfigError("config.attention='sparse' needs n_head >= 2 (half local, half strided heads)")
-        if self.attention == "linformer" and self.causal:
-            raise ConfigError(
-                "config.attention='linformer' cannot be causal: projecting keys along the sequence mixes "
-                "future positions into every projected row (Wang et al. 2020); set causal=false for the "
-                "bidirectional encoder, or use sliding/sparse/performer for a causal LM"
-            )
-        allowed = ATTENTION_POSITIONS[self.attention]
-        if self.pos_encoding not in allowed:
-            raise ConfigError(
-                f"config.pos_encoding={self.pos_encoding!r} adds a term to the attention scores, which "
-                f"attention={self.attention!r} never forms; use one of {', '.join(allowed)}"
-            )
-        if self.attention in ("performer", "linformer") and self.same_length:
-            raise ConfigError(f"config.same_length needs a windowed score matrix; attention={self.attention!r} has none")
-        if self.attention == "performer" and self.dropatt > 0:
-            raise ConfigError(
-                "config.dropatt must be 0 with attention='performer': it never forms the attention "
-                "probabilities that dropatt would drop"
-            )
+        self._validate_registries()
         if not self.causal:
-            if self.attention not in BIDIRECTIONAL_ATTENTION:
-                raise ConfigError(
-                    f"config.causal=false (bidirectional) supports attention {', '.join(BIDIRECTIONAL_ATTENTION)}, "
-                    f"not {self.attention!r}"
-                )
-            if self.pos_encoding not in CONTENT_ONLY_POSITIONS:
-                raise ConfigError(
-                    f"config.pos_encoding={self.pos_encoding!r} is defined for causal distances only; a "
-                    f"bidirectional encoder (causal=false) takes {', '.join(CONTENT_ONLY_POSITIONS)}"
-                )
             for name in ["mem_len", "cmem_len"]:
                 if getattr(self, name):
                     raise ConfigError(f"config.{name} must be 0 with causal=false: an encoder has no memory")
             if self.same_length:
                 raise ConfigError("config.same_length only applies to a causal LM with memory (causal=true)")
-            if self.attention_impl != "auto":
-                raise ConfigError("config.attention_impl must be 'auto' with causal=false (one bidirectional kernel each)")
         if self.cmem_len:
             if self.mem_len < 1:
                 raise ConfigError("config.cmem_len needs mem_len >= 1: only states leaving the memory are compressed")
@@ -248,6 +198,24 @@ class TransformerXLConfig:
                     "config.same_length limits every query to mem_len keys, which hides the compressed memory; "
                     "set cmem_len=0 or same_length=false"
                 )
+
+    def _validate_registries(self) -> None:
+        """`pos_encoding` and `attention` name registered entries, which can run this config."""
+        from txl.attention.registry import check_config  # torch: only once a config is built
+        from txl.positional import POSITIONAL_ENCODINGS
+
+        if self.pos_encoding not in POSITIONAL_ENCODINGS:
+            names = sorted(POSITIONAL_ENCODINGS)
+            hint = did_you_mean(self.pos_encoding, names) or f" (registered: {', '.join(names)})"
+            raise ConfigError(f"config.pos_encoding={self.pos_encoding!r} is not a registered positional encoding{hint}")
+        encoding = POSITIONAL_ENCODINGS[self.pos_encoding]
+        if not self.causal and encoding.causal_only:
+            allowed = ", ".join(name for name, cls in POSITIONAL_ENCODINGS.items() if not cls.causal_only)
+            raise ConfigError(
+                f"config.pos_encoding={self.pos_encoding!r} is defined for causal distances only; a "
+                f"bidirectional encoder (causal=false) takes {allowed}"
+            )
+        check_config(self)
 
     # ------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -294,11 +262,6 @@ class TransformerXLConfig:
     def replace(self, **changes: Any) -> TransformerXLConfig:
         return dataclasses.replace(self, **changes)
 
-    def num_parameters_estimate(self) -> int:
-        """Rough non-embedding parameter count (the figure papers quote differs by embeddings)."""
-        per_layer = 4 * self.d_model * self.n_head * self.d_head + 2 * self.d_model * self.d_inner
-        return self.n_layer * per_layer
-
 
 # ---------------------------------------------------------------------------------------------
 # A small runtime type check for dataclass fields (JSON and TOML give us untyped values).
@@ -308,9 +271,10 @@ def _check_types(obj: Any) -> None:
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        if not _matches(value, hints[f.name]):
+        hint = str if f.name in getattr(obj, "REGISTRY_FIELDS", ()) else hints[f.name]  # checked against the registry
+        if not _matches(value, hint):
             raise ConfigError(
-                f"config.{f.name} must be {_describe(hints[f.name])}, got {value!r} ({type(value).__name__})"
+                f"config.{f.name} must be {_describe(hint)}, got {value!r} ({type(value).__name__})"
             )
 
 
@@ -365,8 +329,6 @@ def check_dataclass_types(obj: Any) -> None:
 
 __all__ = [
     "TransformerXLConfig",
-    "ATTENTION_POSITIONS",
-    "BIDIRECTIONAL_ATTENTION",
     "POSITIONAL_NAMES",
     "ATTENTION_NAMES",
     "ATTENTION_IMPLS",

@@ -87,22 +87,24 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """The settings every forward call of one evaluation passes to the model."""
+
+    clamp_len: int
+    same_length: bool
+
+
 @contextlib.contextmanager
 def runtime_settings(model, *, clamp_len: int | None = None, same_length: bool | None = None) -> Iterator[Any]:
-    """Set the model's runtime attributes `clamp_len` / `same_length` for a block, then restore them
-    (they change no parameter, so a model trained with one setting can be evaluated with another)."""
+    """The `clamp_len` / `same_length` of a block of forward calls: the given values, else the model's
+    (they change no parameter, so a model trained with one setting can be evaluated with another).
+    The model is never changed: the calls pass them as keyword arguments."""
     inner = getattr(model, "module", model)
-    saved = (inner.clamp_len, inner.same_length)
-    try:
-        if clamp_len is not None:
-            if clamp_len < 0:
-                raise UsageError(f"clamp_len must be >= 0 (0 = no clamp), got {clamp_len}")
-            inner.clamp_len = clamp_len
-        if same_length is not None:
-            inner.same_length = same_length
-        yield inner
-    finally:
-        inner.clamp_len, inner.same_length = saved
+    if clamp_len is not None and clamp_len < 0:
+        raise UsageError(f"clamp_len must be >= 0 (0 = no clamp), got {clamp_len}")
+    yield RuntimeSettings(clamp_len=inner.clamp_len if clamp_len is None else clamp_len,
+                          same_length=inner.same_length if same_length is None else same_length)
 
 
 def _check_per_token(per_token: np.ndarray | None, n_targets: int) -> None:
@@ -177,7 +179,7 @@ def evaluate(
                 inputs, targets, mask = inputs.to(device), targets.to(device), mask.to(device)
                 labels = targets.masked_fill(~mask, -100)
                 with autocast(device, precision):
-                    nll, memory = forward_segment(model, inputs, labels, memory, mem_len=mem_len)
+                    nll, memory = forward_segment(model, inputs, labels, memory, mem_len=mem_len, settings=settings)
                 nll = nll.float()
                 total += nll.sum().double().cpu()
                 count += int(mask.sum())
@@ -200,30 +202,32 @@ def evaluate(
 
 
 # Evaluation holds one memory and a bounded working set: streams are run in row groups whose memories
-# are views of one set of buffers, and each group overwrites its rows in place (`in_place_memory`).
-# At mem_len 3800 on the base shape that keeps peak RSS under half of the eager reference's.
+# are views of one set of buffers, and each group's memory is donated (`Memory.donate`), so the fast
+# backend overwrites its rows in place. At mem_len 3800 on the base shape that keeps peak RSS under
+# half of the eager reference's.
 EVAL_GROUP_ELEMENTS = 1 << 23  # (rows × keys × d_model) per group: 32 MiB of fp32 per layer input
 
 
 @torch.no_grad()
-def forward_segment(model, inputs, labels, memory, *, mem_len: int):
-    """One no-grad segment for every stream: (nll (b, t), next memory)."""
+def forward_segment(model, inputs, labels, memory, *, mem_len: int, settings: RuntimeSettings | None = None):
+    """One no-grad segment for every stream: (nll (b, t), next memory). The memory passed in is given
+    up (it may be overwritten in place)."""
     from txl.memory import Memory
 
     inner = getattr(model, "module", model)
+    extra = {} if settings is None else {"clamp_len": settings.clamp_len, "same_length": settings.same_length}
     batch = inputs.shape[0]
     keys = mem_len + inputs.shape[1]
     rows = max(1, EVAL_GROUP_ELEMENTS // (keys * inner.config.d_model))
     if rows >= batch:
-        out = model(inputs, memory=memory, labels=labels, mem_len=mem_len, return_logits=False,
-                    in_place_memory=True)
+        out = model(inputs, memory=None if memory is None else memory.donate(), labels=labels, mem_len=mem_len,
+                    return_logits=False, **extra)
         return out.nll, out.memory
     nlls, parts, in_place = [], [], True
     for start in range(0, batch, rows):
         group = slice(start, start + rows)
-        part = None if memory is None else memory.select(group)  # views: in-place writes reach `memory`
-        out = model(inputs[group], memory=part, labels=labels[group], mem_len=mem_len, return_logits=False,
-                     in_place_memory=True)
+        part = None if memory is None else memory.select(group).donate()  # views: in-place writes reach `memory`
+        out = model(inputs[group], memory=part, labels=labels[group], mem_len=mem_len, return_logits=False, **extra)
         nlls.append(out.nll)
         parts.append(out.memory)
         in_place &= part is not None and out.memory is part
@@ -243,7 +247,7 @@ def default_window_batch(attn_len: int) -> int:
 
 
 def _window_nll(model, tokens: np.ndarray, starts: np.ndarray, *, length: int, scored: np.ndarray,
-                device: torch.device, precision: str) -> torch.Tensor:
+                device: torch.device, precision: str, clamp_len: int | None = None) -> torch.Tensor:
     """NLL of the last `scored[b]` targets of the windows tokens[starts[b] : starts[b] + length] (inputs)
     -> (B, length) float32, 0 where not scored. One forward, no memory (mem_len = 0)."""
     index = starts[:, None] + np.arange(length + 1)[None, :]  # (B, length + 1): inputs + next token
@@ -253,7 +257,7 @@ def _window_nll(model, tokens: np.ndarray, starts: np.ndarray, *, length: int, s
     keep = columns >= (length - torch.as_tensor(scored, device=device))[:, None]  # the last scored[b] columns
     labels = targets.masked_fill(~keep, -100)
     with autocast(device, precision):
-        out = model(inputs, labels=labels, mem_len=0, return_logits=False)
+        out = model(inputs, labels=labels, mem_len=0, clamp_len=clamp_len, same_length=False, return_logits=False)
     return out.nll.float().masked_fill(~keep, 0.0)
 
 
@@ -284,19 +288,19 @@ def context_nll(
     was_training = model.training
     model.eval()
     try:
-        with runtime_settings(model, clamp_len=clamp_len, same_length=False):
+        with runtime_settings(model, clamp_len=clamp_len, same_length=False) as settings:
             full = np.flatnonzero(targets >= context_len)
             for chunk in np.array_split(full, max(1, math.ceil(len(full) / batch_size))):
                 if not len(chunk):
                     continue
                 starts = targets[chunk] - context_len
                 nll = _window_nll(model, tokens, starts, length=context_len, scored=np.ones(len(chunk), np.int64),
-                                  device=device, precision=precision)
+                                  device=device, precision=precision, clamp_len=settings.clamp_len)
                 out[chunk] = nll[:, -1].cpu().numpy()
             for i in np.flatnonzero(targets < context_len):  # the whole history is shorter than the context
                 k = int(targets[i])
                 nll = _window_nll(model, tokens, np.array([0]), length=k, scored=np.array([1]), device=device,
-                                  precision=precision)
+                                  precision=precision, clamp_len=settings.clamp_len)
                 out[i] = float(nll[0, -1])
     finally:
         model.train(was_training)
@@ -360,7 +364,7 @@ def evaluate_vanilla(
         start = time.perf_counter()
         try:
             nll = _window_nll(model, tokens, np.array([0]), length=first, scored=np.array([first]), device=device,
-                              precision=precision)[0]
+                              precision=precision, clamp_len=settings.clamp_len)[0]
             total += float(nll.double().sum())
             count += first
             if per_token is not None:
@@ -372,7 +376,7 @@ def evaluate_vanilla(
                     continue
                 e, s = ends[chunk], scored[chunk]
                 nll = _window_nll(model, tokens, e - attn_len, length=attn_len, scored=s, device=device,
-                                  precision=precision)
+                                  precision=precision, clamp_len=settings.clamp_len)
                 total += float(nll.double().sum())
                 count += int(s.sum())
                 if per_token is not None:

@@ -5,20 +5,25 @@ inside a module. For each layer it holds the *input* hidden states of that layer
 `mem_len` positions, detached from the graph (the stop-gradient SG(·) of the paper). It starts empty
 (Hugging Face starts with mem_len zero vectors, so its first segment attends to zeros).
 
-Compressive memory (Rae et al. 2020, "Compressive Transformers for Long-Range Sequence Modelling",
-arXiv 1911.05507) adds a second, older memory per layer: states leaving the mem_len window are
-compressed c:1 (`cmem_ratio`) by `MemoryCompressor` into `Memory.compressed` (at most `cmem_len` per
-layer) instead of being dropped, and attention runs over [compressed ; memory ; segment].
+A forward pass reads and writes the memory through a `MemoryUpdate` (in the spirit of Hugging Face's
+`Cache.update(k, v, layer_idx)`): each layer asks it for the keys and values of [memory ; segment],
+and it keeps what the next segment needs, with the stop-gradient and the truncation to mem_len. Its
+kind decides how the memory grows and truncates and whether projections are reused: this file holds
+the plain Transformer-XL memory; compressive memory is `txl/compressive.py`; the fast backend's
+projection cache and in-place evaluation memory are `txl/fast/memory.py`.
+
+`Memory.compressed` holds compressive memory's older states (Rae et al. 2020; `txl/compressive.py`):
+attention then runs over [compressed ; memory ; segment].
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 
 @dataclass(frozen=True)
@@ -31,11 +36,10 @@ class Memory:
 
     hidden: tuple[Tensor, ...]
     compressed: tuple[Tensor, ...] = ()
-    # Token-level inference only (`TransformerXL.forward`): per layer the key/value projections of
-    # `hidden`, (batch, length, 2·n_head·d_head), and the key of the weights and dtype they were made
-    # with. Derived data: never saved, and every method below that builds a new Memory drops it.
-    projected: tuple[Tensor, ...] = ()
-    projected_key: tuple = ()
+    # True: the caller gives these buffers up; the next forward may write the next memory into them
+    # (evaluation at long memory then holds one memory, not two). Never saved; every method below
+    # that builds a new Memory drops it. See `donate`.
+    donated: bool = False
 
     @property
     def length(self) -> int:
@@ -53,6 +57,12 @@ class Memory:
     @property
     def batch_size(self) -> int:
         return self.hidden[0].shape[0]
+
+    def donate(self) -> Memory:
+        """This memory, handed over to the next forward pass, which may overwrite its buffers in place
+        with the next memory and return it (the fast backend does when the memory is full and no
+        gradient is recorded). Use it only for a memory you will not read again."""
+        return dataclasses.replace(self, donated=True)
 
     def to(self, *args, **kwargs) -> Memory:
         return Memory(tuple(h.to(*args, **kwargs) for h in self.hidden),
@@ -119,134 +129,35 @@ def update_memory(contexts: Sequence[Tensor], mem_len: int, *, detach: bool = Tr
     return Memory(tuple(c[:, -mem_len:].detach() if detach else c[:, -mem_len:] for c in contexts))
 
 
-def append_rows(past: Tensor, new: Tensor) -> Tensor:
-    """`torch.cat([past, new], dim=1)` for (b, n, d) tensors without gradients, in amortised
-    O(len(new)) instead of O(n): token-by-token generation appends one row per layer per token to a
-    memory of mem_len rows, and copying the whole memory every time was a third of a token's time
-    (tiny shape, mem_len 1024: two 0.5-1 MiB copies per layer).
+class MemoryUpdate:
+    """One forward pass over a memory, the reference kind: plain Transformer-XL memory.
 
-    The result is a view of a buffer with spare rows after it. When `past` is such a view ending
-    exactly where its buffer was last filled, `new` is written into the spare rows and a longer view is
-    returned; otherwise (a plain tensor, a full buffer, or a second append from the same `past`, e.g.
-    two continuations of one prompt) a new buffer is made. Rows a view already shows are never
-    written again, so every earlier view keeps its values."""
-    b, n, d = past.shape
-    q = new.shape[1]
-    base = past._base
-    if (base is not None and not torch.is_grad_enabled() and base.dim() == 3 and base.is_contiguous()
-            and base.shape[0] == b and base.shape[2] == d and past.stride() == base.stride()
-            and new.dtype == past.dtype and new.device == past.device
-            and (torch.is_inference_mode_enabled() or not base.is_inference())):  # inference tensors: no writes outside
-        start = (past.storage_offset() - base.storage_offset()) // d
-        end = start + n
-        if getattr(base, "_txl_filled", None) == end and end + q <= base.shape[1]:
-            base[:, end : end + q].copy_(new)
-            base._txl_filled = end + q
-            return base[:, start : end + q]
-    if (torch.is_grad_enabled() and (past.requires_grad or new.requires_grad)) or new.dtype != past.dtype:
-        return torch.cat([past, new], dim=1)  # autograd or type promotion: what cat does
-    buffer = past.new_empty(b, 2 * (n + q) + 16, d)  # as many spare rows as the rows it holds
-    buffer[:, :n].copy_(past)
-    buffer[:, n : n + q].copy_(new)
-    buffer._txl_filled = n + q
-    return buffer[:, : n + q]
-
-
-class MemoryCompressor(nn.Module):
-    """Compressive memory (Rae et al. 2020, §3): states older than mem_len are compressed c:1 into a
-    second memory of `cmem_len` per layer instead of being dropped.
-
-    `cmem_fn`: "conv" — a 1D convolution with kernel and stride c per layer, the paper's best
-    compression, trained by the attention-reconstruction loss; "mean" / "max" — pooling, no parameters.
-
-    When a segment arrives, the e oldest states beyond mem_len leave the memory. The largest multiple
-    of c among them (the oldest) is compressed; the rest (fewer than c) stay in the memory until a
-    full group of c can leave, so nothing is dropped before it has been compressed, even when states
-    arrive one at a time (generation). Compressed states older than cmem_len are dropped.
+    Layer i calls `keys_values(i, fresh, project)` with its input `fresh` (b, t, d_model) and a
+    row-wise projection to keys and values; it gets the projection of [memory ; fresh] and the update
+    keeps [memory ; fresh] for `finish`, which returns the next memory: the latest mem_len states per
+    layer, detached (the stop-gradient SG(·) of the paper), and an auxiliary loss (None here).
     """
 
-    def __init__(self, config):
-        super().__init__()
-        self.ratio, self.cmem_len, self.fn = config.cmem_ratio, config.cmem_len, config.cmem_fn
-        self.convs = None
-        if self.fn == "conv":
-            self.convs = nn.ModuleList(
-                nn.Conv1d(config.d_model, config.d_model, kernel_size=self.ratio, stride=self.ratio)
-                for _ in range(config.n_layer)
-            )
+    def __init__(self, memory: Memory | None, *, mem_len: int):
+        self.memory = memory if memory is not None and (memory.length or memory.compressed_length) else None
+        self.mem_len = mem_len
+        self.contexts: list[Tensor] = []  # per layer, [memory ; fresh]
 
-    def compress(self, layer: int, states: Tensor) -> Tensor:
-        """(b, e, d) -> (b, e / c, d)."""
-        x = states.transpose(1, 2)  # (b, d, e): Conv1d and pooling run over the last axis
-        if self.fn == "conv":
-            x = self.convs[layer](x)
-        elif self.fn == "mean":
-            x = F.avg_pool1d(x, self.ratio)
-        else:
-            x = F.max_pool1d(x, self.ratio)
-        return x.transpose(1, 2)
+    @property
+    def past_length(self) -> int:
+        """Keys before the segment's (the same for every layer)."""
+        return 0 if self.memory is None else self.memory.compressed_length + self.memory.length
 
-    def forward(
-        self,
-        contexts: Sequence[Tensor],
-        *,
-        compressed_len: int,
-        mem_len: int,
-        q_len: int,
-        blocks: Sequence[nn.Module] | None = None,
-    ) -> tuple[Memory, Tensor | None]:
-        """The next memory from each layer's [compressed ; memory ; segment] (`contexts`), and, given
-        the model's `blocks` and when the learned convolution compressed something, the
-        attention-reconstruction loss summed over layers (else None)."""
-        recent = [c[:, compressed_len:].detach() for c in contexts]  # [memory ; segment] per layer
-        older = [c[:, :compressed_len].detach() for c in contexts]
-        leaving = recent[0].shape[1] - mem_len
-        leaving = leaving - leaving % self.ratio  # whole groups of c; the rest waits in the memory
-        if leaving <= 0:
-            return Memory(tuple(recent), tuple(older) if compressed_len else ()), None
-        hidden, compressed, losses = [], [], []
-        for i, (states, old) in enumerate(zip(recent, older)):
-            evicted = states[:, :leaving]
-            new = self.compress(i, evicted)  # (b, leaving / c, d), with gradient into the conv
-            if blocks is not None and self.convs is not None:
-                queries = contexts[i][:, -q_len:]  # the segment's input to layer i
-                losses.append(attention_reconstruction_loss(blocks[i], queries, evicted, new))
-            compressed.append(torch.cat([old, new.detach()], dim=1)[:, -self.cmem_len :])
-            hidden.append(states[:, leaving:])
-        aux_loss = torch.stack(losses).sum() if losses else None
-        return Memory(tuple(hidden), tuple(compressed)), aux_loss
+    def context(self, layer: int, fresh: Tensor) -> Tensor:
+        """[memory ; fresh] for `layer`, in fresh's dtype (b, past_length + t, d_model)."""
+        if self.memory is None:
+            return fresh
+        return torch.cat([*(m.to(fresh.dtype) for m in self.memory.layer(layer)), fresh], dim=1)
 
+    def keys_values(self, layer: int, fresh: Tensor, project: Callable[[Tensor], Tensor]) -> Tensor:
+        context = self.context(layer, fresh)
+        self.contexts.append(context)
+        return project(context)
 
-def attention_reconstruction_loss(block: nn.Module, queries: Tensor, evicted: Tensor, compressed: Tensor) -> Tensor:
-    """Rae et al. 2020, §3.2 and Algorithm 2: ||attn(h, old_mem) - attn(h, f_c(old_mem))||², the
-    attention-reconstruction loss of one layer (mean squared error over the output).
-
-    `attn` is the layer's own attention (its q/kv projections, and its pre-LN norm when the block is
-    pre-LN) under stop-gradient, and h (`queries`, the segment's input to this layer) and the evicted
-    states are detached: the loss trains the compression only. Content-based softmax attention
-    without positional terms or mask, as the paper's algorithm.
-    """
-    attn = block.attn
-    if getattr(block, "pre_lnorm", False):
-        norm = block.attn_norm
-
-        def prepare(x: Tensor) -> Tensor:
-            return F.layer_norm(x, norm.normalized_shape, norm.weight.detach(), norm.bias.detach(), norm.eps)
-    else:
-
-        def prepare(x: Tensor) -> Tensor:
-            return x
-
-    b, i, _ = queries.shape
-    h, d = attn.n_head, attn.d_head
-    q = F.linear(prepare(queries.detach()), attn.q_proj.weight.detach()).view(b, i, h, d).transpose(1, 2)
-
-    def attend(states: Tensor) -> Tensor:
-        kv = F.linear(prepare(states), attn.kv_proj.weight.detach()).view(b, states.shape[1], 2, h, d)
-        k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # each (b, h, n, d)
-        probs = (torch.einsum("bhid,bhjd->bhij", q, k) * d**-0.5).float().softmax(-1).to(v.dtype)
-        return torch.einsum("bhij,bhjd->bhid", probs, v)
-
-    with torch.no_grad():
-        target = attend(evicted)
-    return F.mse_loss(attend(compressed), target)
+    def finish(self) -> tuple[Memory | None, Tensor | None]:
+        return update_memory(self.contexts, self.mem_len), None

@@ -11,28 +11,21 @@ makes the same blocks a bidirectional encoder for a masked-LM objective (no memo
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from txl import fast
 from txl.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
-from txl.attention import Attention
-from txl.attention_fast import CheapDropout, use_cheap_dropout
+from txl.attention.layer import Attention
+from txl.attention.masks import AttentionMask
+from txl.compressive import CompressiveUpdate, MemoryCompressor
 from txl.config import TransformerXLConfig
 from txl.errors import UsageError
-from txl.linear_fast import use_fast_linear
-from txl.memory import Memory, MemoryCompressor, append_rows, update_memory
+from txl.memory import Memory, MemoryUpdate
 from txl.positional import LayerPositions, build_positional
-
-# Inference with at most this many new tokens per call (generation) caches the memory's key/value
-# projections; longer segments (evaluation) re-project, so memory stays at the hidden states' size
-# and results stay bit-identical to a plain forward.
-PROJECTION_CACHE_MAX_QUERIES = 1
 
 
 class FeedForward(nn.Module):
@@ -41,47 +34,49 @@ class FeedForward(nn.Module):
     def __init__(self, config: TransformerXLConfig):
         super().__init__()
         self.fc1 = nn.Linear(config.d_model, config.d_inner)
+        self.activation = nn.Sequential(nn.ReLU(), nn.Dropout(config.dropout))
         self.fc2 = nn.Linear(config.d_inner, config.d_model)
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        hidden = self.fc1(x)
-        if isinstance(self.drop, CheapDropout):  # the fast path's fused ReLU + dropout
-            hidden = self.drop.after_relu(hidden)
-        else:
-            hidden = self.drop(F.relu(hidden))
-        return self.drop(self.fc2(hidden))
+        return self.drop(self.fc2(self.activation(self.fc1(x))))
 
 
 class Block(nn.Module):
     """One decoder layer. Post-LN by default (the paper); pre-LN with `pre_lnorm`."""
 
-    def __init__(self, config: TransformerXLConfig):
+    def __init__(self, config: TransformerXLConfig, *, layer_idx: int = 0):
         super().__init__()
         self.pre_lnorm = config.pre_lnorm
-        self.attn = Attention(config)
+        self.attn = Attention(config, layer_idx=layer_idx)
         self.attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.ff = FeedForward(config)
         self.ff_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
 
     def forward(
-        self, h: Tensor, context: Tensor, *, positions: LayerPositions, window: int | None,
-        projected: Tensor | None = None, sink: list[Tensor] | None = None, constant_past: bool = False,
-    ) -> Tensor:
-        # `context` is [memory ; h]: the keys/values this layer attends over. `projected`/`sink`: the
-        # key/value projection cache of token-level inference (see `TransformerXL.projection_key`).
-        # `constant_past`: the memory rows need no gradient (they are detached states).
-        cache = {"projected": projected, "sink": sink}
-        if self.pre_lnorm:
-            if projected is not None:  # the memory rows are projected already: normalise only h
-                context = torch.cat([context[:, : projected.shape[1]], self.attn_norm(h)], dim=1)
-            else:
-                context = self.attn_norm(context)
-            h = h + self.attn(self.attn_norm(h), context, positions=positions, window=window, **cache)
-            return h + self.ff(self.ff_norm(h))
-        h = self.attn_norm(h + self.attn(h, context, positions=positions, window=window,
-                                         context_ends_with_x=constant_past, **cache))
-        return self.ff_norm(h + self.ff(h))
+        self, h: Tensor, *, memory: MemoryUpdate | None, positions: LayerPositions, mask: AttentionMask,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """h (b, t, d_model) -> (b, t, d_model), and the attention probabilities with `need_weights`.
+        `memory` gives the attention [memory ; h] and keeps h (this layer's input) for the next segment."""
+        if self.pre_lnorm:  # the context [memory ; h] is normalised too
+            attended, probs = self.attn(self.attn_norm(h), h, positions=positions, mask=mask, memory=memory,
+                                        source_norm=self.attn_norm, need_weights=need_weights)
+            h = h + attended
+            return h + self.ff(self.ff_norm(h)), probs
+        attended, probs = self.attn(h, positions=positions, mask=mask, memory=memory, need_weights=need_weights)
+        h = self.attn_norm(h + attended)
+        return self.ff_norm(h + self.ff(h)), probs
+
+
+def reference_memory(model: TransformerXL, memory: Memory | None, *, mem_len: int, q_len: int) -> MemoryUpdate:
+    """The memory kind of one forward pass: plain, or compressive with `cmem_len` (the fast backend
+    has its own kinds: txl/fast/memory.py)."""
+    if model.compressor is None:
+        return MemoryUpdate(memory, mem_len=mem_len)
+    learn = model.training and torch.is_grad_enabled()  # the reconstruction loss trains f_c
+    return CompressiveUpdate(memory, mem_len=mem_len, compressor=model.compressor, q_len=q_len,
+                             blocks=model.blocks if learn else None)
 
 
 @dataclass
@@ -98,6 +93,10 @@ class TransformerXLOutput:
     aux_loss: compressive memory's attention-reconstruction loss (Rae et al. 2020), in training mode
         when the learned compression ran this step; add it to `loss` for the backward pass (it only
         reaches the compression weights). Not part of `loss`, so loss/bpc stay the LM's. Else None.
+    attentions: with `output_attentions`, per layer the attention probabilities (b, h, t, keys) over
+        [memory ; segment] (before attention dropout), else None.
+    hidden_states: with `output_hidden_states`, every layer's input (b, t, d_model), then the last
+        layer's output (n_layer + 1 tensors), else None.
     """
 
     logits: Tensor | None
@@ -106,6 +105,8 @@ class TransformerXLOutput:
     memory: Memory | None
     hidden: Tensor
     aux_loss: Tensor | None = None
+    attentions: tuple[Tensor, ...] | None = None
+    hidden_states: tuple[Tensor, ...] | None = None
 
 
 class TransformerXL(nn.Module):
@@ -115,8 +116,8 @@ class TransformerXL(nn.Module):
     reference's data iterator gives it; -100 = not scored). With `causal=False` (bidirectional
     encoder) it is the original token at position t for a masked-LM objective (see
     `txl.masked_lm.mask_tokens`), -100 elsewhere. Runtime settings that do not change the
-    parameters can differ from training: `mem_len` (per call, or `model.mem_len`), `model.clamp_len`
-    and `model.same_length`.
+    parameters can differ from training, per call (`mem_len=`, `clamp_len=`, `same_length=`) or as
+    the model's defaults (`model.mem_len`, `model.clamp_len`, `model.same_length`).
     """
 
     def __init__(self, config: TransformerXLConfig):
@@ -128,15 +129,15 @@ class TransformerXL(nn.Module):
         self.embed = AdaptiveEmbedding(config)
         self.drop = nn.Dropout(config.dropout)
         self.pos = build_positional(config)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config, layer_idx=i) for i in range(config.n_layer))
         final_norm = config.pre_lnorm and config.final_norm  # post-LN output is already normalised
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if final_norm else nn.Identity()
         self.head = AdaptiveLogSoftmax(config, self.embed)
         self.compressor = MemoryCompressor(config) if config.cmem_len else None
-        if config.attention_impl != "eager":
-            use_cheap_dropout(self)  # same distribution, 7x cheaper CPU random numbers
-            use_fast_linear(self)  # fp32 products through oneDNN on x86 CPUs (2x MKL's speed here)
+        self.memory_kind = reference_memory  # how a forward pass reads and writes the memory
         self.reset_parameters()
+        if config.backend == "auto":
+            fast.apply(self)  # CPU speed-ups, same results (txl/fast/__init__.py)
 
     # ------------------------------------------------------------------------------------------
     def reset_parameters(self) -> None:
@@ -177,69 +178,55 @@ class TransformerXL(nn.Module):
         memory: Memory | None = None,
         labels: Tensor | None = None,
         *,
+        attention_mask: Tensor | None = None,
         mem_len: int | None = None,
+        clamp_len: int | None = None,
+        same_length: bool | None = None,
         return_logits: bool | None = None,
-        in_place_memory: bool = False,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
     ) -> TransformerXLOutput:
-        """in_place_memory: without autograd and with a full memory (mem_len states), write the next
-        memory into `memory`'s own tensors and return that object, instead of building a new one
-        while the old one is still alive: evaluation at long memory then holds one memory, not two
-        (at mem_len 3800 on the base shape, 1.5 GB each). The caller gives up the old memory."""
+        """attention_mask: (b, t), 1 for a token and 0 for padding (the Hugging Face convention), for
+        the bidirectional encoder and for causal models run without memory; padded positions are
+        never attended to and never scored. mem_len / clamp_len / same_length: this call's settings
+        (default: the model's attributes)."""
         if input_ids.dim() != 2:
             raise UsageError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
         mem_len = self.mem_len if mem_len is None else mem_len
+        clamp_len = self.clamp_len if clamp_len is None else clamp_len
+        same_length = self.same_length if same_length is None else same_length
         if mem_len < 0:
             raise UsageError(f"mem_len must be >= 0, got {mem_len}")
+        if clamp_len < 0:
+            raise UsageError(f"clamp_len must be >= 0 (0 = no clamp), got {clamp_len}")
         batch, q_len = input_ids.shape
         if memory is not None and memory.length and memory.batch_size != batch:
             raise UsageError(f"memory holds batch {memory.batch_size} but input_ids has batch {batch}")
         if not self.config.causal and (mem_len or memory is not None):
             raise UsageError("a bidirectional model (causal=false) takes no memory: pass mem_len=0 and memory=None")
-        m_len = memory.length if memory is not None else 0
-        c_len = memory.compressed_length if memory is not None else 0  # compressive memory only
-        k_len = c_len + m_len + q_len
-        window = None
-        if self.same_length:
-            if mem_len < 1:
-                raise UsageError("same_length needs mem_len >= 1 (each query sees exactly mem_len keys)")
-            window = mem_len
+        if same_length and mem_len < 1:
+            raise UsageError("same_length needs mem_len >= 1 (each query sees exactly mem_len keys)")
+        key_padding = None
+        if attention_mask is not None:
+            key_padding = self._key_padding(attention_mask, input_ids, memory=memory, mem_len=mem_len)
+            if labels is not None:
+                labels = labels.masked_fill(~key_padding, -100)  # padding is never scored
+        mask = AttentionMask(causal=self.config.causal, window=mem_len if same_length else None,
+                             key_padding=key_padding)
 
+        memory_update = self.memory_kind(self, memory, mem_len=mem_len, q_len=q_len)
         h = self.drop(self.pos.embed(self.embed(input_ids)))  # (b, t, d_model)
-        pos_state = self.pos.prepare(k_len=k_len, clamp_len=self.clamp_len, device=h.device, dtype=h.dtype)
-        key = self.projection_key(h.dtype, q_len=q_len, compressed=c_len > 0)
-        reuse = key is not None and memory is not None and memory.projected_key == key and m_len > 0
-        sink: list[Tensor] | None = [] if key is not None else None
-        in_place = (in_place_memory and m_len == mem_len > 0 and c_len == 0 and sink is None
-                    and self.compressor is None and not torch.is_grad_enabled())
-        contexts = []
+        k_len = memory_update.past_length + q_len
+        pos_state = self.pos.prepare(k_len=k_len, clamp_len=clamp_len, device=h.device, dtype=h.dtype)
+        hidden_states, attentions = [], []
         for i, block in enumerate(self.blocks):
-            past = [] if k_len == q_len else [m.to(h.dtype) for m in memory.layer(i)]  # [compressed ; memory]
-            if sink is not None and len(past) == 1:  # token-level inference: append, do not copy the memory
-                context = append_rows(past[0], h)
-            else:
-                context = torch.cat([*past, h], dim=1) if past else h  # (b, n, d)
-            if in_place:  # `context` holds its own copy of the old memory: overwrite the memory now
-                memory.hidden[i].copy_(context[:, -mem_len:])
-            else:
-                contexts.append(context)
-            h = block(h, context, positions=self.pos.layer(i, pos_state), window=window,
-                      projected=memory.projected[i] if reuse else None, sink=sink,
-                      constant_past=not any(m.requires_grad for m in past))
+            hidden_states.append(h)
+            h, probs = block(h, memory=memory_update, positions=self.pos.layer(i, pos_state), mask=mask,
+                             need_weights=output_attentions)
+            attentions.append(probs)
+        hidden_states.append(h)
         h = self.drop(self.norm(h))
-        aux_loss = None
-        if in_place:
-            new_memory = memory
-        elif self.compressor is None:
-            # token-level inference keeps views (no autograd to cut), so the next append stays cheap
-            new_memory = update_memory(contexts, mem_len, detach=sink is None)
-            if sink is not None and new_memory is not None:
-                tails = tuple(kv[:, -new_memory.length :] for kv in sink)
-                new_memory = dataclasses.replace(new_memory, projected=tails, projected_key=key)
-        else:  # states leaving the memory are compressed instead of dropped (Rae et al. 2020)
-            learn = self.training and torch.is_grad_enabled()  # the reconstruction loss trains f_c
-            new_memory, aux_loss = self.compressor(
-                contexts, compressed_len=c_len, mem_len=mem_len, q_len=q_len, blocks=self.blocks if learn else None
-            )
+        new_memory, aux_loss = memory_update.finish()
 
         if return_logits is None:
             return_logits = labels is None or not self.config.adaptive
@@ -251,26 +238,20 @@ class TransformerXL(nn.Module):
             nll = nll.view(batch, q_len)
             count = (labels != -100).sum()
             loss = nll.sum() / count.clamp(min=1)
-        return TransformerXLOutput(logits=logits, loss=loss, nll=nll, memory=new_memory, hidden=h, aux_loss=aux_loss)
+        return TransformerXLOutput(
+            logits=logits, loss=loss, nll=nll, memory=new_memory, hidden=h, aux_loss=aux_loss,
+            attentions=tuple(attentions) if output_attentions else None,
+            hidden_states=tuple(hidden_states) if output_hidden_states else None,
+        )
 
-    def projection_key(self, dtype: torch.dtype, *, q_len: int, compressed: bool = False) -> tuple | None:
-        """Token-by-token inference (no autograd, eval mode, at most PROJECTION_CACHE_MAX_QUERIES new
-        tokens, fast path) keeps the key/value projections of the memory in `Memory.projected`, so a
-        generated token costs O(mem_len) attention instead of re-projecting mem_len states in every
-        layer. The key names everything the projections depend on: dtype, autocast, and identity and
-        version of the weights (an optimizer step or load_state_dict bumps the version), so stale
-        projections are never used. None = no cache (training, long segments: evaluation keeps
-        memory at the size of the hidden states; the eager reference path)."""
-        if (torch.is_grad_enabled() or self.training or q_len > PROJECTION_CACHE_MAX_QUERIES or compressed
-                or self.config.attention_impl == "eager"):
-            return None
-        device = self.head.bias.device.type
-        autocast = torch.is_autocast_enabled(device)
-        params = [block.attn.kv_proj.weight for block in self.blocks]  # bias-free; read per call, never cached
-        if self.config.pre_lnorm:
-            params += [p for block in self.blocks for p in (block.attn_norm.weight, block.attn_norm.bias)]
-        return (dtype, autocast, torch.get_autocast_dtype(device) if autocast else None,
-                *((p.data_ptr(), p._version) for p in params))
+    def _key_padding(self, attention_mask: Tensor, input_ids: Tensor, *, memory: Memory | None, mem_len: int) -> Tensor:
+        """The (b, t) bool padding mask of `attention_mask`, checked against the call."""
+        if attention_mask.shape != input_ids.shape:
+            raise UsageError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
+                             f"got {tuple(attention_mask.shape)}")
+        if mem_len or (memory is not None and memory.length):
+            raise UsageError("attention_mask works without memory: pass mem_len=0 (a memory cannot hold padding)")
+        return attention_mask.to(device=input_ids.device) != 0
 
     # ------------------------------------------------------------------------------------------
     def save_pretrained(self, directory: str | Path) -> None:
@@ -289,6 +270,3 @@ class TransformerXL(nn.Module):
 
         return load_model(directory, map_location=map_location, **overrides)
 
-
-def bits_per_token(nats: float) -> float:
-    return nats / math.log(2)

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from txl.attention.masks import distances
 from txl.config import TransformerXLConfig
 from txl.errors import UsageError
 
@@ -73,12 +74,6 @@ def rel_shift_strided(x: Tensor) -> Tensor:
     return x.as_strided((*lead, q, n), (*lead_strides, n - 1, 1), x.storage_offset() + q - 1)
 
 
-def distances(q_len: int, k_len: int, device: torch.device) -> Tensor:
-    """[q_len, k_len] int64 distance query i -> key j (negative = a future key)."""
-    offset = k_len - q_len
-    return torch.arange(q_len, device=device)[:, None] + offset - torch.arange(k_len, device=device)[None, :]
-
-
 class LayerPositions:
     """What layer `layer` needs from the positional encoding during one forward pass."""
 
@@ -98,14 +93,23 @@ class LayerPositions:
     def value_term(self, probs: Tensor, *, stride: int = 1) -> Tensor | None:
         return self.encoding.value_term(self.layer, self.state, probs, stride=stride)
 
+    def xl_terms(self, q: Tensor, *, k_len: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        return self.encoding.xl_terms(self.layer, self.state, q, k_len=k_len)
+
 
 class PositionalEncoding(nn.Module):
-    """Base: no position information at all (each subclass overrides what it uses)."""
+    """Base: no position information at all (each subclass overrides what it uses). A new encoding
+    subclasses it and joins the registry with `@register_encoding("name")` (README, "Add a kernel or
+    a positional encoding")."""
 
     name: ClassVar[str] = ""
     relative: ClassVar[bool] = False  # True: the encoding is a function of distance only
+    # True: adds a term to the attention scores (`score_bias`), which kernels that never form scores
+    # (performer, linformer) cannot apply.
+    score_terms: ClassVar[bool] = False
+    causal_only: ClassVar[bool] = False  # True: defined for causal distances only (no bidirectional encoder)
 
-    def __init__(self, config: TransformerXLConfig):
+    def __init__(self, config: TransformerXLConfig | None = None):
         super().__init__()
         self.config = config
 
@@ -129,7 +133,30 @@ class PositionalEncoding(nn.Module):
     def value_term(self, layer: int, state: dict, probs: Tensor, *, stride: int = 1) -> Tensor | None:
         return None
 
+    def xl_terms(self, layer: int, state: dict, q: Tensor, *, k_len: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        """Transformer-XL's terms apart, (q + u, q + v, W_kR R) for kernels that fuse them; None for
+        every other encoding."""
+        return None
 
+
+# No positions (cross-attention, a content-only score): every term is absent.
+CONTENT_ONLY = LayerPositions(PositionalEncoding(), 0, {})
+
+POSITIONAL_ENCODINGS: dict[str, type[PositionalEncoding]] = {}
+
+
+def register_encoding(name: str):
+    """Class decorator: make a `PositionalEncoding` subclass available as `pos_encoding=name`."""
+
+    def add(cls: type[PositionalEncoding]) -> type[PositionalEncoding]:
+        cls.name = name
+        POSITIONAL_ENCODINGS[name] = cls
+        return cls
+
+    return add
+
+
+@register_encoding("xl")
 class XLRelative(PositionalEncoding):
     """Transformer-XL relative positions (Dai et al. 2019, §3.3).
 
@@ -139,8 +166,9 @@ class XLRelative(PositionalEncoding):
     Dropout is applied to R once per forward (as the reference does), shared by all layers.
     """
 
-    name = "xl"
     relative = True
+    score_terms = True
+    causal_only = True
 
     def __init__(self, config: TransformerXLConfig):
         super().__init__(config)
@@ -152,28 +180,21 @@ class XLRelative(PositionalEncoding):
             nn.Linear(config.d_model, config.n_head * config.d_head, bias=False) for _ in range(config.n_layer)
         )
         self.drop = nn.Dropout(config.dropout)
-        self._inference_tables: dict[int, tuple[tuple, Tensor]] = {}  # see `inference_table`
-        self._table_memo: tuple[tuple, Tensor] | None = None  # see `prepare`
 
     def prepare(self, *, k_len, clamp_len, device, dtype):
-        key = (k_len, clamp_len, device, dtype, torch.is_inference_mode_enabled())  # inference tensors stay there
-        if not self.training and self._table_memo is not None and self._table_memo[0] == key:
-            return {"R": self._table_memo[1], "clamp_len": clamp_len}  # no dropout: same table as last call
         pos = torch.arange(k_len - 1, -1, -1, device=device)  # distances n-1 … 0
         if clamp_len > 0:
             pos = pos.clamp(max=clamp_len)
         table = self.drop(sinusoid_table(pos, self.config.d_model).to(dtype))
-        if not self.training:
-            # Generation calls prepare once per token; the float64 table cost 1.4 ms of a 3.7 ms tiny
-            # step at a 1k context (measured). It depends on nothing learned, so keep the last one.
-            self._table_memo = (key, table)
         return {"R": table, "clamp_len": clamp_len}
 
-    def _bias(self, param: Tensor, layer: int) -> Tensor:
-        return param[layer if param.shape[0] > 1 else 0][:, None, :]  # (h, 1, d)
+    def query_bias(self, which: str, layer: int) -> Tensor:
+        """u ("u", global content bias) or v ("v", global position bias) of `layer`, as (h, 1, d)."""
+        param = self.u if which == "u" else self.v
+        return param[layer if param.shape[0] > 1 else 0][:, None, :]
 
     def content(self, layer, state, q, k):
-        return q + self._bias(self.u, layer), k
+        return q + self.query_bias("u", layer), k
 
     def projected_table(self, layer: int, state: dict, k_len: int, stride: int = 1) -> Tensor:
         """W_kR R for the distances (k_len-1)·stride, …, stride, 0, (h, n, d)."""
@@ -188,32 +209,17 @@ class XLRelative(PositionalEncoding):
         r = self.r_proj[layer](table).view(k_len, self.config.n_head, self.config.d_head)
         return r.transpose(0, 1)
 
-    def inference_table(self, layer: int, state: dict, k_len: int) -> Tensor:
-        """`projected_table(layer, state, k_len)`, memoised when nothing can change it between calls:
-        no autograd and no dropout (evaluation, generation). The key holds everything the result
-        depends on (length, clamp, dtype, device, autocast, the weight's identity and version, which
-        any in-place update such as an optimizer step bumps), so a stale entry is never returned.
-        Generation at a 1k context then projects R once instead of once per token and layer."""
-        if torch.is_grad_enabled() or self.training:
-            return self.projected_table(layer, state, k_len)
-        weight = self.r_proj[layer].weight
-        table = state["R"]
-        autocast = torch.is_autocast_enabled(table.device.type)
-        key = (k_len, state.get("clamp_len"), table.dtype, table.device, autocast,
-               torch.get_autocast_dtype(table.device.type) if autocast else None, weight.data_ptr(), weight._version)
-        hit = self._inference_tables.get(layer)
-        if hit is not None and hit[0] == key:
-            return hit[1]
-        r = self.projected_table(layer, state, k_len)
-        self._inference_tables[layer] = (key, r)
-        return r
-
     def score_bias(self, layer, state, q, *, k_len, rel_shift, stride=1):
         r = self.projected_table(layer, state, k_len, stride)  # (h, n, d)
-        raw = torch.einsum("bhid,hjd->bhij", q + self._bias(self.v, layer), r)  # columns = distances
+        raw = torch.einsum("bhid,hjd->bhij", q + self.query_bias("v", layer), r)  # columns = distances
         return rel_shift(raw)
 
+    def xl_terms(self, layer, state, q, *, k_len):
+        return (q + self.query_bias("u", layer), q + self.query_bias("v", layer),
+                self.projected_table(layer, state, k_len))
 
+
+@register_encoding("shaw")
 class ShawRelative(PositionalEncoding):
     """Shaw et al. 2018: learned embeddings of the clipped distance, on the key side (and optionally
     the value side): e_ij = q_i·(k_j + a^K_{clip(i-j)}), z_i = Σ_j α_ij (v_j + a^V_{clip(i-j)}).
@@ -223,8 +229,9 @@ class ShawRelative(PositionalEncoding):
     Shaw without the reference's extra r_w_bias/r_bias terms.
     """
 
-    name = "shaw"
     relative = True
+    score_terms = True
+    causal_only = True
 
     def __init__(self, config: TransformerXLConfig):
         super().__init__(config)
@@ -253,23 +260,21 @@ class ShawRelative(PositionalEncoding):
         return torch.einsum("bhir,rhd->bhid", weights, self.value_table[layer].to(probs.dtype))
 
 
+@register_encoding("sinusoidal")
 class SinusoidalAbsolute(PositionalEncoding):
     """Vaswani et al. 2017 sinusoids added to the input. With memory, positions restart at 0 in every
     segment, as in the paper's ablation: the same position is reused for different tokens, the
     "temporal confusion" that motivates relative positions (Dai et al. 2019, §3.3)."""
-
-    name = "sinusoidal"
 
     def embed(self, x):
         table = sinusoid_table(torch.arange(x.shape[1], device=x.device), self.config.d_model)
         return x + table.to(x.dtype)
 
 
+@register_encoding("learned")
 class LearnedAbsolute(PositionalEncoding):
     """A trainable absolute table added to the input (Al-Rfou et al. 2018, BERT, GPT). No extrapolation:
     an input longer than `max_positions` is an error. Positions restart every segment."""
-
-    name = "learned"
 
     def __init__(self, config: TransformerXLConfig):
         super().__init__(config)
@@ -284,6 +289,7 @@ class LearnedAbsolute(PositionalEncoding):
         return x + self.table[: x.shape[1]].to(x.dtype)
 
 
+@register_encoding("rope")
 class Rotary(PositionalEncoding):
     """RoPE (Su et al. 2021, RoFormer, arXiv 2104.09864, eq. 34): rotate q and k by their positions so
     that q·k depends on i - j only.
@@ -299,7 +305,6 @@ class Rotary(PositionalEncoding):
     rotation has no table to clamp). The angles are computed in float64 and cast to the model dtype.
     """
 
-    name = "rope"
     relative = True
 
     def prepare(self, *, k_len, clamp_len, device, dtype):
@@ -336,6 +341,7 @@ def alibi_slopes(n_head: int) -> Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
+@register_encoding("alibi")
 class ALiBi(PositionalEncoding):
     """ALiBi (Press et al. 2022, "Train Short, Test Long", arXiv 2108.12409): no position embedding;
     the scaled score q·k/sqrt(d) gets -m_h · (i - j), with the fixed head slopes of `alibi_slopes`
@@ -346,8 +352,9 @@ class ALiBi(PositionalEncoding):
     bidirectional ALiBi would need |i - j| and is not offered).
     """
 
-    name = "alibi"
     relative = True
+    score_terms = True
+    causal_only = True
 
     def __init__(self, config: TransformerXLConfig):
         super().__init__(config)
@@ -358,11 +365,6 @@ class ALiBi(PositionalEncoding):
         # Divided by the attention scale so that, after scaling, the bias is exactly -m·distance.
         scale = self.config.d_head**0.5
         return (-(self.slopes.to(q.dtype) * scale)[:, None, None] * dist)[None]  # (1, h, i, j)
-
-
-POSITIONAL_ENCODINGS: dict[str, type[PositionalEncoding]] = {
-    cls.name: cls for cls in (XLRelative, ShawRelative, SinusoidalAbsolute, LearnedAbsolute, Rotary, ALiBi)
-}
 
 
 def build_positional(config: TransformerXLConfig) -> PositionalEncoding:

@@ -61,7 +61,7 @@ def build_layer(name: str, n: int, args: argparse.Namespace):
     """(step, describe) for one variant at length n: step() runs the layer once."""
     import torch
 
-    from txl.attention import Attention
+    from txl.attention import Attention, AttentionMask
     from txl.config import TransformerXLConfig
     from txl.positional import build_positional
 
@@ -74,17 +74,18 @@ def build_layer(name: str, n: int, args: argparse.Namespace):
     layer = Attention(config).train(args.backward_mode)
     encoding = build_positional(config)
     x = torch.randn(args.batch, n, config.d_model, requires_grad=args.backward_mode)
+    mask = AttentionMask(causal=config.causal)
 
     def step() -> None:
         state = encoding.prepare(k_len=n, clamp_len=0, device=x.device, dtype=x.dtype)
         positions = encoding.layer(0, state)
         if args.backward_mode:
-            layer(x, x, positions=positions, window=None).sum().backward()
+            layer(x, positions=positions, mask=mask)[0].sum().backward()
             x.grad = None
             layer.zero_grad(set_to_none=True)
         else:
             with torch.no_grad():
-                layer(x, x, positions=positions, window=None)
+                layer(x, positions=positions, mask=mask)
 
     return step
 

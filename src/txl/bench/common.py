@@ -117,7 +117,8 @@ def autocast(precision: str):
 
 
 # ---------------------------------------------------------------------------------------------
-# Contenders: ours with a given attention_impl, and Hugging Face TransfoXL.
+# Contenders: ours with a given attention_impl ("eager" = the whole reference: eager kernel and the
+# reference backend; "fast" = the fast kernel and the fast backend), and Hugging Face TransfoXL.
 
 
 def hf_available() -> str | None:
@@ -153,7 +154,8 @@ def build_ours(shape: Shape, impl: str, *, mem_len: int | None = None, train: bo
     from txl.model import TransformerXL
 
     torch.manual_seed(0)
-    config = shape.model_config(attention_impl=impl, mem_len=shape.mem_len if mem_len is None else mem_len)
+    config = shape.model_config(attention_impl=impl, backend="reference" if impl == "eager" else "auto",
+                                mem_len=shape.mem_len if mem_len is None else mem_len)
     return TransformerXL(config).train(train)
 
 

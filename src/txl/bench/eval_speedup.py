@@ -75,7 +75,8 @@ def _build_model(config: str, ckpt: str | None, impl: str):
         torch.manual_seed(0)
         model = TransformerXL(TransformerXLConfig(vocab_size=s.vocab, n_layer=s.n_layer, d_model=s.d_model,
                                                   n_head=s.n_head, d_head=s.d_head, d_inner=s.d_inner, mem_len=0,
-                                                  dropout=0.0, attention_impl=impl))
+                                                  dropout=0.0, attention_impl=impl,
+                                                  backend="reference" if impl == "eager" else "auto"))
     return model.eval()
 
 
@@ -98,15 +99,14 @@ def measure(model, attn_len: int, *, tgt_len: int, windows: int = 0, warmup: int
     stream = torch.from_numpy(tokens)
     state = {"memory": None, "pos": 0, "end": attn_len}
 
-    saved = (model.same_length,)
-    model.same_length = True  # every XL query attends to exactly attn_len keys, like the vanilla window
-
     @torch.no_grad()
     def xl_segment() -> None:
         start = state["pos"]
         inputs = stream[start : start + tgt_len][None].to(device)
         labels = stream[start + 1 : start + tgt_len + 1][None].to(device)
-        out = model(inputs, memory=state["memory"], labels=labels, mem_len=attn_len, return_logits=False)
+        # same_length: every XL query attends to exactly attn_len keys, like the vanilla window
+        out = model(inputs, memory=state["memory"], labels=labels, mem_len=attn_len, same_length=True,
+                    return_logits=False)
         state["memory"], state["pos"] = out.memory, start + tgt_len
 
     @torch.no_grad()
@@ -116,20 +116,16 @@ def measure(model, attn_len: int, *, tgt_len: int, windows: int = 0, warmup: int
                     device=device, precision="fp32")
         state["end"] += windows
 
-    try:
-        for _ in range(fill):
-            xl_segment()
-        assert state["memory"].length == attn_len
-        times = {"xl": [], "vanilla": []}
-        for r in range(rounds):
-            for name, step in (("xl", xl_segment), ("vanilla", vanilla_windows)):
-                model.same_length = name == "xl"
-                start = time.perf_counter()
-                step()
-                if r >= warmup:
-                    times[name].append(time.perf_counter() - start)
-    finally:
-        model.same_length = saved[0]
+    for _ in range(fill):
+        xl_segment()
+    assert state["memory"].length == attn_len
+    times = {"xl": [], "vanilla": []}
+    for r in range(rounds):
+        for name, step in (("xl", xl_segment), ("vanilla", vanilla_windows)):
+            start = time.perf_counter()
+            step()
+            if r >= warmup:
+                times[name].append(time.perf_counter() - start)
     xl = statistics.median(times["xl"]) / tgt_len
     vanilla = statistics.median(times["vanilla"]) / windows
     per_round = [(v / windows) / (x / tgt_len) for x, v in zip(times["xl"], times["vanilla"])]

@@ -4,7 +4,7 @@ One layer's relative attention core (`pos_encoding="xl"`: content and position s
 causal mask, softmax, probabilities · values) on the shapes of the `tiny` and `base` training steps
 and of `base` evaluation at mem_len 3800, forward + backward (training) and forward without
 gradients (evaluation). Projections, dropout and the rest of the block are left out, so the ratio
-isolates what `src/txl/attention_fast.py` changes. The two kernels alternate call by call.
+isolates what `src/txl/attention/xl_fast.py` changes. The two kernels alternate call by call.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ def cases(options: BenchOptions) -> list[tuple[str, int, int, int, str]]:
 def make_call(impl: str, shape, batch: int, q_len: int, mem_len: int, mode: str, precision: str):
     import torch
 
-    from txl.attention import KERNELS, call_kernel
+    from txl.attention import KERNELS
+    from txl.attention.layer import split_kv
+    from txl.attention.masks import CAUSAL
     from txl.positional import XLRelative
 
     kernel = KERNELS[("full", impl)]
@@ -53,8 +55,8 @@ def make_call(impl: str, shape, batch: int, q_len: int, mem_len: int, mode: str,
     def call() -> None:
         with autocast(precision), torch.set_grad_enabled(grad):
             state = encoding.prepare(k_len=n, clamp_len=0, device=q.device, dtype=q.dtype)
-            out = call_kernel(kernel, q, kv, positions=encoding.layer(0, state), window=None, dropatt=0.0,
-                              training=grad)
+            out, _ = kernel(q, *split_kv(kv, h), positions=encoding.layer(0, state), mask=CAUSAL, dropatt=0.0,
+                            training=grad)
             if grad:
                 out.float().sum().backward()
 

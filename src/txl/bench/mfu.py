@@ -3,7 +3,7 @@
 Achieved FLOP/s = (analytic matmul FLOPs of one training step) / (median step time). The peak is
 the FLOP/s of a large square matmul (`PEAK_N`³, same dtype) measured in the same run, alternating
 with the training steps so both see the same machine, by the faster of torch's own `mm` and the
-fast path's `txl.linear_fast.linear` (in fp32 on an x86 CPU that is oneDNN instead of MKL: about 2x
+fast path's `txl.fast.linear.linear` (in fp32 on an x86 CPU that is oneDNN instead of MKL: about 2x
 on the AMD benchmark machine, so the peak is the machine's, not one library's). MFU = achieved / peak.
 
 FLOPs of one training step (`train_step_flops`), with t = batch·tgt_len tokens, n = tgt_len + mem_len
@@ -63,7 +63,7 @@ def run(options: BenchOptions) -> dict:
     import torch
 
     from txl.bench.train import make_step
-    from txl.linear_fast import linear
+    from txl.fast.linear import linear
 
     setup_torch(options)
     shape = options.shape

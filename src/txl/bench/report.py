@@ -232,7 +232,7 @@ def render(report: dict, plots: list[str], out: Path | None = None) -> str:
         "- Contenders run in one process and alternate step by step (so a busy neighbour slows them alike); "
         "numbers are medians over timed steps after warm-up; ratios come from the same run.",
         "- `txl-eager` is the reference einsum attention (`attention_impl=\"eager\"`), `txl-fast` the fast path "
-        "(`src/txl/attention_fast.py`, the default), `hf` Hugging Face TransfoXL "
+        "(`src/txl/attention/xl_fast.py` and the fast backend `src/txl/fast/`, the default), `hf` Hugging Face TransfoXL "
         f"(transformers {report['machine'].get('transformers', 'not installed')}) on the same shape, "
         "relative positions, no clamp, full softmax.",
         "- Everyone starts from a full memory of zeros, so every timed step has the same shapes.",
@@ -243,7 +243,7 @@ def render(report: dict, plots: list[str], out: Path | None = None) -> str:
     lines += [
         "## What the fast path does",
         "",
-        "`attention_impl=\"fast\"` (the default through `\"auto\"`; `src/txl/attention_fast.py`) computes what the "
+        "`attention_impl=\"fast\"` (the default through `\"auto\"`; `src/txl/attention/xl_fast.py` and the fast backend `src/txl/fast/`) computes what the "
         "eager reference computes (tests/test_fast_attention.py: logits within 1e-5, gradients within 1e-4 "
         "relative, every positional encoding). What it changes, each kept because it measured faster side by "
         "side (the kernel table below isolates the attention core):",
@@ -263,7 +263,7 @@ def render(report: dict, plots: list[str], out: Path | None = None) -> str:
         "at tgt_len = mem_len; 10% off a base fp32 step, 3% in bf16, measured side by side; 4 or 8 blocks "
         "were slower).",
         "- fp32 linear layers (projections, feed-forward, output head) on x86 CPUs go to oneDNN "
-        "(`src/txl/linear_fast.py`, forward and a written-out backward) instead of torch's default MKL sgemm: "
+        "(`src/txl/fast/linear.py`, forward and a written-out backward) instead of torch's default MKL sgemm: "
         "on this AMD CPU MKL runs its AVX2 code and reaches ~210 GFLOP/s with 2 threads, oneDNN 400-470 on "
         "the same shapes, with fp32 arithmetic (its error against a float64 product is the size of MKL's). "
         "Side by side (same process, alternating): the tiny fp32 training step 1.18x faster, base fp32 1.45x. bf16 already went to oneDNN. "
@@ -282,7 +282,7 @@ def render(report: dict, plots: list[str], out: Path | None = None) -> str:
         "- Evaluation without gradients runs one batch row (and, for very long memories, a group of heads) at a "
         "time, so the score block stays small.",
         "- Generation (one token per call, no gradients): the memory carries its key/value projections "
-        "(`Memory.projected`, keyed by the weights' versions), and the projected position table is memoised, "
+        "(`txl.fast.memory.ProjectionCache`, keyed by the weights' versions), and the projected position table is memoised, "
         "so a new token does not re-project mem_len states in every layer; the new token's states and "
         "projections are appended into spare rows after the memory (`append_rows`) instead of copying the "
         "whole memory per layer per token.",

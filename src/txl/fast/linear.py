@@ -20,7 +20,7 @@ product of at least `MIN_MACS` multiply-adds or a weight of at least `MIN_WEIGHT
 the op's ~14 us fixed cost loses to MKL (a tiny model's generated token: (1, 128) x (128, 512) takes
 7 us in MKL, 16 in oneDNN); a large weight read once per token streams faster through oneDNN (base
 shape, weights not in cache: (1, 512) x (512, 2048) 276 -> 126 us, (1, 512) x (512, 512) 47 -> 29 us).
-Everything else is `F.linear`. The eager reference path keeps plain `nn.Linear`.
+Everything else is `F.linear`. The reference backend keeps plain `nn.Linear`.
 """
 
 from __future__ import annotations
@@ -115,20 +115,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return _onednn(x, weight, bias)
 
 
-def linear_for(attention_impl: str):
-    """The linear function of a model built with `attention_impl`: `F.linear` for the eager reference."""
-    return F.linear if attention_impl == "eager" else linear
-
-
 class FastLinear(nn.Linear):
     """`nn.Linear` whose product goes through `linear` (same parameters, same state_dict)."""
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias)
-
-
-def use_fast_linear(module: nn.Module) -> None:
-    """Make every plain `nn.Linear` inside `module` a `FastLinear` (in place: parameters are kept)."""
-    for sub in module.modules():
-        if type(sub) is nn.Linear:
-            sub.__class__ = FastLinear

@@ -1,6 +1,6 @@
 """Linformer (Wang et al. 2020, "Linformer: Self-Attention with Linear Complexity", arXiv 2006.04768),
-and the plain bidirectional attention it is measured against. Both are for the bidirectional
-encoder (`causal=False`): no causal mask, no memory.
+for the bidirectional encoder (`causal=False`): no causal mask, no memory. The plain bidirectional
+attention it is measured against is `attention="full"` with `causal=False`.
 
 Linformer projects the n keys and values *along the sequence axis* to k rows (`linformer_k`) with
 learned matrices E, F (k × n), then attends over those k rows:
@@ -25,26 +25,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from txl.attention import KERNELS
+from txl.attention.masks import AttentionMask
+from txl.attention.registry import register
 from txl.config import TransformerXLConfig
-from txl.errors import UsageError
+from txl.errors import ConfigError, UsageError
 from txl.positional import LayerPositions
 
 
-def bidirectional_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, positions: LayerPositions, window: int | None, dropatt: float, training: bool
-) -> Tensor:
-    """Full softmax attention without a mask (BERT-style encoder): the baseline of the encoder arena."""
-    q_content, k_content = positions.content(q, k)
-    scores = torch.einsum("bhid,bhjd->bhij", q_content, k_content)
-    bias = positions.score_bias(q, k_len=k.shape[-2])
-    if bias is not None:
-        scores = scores + bias
-    probs = (scores * q.shape[-1] ** -0.5).float().softmax(dim=-1).to(v.dtype)
-    probs = F.dropout(probs, p=dropatt, training=training)
-    return torch.einsum("bhij,bhjd->bhid", probs, v)
+def check_linformer(config: TransformerXLConfig) -> None:
+    if config.causal:
+        raise ConfigError(
+            "config.attention='linformer' cannot be causal: projecting keys along the sequence mixes "
+            "future positions into every projected row (Wang et al. 2020); set causal=false for the "
+            "bidirectional encoder, or use sliding/sparse/performer for a causal LM"
+        )
 
 
+@register("linformer", "eager", causal=False, bidirectional=True, score_terms=False, check=check_linformer)
 class LinformerAttention(nn.Module):
     """`attention="linformer"` (bidirectional only): keys/values projected to `linformer_k` rows."""
 
@@ -54,24 +51,27 @@ class LinformerAttention(nn.Module):
         self.key_projection = nn.Parameter(torch.randn(rows, max_len) * max_len**-0.5)  # E
         self.value_projection = nn.Parameter(torch.randn(rows, max_len) * max_len**-0.5)  # F
 
-    def forward(self, q, k, v, *, positions: LayerPositions, window: int | None, dropatt: float, training: bool):
+    def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
+                need_weights: bool = False):
         n, max_len = k.shape[-2], self.key_projection.shape[1]
         if n > max_len:
             raise UsageError(
                 f"attention='linformer' was built for {max_len} positions but the input has {n}; "
                 "shorten the input or raise linformer_max_len"
             )
+        if need_weights:
+            raise UsageError("output_attentions is not available with attention='linformer': it attends over "
+                             "projected rows, not keys")
         q_content, k_content = positions.content(q, k)
+        if mask.key_padding is not None:  # padding keys and values out of every projected row
+            real = mask.key_padding[:, None, :, None].to(v.dtype)  # (b, 1, n, 1)
+            k_content, v = k_content * real, v * real
         keys = torch.einsum("rj,bhjd->bhrd", self.key_projection[:, :n].to(k.dtype), k_content)  # (b, h, k, d)
         values = torch.einsum("rj,bhjd->bhrd", self.value_projection[:, :n].to(v.dtype), v)
         scores = torch.einsum("bhid,bhrd->bhir", q_content, keys) * q.shape[-1] ** -0.5
         probs = F.dropout(scores.float().softmax(dim=-1).to(v.dtype), p=dropatt, training=training)
-        return torch.einsum("bhir,bhrd->bhid", probs, values)
+        return torch.einsum("bhir,bhrd->bhid", probs, values), None
 
     def extra_repr(self) -> str:
         rows, max_len = self.key_projection.shape
         return f"k={rows}, max_len={max_len}"
-
-
-KERNELS[("full", "bidirectional")] = bidirectional_attention
-KERNELS[("linformer", "bidirectional")] = LinformerAttention

@@ -42,9 +42,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from txl.attention import KERNELS
+from txl.attention.masks import AttentionMask
+from txl.attention.registry import register
 from txl.config import TransformerXLConfig
-from txl.errors import UsageError
+from txl.errors import ConfigError, UsageError
 from txl.positional import LayerPositions
 
 FEATURE_EPS = 1e-6  # google-research/performer fast_attention: numerical_stabilizer
@@ -182,6 +183,27 @@ def bidirectional_linear_attention(phi_q: Tensor, phi_k: Tensor, key_scale: Tens
     return (phi_q @ state) / (phi_q @ weights.sum(2)[..., None])
 
 
+def check_performer(config: TransformerXLConfig) -> None:
+    if config.same_length:
+        raise ConfigError("config.same_length needs a windowed score matrix; attention='performer' has none")
+    if config.dropatt > 0:
+        raise ConfigError(
+            "config.dropatt must be 0 with attention='performer': it never forms the attention "
+            "probabilities that dropatt would drop"
+        )
+
+
+def padded_keys(phi_k: Tensor, key_scale: Tensor, key_padding: Tensor) -> tuple[Tensor, Tensor]:
+    """Padding keys out of the sums: their features become exactly 0, and their stabiliser the
+    smallest real key's, so it can never rescale the real keys' sums. (b, n) key_padding, True = real."""
+    real = key_padding[:, None, :]  # (b, 1, n)
+    phi_k = phi_k * real[..., None].to(phi_k.dtype)
+    smallest = key_scale.masked_fill(~real, float("inf")).amin(-1, keepdim=True)
+    smallest = smallest.masked_fill(smallest.isinf(), 0.0)  # a row of padding only
+    return phi_k, torch.where(real, key_scale, smallest)
+
+
+@register("performer", "fast", bidirectional=True, score_terms=False, check=check_performer)
 class PerformerAttention(nn.Module):
     """`attention="performer"`: FAVOR+ with chunked causal prefix sums (or bidirectional sums)."""
 
@@ -189,7 +211,6 @@ class PerformerAttention(nn.Module):
 
     def __init__(self, config: TransformerXLConfig):
         super().__init__()
-        self.causal = config.causal
         self.redraw_interval = config.performer_redraw_interval
         self.register_buffer("features", orthogonal_gaussian(config.performer_features, config.d_head))
         self.forwards_since_redraw = 0
@@ -199,9 +220,13 @@ class PerformerAttention(nn.Module):
         self.features.copy_(orthogonal_gaussian(*self.features.shape).to(self.features.device))
         self.forwards_since_redraw = 0
 
-    def forward(self, q, k, v, *, positions: LayerPositions, window: int | None, dropatt: float, training: bool):
-        if window is not None:
+    def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
+                need_weights: bool = False):
+        if mask.window is not None:
             raise UsageError("same_length is not available with attention='performer' (no window over prefix sums)")
+        if need_weights:
+            raise UsageError("output_attentions is not available with attention='performer': it never forms "
+                             "the attention probabilities")
         if training and self.redraw_interval:
             if self.forwards_since_redraw >= self.redraw_interval:
                 self.redraw()
@@ -213,24 +238,29 @@ class PerformerAttention(nn.Module):
             features = self.features.float()
             phi_q = query_features(q.float(), features)
             phi_k, key_scale = key_features(k.float(), features)
-            out = self.linear_attention(phi_q, phi_k, key_scale, v.float())
-        return out.to(v.dtype)
+            if mask.key_padding is not None:
+                phi_k, key_scale = padded_keys(phi_k, key_scale, mask.key_padding)
+            out = self.linear_attention(phi_q, phi_k, key_scale, v.float(), causal=mask.causal)
+            if mask.key_padding is not None:  # a query that sees only padding: 0/0
+                out = out.nan_to_num(0.0)
+        return out.to(v.dtype), None
 
-    def linear_attention(self, phi_q: Tensor, phi_k: Tensor, key_scale: Tensor, v: Tensor) -> Tensor:
-        if not self.causal:
+    def linear_attention(self, phi_q: Tensor, phi_k: Tensor, key_scale: Tensor, v: Tensor, *, causal: bool) -> Tensor:
+        if not causal:
             return bidirectional_linear_attention(phi_q, phi_k, key_scale, v)
         return causal_linear_attention(phi_q, phi_k, key_scale, v, chunk_size=self.chunk_size)
 
     def extra_repr(self) -> str:
         m, d = self.features.shape
-        return f"features={m}, d_head={d}, causal={self.causal}, redraw_interval={self.redraw_interval}"
+        return f"features={m}, d_head={d}, redraw_interval={self.redraw_interval}"
 
 
+@register("performer", "eager", bidirectional=True, score_terms=False, check=check_performer)
 class PerformerReference(PerformerAttention):
     """The same random-feature kernel as a masked quadratic product: the ground truth for the prefix sums."""
 
-    def linear_attention(self, phi_q, phi_k, key_scale, v):
-        return quadratic_linear_attention(phi_q, phi_k, key_scale, v, causal=self.causal)
+    def linear_attention(self, phi_q, phi_k, key_scale, v, *, causal):
+        return quadratic_linear_attention(phi_q, phi_k, key_scale, v, causal=causal)
 
 
 def redraw_features(model: nn.Module) -> int:
@@ -239,8 +269,3 @@ def redraw_features(model: nn.Module) -> int:
     for layer in layers:
         layer.redraw()
     return len(layers)
-
-
-KERNELS[("performer", "eager")] = PerformerReference
-KERNELS[("performer", "fast")] = PerformerAttention
-KERNELS[("performer", "bidirectional")] = PerformerAttention

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from txl.attention import KERNELS
-from txl.attention_sliding import UNBOUNDED, banded_attention, sliding_reference
+from txl.attention.masks import AttentionMask
+from txl.attention.registry import register
+from txl.attention.sliding import UNBOUNDED, banded_attention, no_padding, sliding_reference
 from txl.config import TransformerXLConfig
+from txl.errors import ConfigError
 from txl.positional import LayerPositions
 
 
@@ -34,6 +36,17 @@ def sparse_head_windows(config: TransformerXLConfig) -> list[tuple[int, int]]:
     return [(stride + 1, 1)] * local + [(UNBOUNDED, stride)] * (config.n_head - local)
 
 
+def check_sparse(config: TransformerXLConfig) -> None:
+    if config.n_head < 2:
+        raise ConfigError("config.attention='sparse' needs n_head >= 2 (half local, half strided heads)")
+    if config.shaw_values:
+        raise ConfigError(
+            "config.shaw_values needs every head on one attention pattern; it is not available with "
+            "attention='sparse' or mixed sliding_dilation"
+        )
+
+
+@register("sparse", "fast", check=check_sparse)
 class SparseStridedAttention(nn.Module):
     """`attention="sparse"`: local + strided heads (Child et al. 2019), block-banded, no n×n matrix."""
 
@@ -41,21 +54,27 @@ class SparseStridedAttention(nn.Module):
         super().__init__()
         self.head_windows = sparse_head_windows(config)
 
-    def forward(self, q, k, v, *, positions: LayerPositions, window: int | None, dropatt: float, training: bool):
-        return banded_attention(q, k, v, positions=positions, head_windows=self.head_windows, global_tokens=0,
-                                horizon=window, dropatt=dropatt, training=training)
+    def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
+                need_weights: bool = False):
+        no_padding("sparse", mask)
+        if need_weights:  # the probabilities over every key: the dense reference forms them
+            return SparseStridedReference.forward(self, q, k, v, positions=positions, mask=mask, dropatt=dropatt,
+                                                  training=training, need_weights=True)
+        out = banded_attention(q, k, v, positions=positions, head_windows=self.head_windows, global_tokens=0,
+                               horizon=mask.window, dropatt=dropatt, training=training)
+        return out, None
 
     def extra_repr(self) -> str:
         return f"head_windows={self.head_windows}"
 
 
+@register("sparse", "eager", check=check_sparse)
 class SparseStridedReference(SparseStridedAttention):
     """The same pattern as a dense mask (O(n²)): the ground truth for `SparseStridedAttention`."""
 
-    def forward(self, q, k, v, *, positions: LayerPositions, window: int | None, dropatt: float, training: bool):
-        return sliding_reference(q, k, v, positions=positions, head_windows=self.head_windows, global_tokens=0,
-                                 horizon=window, dropatt=dropatt, training=training)
-
-
-KERNELS[("sparse", "eager")] = SparseStridedReference
-KERNELS[("sparse", "fast")] = SparseStridedAttention
+    def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
+                need_weights: bool = False):
+        no_padding("sparse", mask)
+        out, probs = sliding_reference(q, k, v, positions=positions, head_windows=self.head_windows, global_tokens=0,
+                                       horizon=mask.window, dropatt=dropatt, training=training, return_probs=True)
+        return out, probs if need_weights else None

@@ -43,13 +43,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from txl.attention import KERNELS, eager_attention
+from txl.attention.eager import eager_attention
+from txl.attention.masks import AttentionMask, additive_mask, distances
+from txl.attention.registry import register
 from txl.config import TransformerXLConfig
-from txl.positional import LayerPositions, distances
+from txl.errors import ConfigError, UsageError
+from txl.positional import LayerPositions
 
-# A finite fill keeps rows that see no key (padding rows of a block) free of NaN; for any row with a
-# visible key, exp(NEG - max) is exactly 0, the same as a -inf fill.
-NEG = torch.finfo(torch.float32).min
 UNBOUNDED = 2**31  # a window longer than any sequence (strided heads of the sparse kernel)
 
 
@@ -90,8 +90,10 @@ def sliding_reference(
     horizon: int | None,
     dropatt: float,
     training: bool,
-) -> Tensor:
-    """The sliding pattern as a dense masked softmax: `(window, dilation)` per head, global tokens."""
+    return_probs: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The sliding pattern as a dense masked softmax: `(window, dilation)` per head, global tokens.
+    `return_probs`: also return the probabilities (b, h, i, n)."""
     i, n, d = q.shape[-2], k.shape[-2], q.shape[-1]
     dist = distances(i, n, q.device)  # (i, n)
     local = torch.stack([local_pattern(dist, effective_window(w, s, horizon), s) for w, s in head_windows])
@@ -110,19 +112,16 @@ def sliding_reference(
     if bias is not None:
         scores = scores + torch.where(positioned, bias, torch.zeros((), dtype=bias.dtype, device=bias.device))
     scores = (scores * d**-0.5).float().masked_fill(~visible, float("-inf"))
-    probs = F.dropout(scores.softmax(dim=-1).to(v.dtype), p=dropatt, training=training)
+    weights = scores.softmax(dim=-1).to(v.dtype)
+    probs = F.dropout(weights, p=dropatt, training=training)
     out = torch.einsum("bhij,bhjd->bhid", probs, v)
     value_term = positions.value_term(probs * positioned)
-    return out if value_term is None else out + value_term
+    out = out if value_term is None else out + value_term
+    return (out, weights) if return_probs else out
 
 
 # ---------------------------------------------------------------------------------------------
 # The fast kernel: blocks of a band, O(n·w).
-
-
-def additive_mask(visible: Tensor) -> Tensor:
-    """0 where visible, NEG elsewhere (float32): one in-place add instead of a masked_fill."""
-    return torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill_(~visible, NEG)
 
 
 def _attend(
@@ -328,8 +327,9 @@ def banded_attention(
     out = out * band_weight + out_global * global_weight
     # Global rows: the first g queries attend to every earlier key, with all position terms. They
     # are the last rows of the first memory_len + g keys: exactly the eager kernel's convention.
-    rows = eager_attention(q[:, :, :g], k[:, :, : memory_len + g], v[:, :, : memory_len + g],
-                           positions=positions, window=horizon, dropatt=dropatt, training=training)
+    rows, _ = eager_attention(q[:, :, :g], k[:, :, : memory_len + g], v[:, :, : memory_len + g],
+                              positions=positions, mask=AttentionMask(window=horizon), dropatt=dropatt,
+                              training=training)
     return torch.cat([rows, out[:, :, g:]], dim=2)
 
 
@@ -348,6 +348,26 @@ _NO_POSITIONS = _NoPositions()
 # Kernels chosen by config.attention = "sliding".
 
 
+def check_sliding(config: TransformerXLConfig) -> None:
+    dilation = config.sliding_dilation
+    if dilation and (len(dilation) not in (1, config.n_head) or min(dilation) < 1):
+        raise ConfigError(
+            f"config.sliding_dilation needs one value >= 1 for all heads or one per head "
+            f"(n_head={config.n_head}), got {list(dilation)}"
+        )
+    if config.shaw_values and len(set(dilation)) > 1:
+        raise ConfigError(
+            "config.shaw_values needs every head on one attention pattern; it is not available with "
+            "attention='sparse' or mixed sliding_dilation"
+        )
+
+
+def no_padding(name: str, mask: AttentionMask) -> None:
+    if mask.key_padding is not None:
+        raise UsageError(f"attention={name!r} does not take a padding mask (attention_mask); use attention='full'")
+
+
+@register("sliding", "fast", check=check_sliding)
 class SlidingWindowAttention(nn.Module):
     """`attention="sliding"`: Longformer's sliding window (Beltagy et al. 2020), O(n·w)."""
 
@@ -356,21 +376,29 @@ class SlidingWindowAttention(nn.Module):
         self.head_windows = [(config.sliding_window, s) for s in head_dilations(config)]
         self.global_tokens = config.global_tokens
 
-    def forward(self, q, k, v, *, positions: LayerPositions, window: int | None, dropatt: float, training: bool):
-        return banded_attention(q, k, v, positions=positions, head_windows=self.head_windows,
-                                global_tokens=self.global_tokens, horizon=window, dropatt=dropatt, training=training)
+    def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
+                need_weights: bool = False):
+        no_padding("sliding", mask)
+        if need_weights:  # the probabilities over every key: the dense reference forms them
+            return SlidingWindowReference.forward(self, q, k, v, positions=positions, mask=mask, dropatt=dropatt,
+                                                  training=training, need_weights=True)
+        out = banded_attention(q, k, v, positions=positions, head_windows=self.head_windows,
+                               global_tokens=self.global_tokens, horizon=mask.window, dropatt=dropatt,
+                               training=training)
+        return out, None
 
     def extra_repr(self) -> str:
         return f"head_windows={self.head_windows}, global_tokens={self.global_tokens}"
 
 
+@register("sliding", "eager", check=check_sliding)
 class SlidingWindowReference(SlidingWindowAttention):
     """The same pattern as a dense mask (O(n²)): the ground truth for `SlidingWindowAttention`."""
 
-    def forward(self, q, k, v, *, positions: LayerPositions, window: int | None, dropatt: float, training: bool):
-        return sliding_reference(q, k, v, positions=positions, head_windows=self.head_windows,
-                                 global_tokens=self.global_tokens, horizon=window, dropatt=dropatt, training=training)
-
-
-KERNELS[("sliding", "eager")] = SlidingWindowReference
-KERNELS[("sliding", "fast")] = SlidingWindowAttention
+    def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
+                need_weights: bool = False):
+        no_padding("sliding", mask)
+        out, probs = sliding_reference(q, k, v, positions=positions, head_windows=self.head_windows,
+                                       global_tokens=self.global_tokens, horizon=mask.window, dropatt=dropatt,
+                                       training=training, return_probs=True)
+        return out, probs if need_weights else None

@@ -1,5 +1,4 @@
-"""The fast `("full", "fast")` attention kernel: same signature and results as `eager_attention`,
-plus the fast path's dropout.
+"""The fast `("full", "fast")` attention kernel: same signature and results as `eager_attention`.
 
 What makes it faster than the eager reference (each kept because it measured faster side by side on
 a 2-core AVX-512 CPU; `txl bench kernel` and docs/benchmarks.md have the numbers):
@@ -14,16 +13,14 @@ a 2-core AVX-512 CPU; `txl bench kernel` and docs/benchmarks.md have the numbers
 - Training runs the queries in 2 causal blocks (`_XLAttention`): a block attends to the keys up to
   its last query only, so part of the masked corner of the score matrix is never computed; keys and
   values are read from, and their gradient written to, the projection's own layout.
-- Post-LN blocks project keys and values with `project_context`, whose backward skips the input
-  gradient of the memory rows (detached states).
 - The largest intermediates (BD before the shift, dS, the un-shifted gradient of BD) live in
   per-thread scratch buffers (`_workspace`), reused from call to call instead of freshly mapped.
 - Other encodings take a composed autograd path: positional bias (Shaw, ALiBi) through the strided
   rel-shift (`rel_shift_fast`), scores by one `baddbmm`, an additive mask.
 - Without gradients (evaluation, generation) one batch row (and a group of heads, for very long
   memories) is processed at a time, so the score block stays under `EVAL_CHUNK_ELEMENTS` elements.
-- `CheapDropout`: the same dropout distribution from a cheaper CPU random source, and ReLU + dropout
-  fused for the feed-forward layer (below).
+- Padding masks, non-causal masks (bidirectional encoder, cross-attention) and requests for the
+  probabilities take the composed path too, with the mask as an additive tensor.
 
 Tried and dropped (slower here): SDPA with the position term as a float bias (the CPU flash kernel
 refuses a bias that needs a gradient in torch 2.13, and the math fallback is slower than the batched
@@ -36,7 +33,6 @@ Dimension names: b batch, h heads, i queries, n keys (memory + segment), d head 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import threading
 
@@ -44,8 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from txl.linear_fast import input_grad, linear, weight_grad
-from txl.positional import LayerPositions, XLRelative, rel_shift_strided
+from txl.attention.masks import NEG, AttentionMask, causal_bias
+from txl.attention.registry import register
+from txl.positional import LayerPositions, rel_shift_strided
 
 # Without gradients, one batch row at a time with as many heads as keep the (heads, i, n) score block
 # under this many elements (32 Mi = 128 MiB in fp32); at least one head.
@@ -66,20 +63,6 @@ def _workspace(name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
         buffer = like.new_empty(numel)
         cache[name] = buffer
     return buffer[:numel].view(shape)
-
-
-@functools.lru_cache(maxsize=64)
-def _mask_bias(q_len: int, k_len: int, window: int | None, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """[q_len, k_len] additive mask: 0 where query i may see key j (`causal_mask`), -inf elsewhere.
-
-    Adding it costs a ninth of an in-place `masked_fill_` with a broadcast bool mask on CPU (measured,
-    torch 2.13), and -inf + a finite score is -inf, so softmax sees exactly what eager's masking gives.
-    """
-    dist = torch.arange(q_len, device=device)[:, None] + (k_len - q_len) - torch.arange(k_len, device=device)
-    mask = dist < 0
-    if window is not None:
-        mask |= dist >= window
-    return torch.zeros(q_len, k_len, device=device, dtype=dtype).masked_fill_(mask, float("-inf"))
 
 
 def _unshift_view(buffer: Tensor, q_len: int, k_len: int) -> Tensor:
@@ -222,7 +205,7 @@ class _XLAttention(torch.autograd.Function):
             scores.copy_(rel_shift_strided(raw.view(h, b, q, keys)).transpose(0, 1))
             p = scores.view(b * h, q, keys)
             p.baddbmm_(qu3[:, a:e], k3[:, :keys].transpose(1, 2), beta=scale, alpha=scale)
-            p.add_(_mask_bias(q, keys, window, qu.device, qu.dtype))
+            p.add_(causal_bias(q, keys, window, qu.device, qu.dtype))
             torch.softmax(p, dim=-1, out=p)  # in place; bf16 accumulates in fp32 (see `_xl_probs`)
             _product_into(out[:, a:e], p, v3[:, :keys])
             probs.append(p)
@@ -332,50 +315,60 @@ def _accumulate(acc: Tensor, x: Tensor, y: Tensor) -> None:
         acc.baddbmm_(x, y)
 
 
+@register("full", "fast", bidirectional=True)
 def fast_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
     *,
     positions: LayerPositions,
-    window: int | None,
+    mask: AttentionMask,
     dropatt: float,
     training: bool,
-    kv: Tensor | None = None,
-) -> Tensor:
-    """Drop-in replacement for `eager_attention` (same arguments, same result to float rounding).
-    `kv`: the (b, n, 2·h·d) projection k and v are the halves of (`Attention` passes it); training
-    reads it directly (`_XLAttention`)."""
+    need_weights: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Drop-in replacement for `eager_attention` (same arguments, same result to float rounding)."""
     q_len, k_len, d_head = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = d_head**-0.5
-    encoding = positions.encoding
-    use_dropatt = training and dropatt > 0
-    if isinstance(encoding, XLRelative) and not use_dropatt:
+    plain = mask.causal and mask.key_padding is None and not need_weights
+    terms = positions.xl_terms(q, k_len=k_len) if plain and not (training and dropatt > 0) else None
+    if terms is not None:
         # One compute dtype for every input (autocast's, if on), and autocast off inside: the backward
         # runs outside autocast, so both passes must agree on dtypes by construction.
         device = q.device.type
         autocast_on = torch.is_autocast_enabled(device)
         dtype = torch.get_autocast_dtype(device) if autocast_on else q.dtype
-        qu = encoding.content(positions.layer, positions.state, q, k)[0].to(dtype)
-        qv = (q + encoding._bias(encoding.v, positions.layer)).to(dtype)
-        r = encoding.inference_table(positions.layer, positions.state, k_len).to(dtype)  # (h, n, d)
-        k, v = k.to(dtype), v.to(dtype)
+        qu, qv, r = (t.to(dtype) for t in terms)  # (b, h, i, d), (b, h, i, d), (h, n, d)
+        window = mask.window
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (qu, qv, k, v, r))
         # (entering a disabled autocast costs a generated token 3% of its time: only when it is on)
         with torch.autocast(device, enabled=False) if autocast_on else contextlib.nullcontext():
             if not grad:  # one query without a window (a generated token) sees every key: no mask
-                mask = None if q_len == 1 and window is None else _mask_bias(q_len, k_len, window, q.device, dtype)
-                return _xl_forward_chunked(qu, qv, k, v, r, mask, scale)
-            if kv is None:  # a direct call with k and v apart: the projection's layout, built once
-                kv = torch.stack([k.transpose(1, 2), v.transpose(1, 2)], dim=2).flatten(2)
-            return _XLAttention.apply(qu, qv, kv.to(dtype), r, scale, _block_edges(q_len, window), window)
-    mask = _mask_bias(q_len, k_len, window, q.device, q.dtype)
-    return _composed_attention(q, k, v, positions=positions, mask=mask, scale=scale,
-                               dropatt=dropatt, training=training)
+                bias = None if q_len == 1 and window is None else causal_bias(q_len, k_len, window, q.device, dtype)
+                return _xl_forward_chunked(qu, qv, k.to(dtype), v.to(dtype), r, bias, scale), None
+            kv = packed_kv(k, v).to(dtype)
+            return _XLAttention.apply(qu, qv, kv, r, scale, _block_edges(q_len, window), window), None
+    return _composed_attention(q, k, v, positions=positions, mask=mask, scale=scale, dropatt=dropatt,
+                               training=training, need_weights=need_weights)
 
 
-def _composed_attention(q, k, v, *, positions, mask, scale, dropatt, training) -> Tensor:
-    """Every other encoding (and xl with attention dropout): autograd through fused building blocks."""
+def packed_kv(k: Tensor, v: Tensor) -> Tensor:
+    """The (b, n, 2·h·d) key/value projection that k and v (b, h, n, d) are the two halves of, when
+    they are views of one such tensor (what `Attention` passes), else built once. The training kernel
+    reads keys and values from, and writes their gradient to, this layout. (The tensor itself, not an
+    `as_strided` view of k: autograd would then give v's half of the gradient to nobody.)"""
+    b, h, n, d = k.shape
+    base = k._base
+    if (base is not None and v._base is base and base.is_contiguous() and base.numel() == b * n * 2 * h * d
+            and k.stride() == (n * 2 * h * d, d, 2 * h * d, 1) and v.stride() == k.stride()
+            and k.storage_offset() == base.storage_offset() and v.storage_offset() == base.storage_offset() + h * d):
+        return base.view(b, n, 2 * h * d)
+    return torch.stack([k.transpose(1, 2), v.transpose(1, 2)], dim=2).flatten(2)
+
+
+def _composed_attention(q, k, v, *, positions, mask, scale, dropatt, training, need_weights):
+    """Every other encoding (and xl with attention dropout, a padding or non-causal mask, or asked for
+    the probabilities): autograd through fused building blocks."""
     b, h, i, d = q.shape
     n = k.shape[-2]
     q_content, k_content = positions.content(q, k)
@@ -389,141 +382,19 @@ def _composed_attention(q, k, v, *, positions, mask, scale, dropatt, training) -
             bias, q_content.reshape(b * h, i, d), k_content.reshape(b * h, n, d).transpose(1, 2),
             beta=scale, alpha=scale,
         )
-    scores = scores.float() + mask.float()
-    probs = scores.softmax(dim=-1).to(v.dtype)
+    scores = scores.float()
+    if mask.causal and mask.key_padding is None:
+        probs = (scores + causal_bias(i, n, mask.window, q.device, torch.float32)).softmax(dim=-1)
+    else:  # a padded query may see no key at all: a finite fill, and its row set to 0
+        visible = mask.visible(i, n, q.device)  # (b or 1, 1, i, n)
+        fill = torch.zeros(visible.shape, device=q.device).masked_fill_(~visible, NEG)
+        probs = (scores.view(b, h, i, n) + fill).softmax(dim=-1)
+        if mask.key_padding is not None:
+            probs = probs * visible.any(-1, keepdim=True)
+        probs = probs.view(b * h, i, n)
+    probs = probs.to(v.dtype)
+    weights = probs.view(b, h, i, n) if need_weights else None
     probs = F.dropout(probs, p=dropatt, training=training)
     out = torch.bmm(probs, v.reshape(b * h, n, d)).view(b, h, i, d)
     value_term = positions.value_term(probs.view(b, h, i, n))
-    return out if value_term is None else out + value_term
-
-
-class _ContextProjection(torch.autograd.Function):
-    """`F.linear(context, weight)` for the key/value projection when the first rows of `context` (the
-    memory) are constants and the last rows are `fresh` (the segment). Autograd through the plain
-    linear computes an input gradient for every context row and then throws the memory's away; this
-    backward computes it for the segment rows only (mem_len / (mem_len + tgt_len) of that product: 3%
-    of a base training step's FLOPs). The weight gradient still comes from every row.
-
-    Autocast is resolved here (one compute dtype, casts written out) because the backward runs
-    outside it."""
-
-    @staticmethod
-    def forward(ctx, context, fresh, weight, dtype):
-        context, weight_c = context.to(dtype), weight.to(dtype)
-        ctx.save_for_backward(context, weight_c)
-        ctx.fresh_len, ctx.dtypes = fresh.shape[1], (fresh.dtype, weight.dtype)
-        return linear(context, weight_c)
-
-    @staticmethod
-    def backward(ctx, grad):
-        context, weight = ctx.saved_tensors
-        grad = grad.to(context.dtype)
-        grad_fresh = grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_fresh = input_grad(grad[:, -ctx.fresh_len :], weight).to(ctx.dtypes[0])
-        if ctx.needs_input_grad[2]:
-            grad_weight = weight_grad(grad.flatten(0, 1), context.flatten(0, 1)).to(ctx.dtypes[1])
-        return None, grad_fresh, grad_weight, None
-
-
-def project_context(context: Tensor, fresh: Tensor, weight: Tensor) -> Tensor:
-    """`F.linear(context, weight)` where `context` is [constant memory ; `fresh`] (post-LN blocks, whose
-    memory rows are detached states): gradients reach `fresh` and `weight` only (`_ContextProjection`)."""
-    device = context.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-    with torch.autocast(device, enabled=False):
-        return _ContextProjection.apply(context.detach(), fresh, weight, dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# Dropout with a cheaper random source. On CPU, `torch.bernoulli_` (what F.dropout uses) draws one
-# Mersenne-Twister number per element; here one 64-bit draw feeds four elements as 16-bit uniforms,
-# 7x faster measured on this repository's benchmark machine (docs/benchmarks.md). The keep
-# probability is 1 - round(p * 2^16) / 2^16 (within 2^-17 of 1 - p) and survivors are scaled by its
-# exact inverse, so the output is unbiased. Same generator (`torch.manual_seed`, checkpointed RNG
-# state), different stream than `nn.Dropout`: the eager path keeps `nn.Dropout`.
-
-
-def _dropout_scale(x: Tensor, p: float) -> Tensor:
-    """x's dropout multiplier: 0 with probability round(p * 2^16) / 2^16, else 1 / keep-probability."""
-    cut = round(p * 65536)
-    words = (x.numel() + 3) // 4
-    bits = torch.empty(words, dtype=torch.int64, device=x.device).random_(-(2**63), None)
-    uniform = bits.view(torch.int16)[: x.numel()].view(x.shape)  # integers uniform on [-2^15, 2^15)
-    # Keep where uniform >= threshold, as a multiplier (0 or 1/keep-probability) built without bool
-    # tensors: clamping the integers to [threshold-1, threshold] in place leaves exactly two values,
-    # 0 and 1 after the subtraction, then one cast to x's dtype. Bool tensors were the slow part here:
-    # `>=` plus a bool->float cast took 4x longer, and torch.where / x * bool 10-50x longer than a
-    # float product (this CPU, torch 2.13); the integer steps before the cast save an fp32 round trip
-    # in bf16 (measured 7% on a (2, 512, 2048) multiplier, bit-equal results).
-    threshold = cut - 32768
-    keep = uniform.clamp_(threshold - 1, threshold).sub_(threshold - 1)
-    return keep.to(x.dtype).mul_(65536 / (65536 - cut))
-
-
-class _CheapDropout(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, p: float) -> Tensor:
-        scale = _dropout_scale(x, p)
-        ctx.save_for_backward(scale)
-        return x * scale
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        (scale,) = ctx.saved_tensors
-        return grad * scale, None
-
-
-class _ReluDropout(torch.autograd.Function):
-    """dropout(relu(x)) for the feed-forward hidden layer, as relu(x * scale) (equal, since scale >= 0)
-    computed in place in the freshly drawn multiplier. The backward needs only the output: where it
-    is positive the multiplier was 1/keep, elsewhere the gradient is 0. Two fresh hidden-sized
-    tensors instead of three and one saved instead of three (measured: 1 ms less per call on the tiny
-    benchmark's (8, 128, 512) hidden layer, this CPU). x itself is left alone: it is a view of the
-    linear layer's output, and an in-place write there costs autograd a copy-and-scatter."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, p: float) -> Tensor:
-        out = _dropout_scale(x, p).mul_(x).clamp_min_(0)  # in the multiplier's fresh buffer
-        ctx.save_for_backward(out)
-        # the forward's multiplier as stored in x's dtype (rounded in bf16), so the gradient is dropout's
-        ctx.inverse_keep = float(torch.tensor(65536 / (65536 - round(p * 65536)), dtype=x.dtype))
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        (out,) = ctx.saved_tensors
-        return torch.ops.aten.threshold_backward(grad, out, 0).mul_(ctx.inverse_keep), None
-
-
-def _cheap_source(x: Tensor, p: float, training: bool) -> bool:
-    """Whether dropout of x draws from the cheap source: training on CPU with 0 < p < 1 (accelerators
-    have fast counter-based RNG already; p = 0 is the identity, p = 1 left to F.dropout)."""
-    return training and 0.0 < p < 1.0 and x.device.type == "cpu"
-
-
-def cheap_dropout(x: Tensor, p: float, training: bool) -> Tensor:
-    if not training or p == 0.0:
-        return x
-    return _CheapDropout.apply(x, p) if _cheap_source(x, p, training) else F.dropout(x, p, training)
-
-
-class CheapDropout(torch.nn.Dropout):
-    """`nn.Dropout` with the cheaper CPU random source above (same p, no state, same state_dict)."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return cheap_dropout(x, self.p, self.training)
-
-    def after_relu(self, x: Tensor) -> Tensor:
-        """self(relu(x)), fused (`_ReluDropout`) in training on CPU."""
-        if _cheap_source(x, self.p, self.training):
-            return _ReluDropout.apply(x, self.p)
-        return self(F.relu(x))
-
-
-def use_cheap_dropout(module: torch.nn.Module) -> None:
-    """Swap every plain `nn.Dropout` inside `module` for `CheapDropout` (the fast path's dropout)."""
-    for child in module.modules():
-        for name, sub in child.named_children():
-            if type(sub) is torch.nn.Dropout:
-                setattr(child, name, CheapDropout(sub.p, sub.inplace))
+    return (out if value_term is None else out + value_term), weights

@@ -1,0 +1,81 @@
+"""Multi-head attention: projections, then one kernel call (`txl.attention.registry`).
+
+Self-attention of the Transformer-XL LM: queries from the current segment only, keys and values from
+[SG(memory) ; segment] (Dai et al. 2019, §3.2). The memory object gives the layer its keys and values
+(`MemoryUpdate.keys_values`) and keeps what the next segment needs; the layer never learns which
+kind of memory it runs on. Cross-attention (an encoder–decoder) takes keys and values from a separate
+`source` instead. Projections have no biases, as the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor, nn
+
+from txl.attention.masks import AttentionMask
+from txl.attention.registry import resolve_kernel
+from txl.config import TransformerXLConfig
+from txl.positional import CONTENT_ONLY, LayerPositions
+
+
+class Attention(nn.Module):
+    """`out, probs = attn(x, source, positions=, mask=, memory=)`: x (b, i, d_model) makes the queries;
+    `source` (b, n, d_model, default x) makes the keys and values. probs (b, h, i, n) only with
+    `need_weights`, else None."""
+
+    def __init__(self, config: TransformerXLConfig, *, layer_idx: int = 0):
+        super().__init__()
+        self.layer_idx = layer_idx  # which layer's memory `memory.keys_values` reads and writes
+        self.n_head, self.d_head = config.n_head, config.d_head
+        inner = config.n_head * config.d_head
+        self.q_proj = nn.Linear(config.d_model, inner, bias=False)
+        self.kv_proj = nn.Linear(config.d_model, 2 * inner, bias=False)
+        self.o_proj = nn.Linear(inner, config.d_model, bias=False)
+        self.drop = nn.Dropout(config.dropout)
+        self.dropatt = config.dropatt
+        # Kernels that own parameters or buffers (Linformer projections, Performer features) are
+        # modules built per layer.
+        kernel = resolve_kernel(config.attention, config.attention_impl)
+        self.kernel = kernel(config) if isinstance(kernel, type) else kernel
+
+    def forward(
+        self,
+        x: Tensor,
+        source: Tensor | None = None,
+        *,
+        positions: LayerPositions = CONTENT_ONLY,
+        mask: AttentionMask,
+        memory=None,
+        source_norm: Callable[[Tensor], Tensor] | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """`memory`: a `txl.memory.MemoryUpdate`; keys and values then run over [memory ; source] and
+        the memory keeps `source` (this layer's input) for the next segment. `source_norm` is applied
+        to the source rows before their projection (pre-LN blocks normalise [memory ; segment])."""
+        b, i, _ = x.shape
+        source = x if source is None else source
+        project = self.kv_proj if source_norm is None else _Normed(source_norm, self.kv_proj)
+        kv = project(source) if memory is None else memory.keys_values(self.layer_idx, source, project)
+        q = self.q_proj(x).view(b, i, self.n_head, self.d_head).transpose(1, 2)  # (b, h, i, d)
+        k, v = split_kv(kv, self.n_head)  # (b, h, n, d) each
+        out, probs = self.kernel(q, k, v, positions=positions, mask=mask, dropatt=self.dropatt,
+                                 training=self.training, need_weights=need_weights)
+        out = out.transpose(1, 2).reshape(b, i, self.n_head * self.d_head)  # (b, i, h*d)
+        return self.drop(self.o_proj(out)), probs
+
+
+def split_kv(kv: Tensor, n_head: int) -> tuple[Tensor, Tensor]:
+    """The key/value projection (b, n, 2·h·d) as k and v (b, h, n, d): views of its two halves."""
+    b, n, width = kv.shape
+    return kv.view(b, n, 2, n_head, width // (2 * n_head)).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+class _Normed:
+    """rows -> projection(norm(rows)): row-wise, so a memory may project some rows now and some later."""
+
+    def __init__(self, norm: Callable[[Tensor], Tensor], projection: Callable[[Tensor], Tensor]):
+        self.norm, self.projection = norm, projection
+
+    def __call__(self, rows: Tensor) -> Tensor:
+        return self.projection(self.norm(rows))
