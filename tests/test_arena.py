@@ -31,14 +31,7 @@ from txl.positional import build_positional
 POSITIONS = ["xl", "shaw", "rope", "alibi", "sinusoidal"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a busy machine every parallel region of
-    the many small ops here waits for a descheduled thread (measured: 5 min instead of 30 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def tiny(**overrides) -> TransformerXLConfig:

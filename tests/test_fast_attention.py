@@ -17,9 +17,9 @@ from txl.attention.xl_fast import fast_attention, rel_shift_fast
 from txl.fast.dropout import cheap_dropout
 from txl.fast.memory import projection_key
 from txl.model import TransformerXL
-from txl.positional import rel_shift_pad
+from txl.positional import POSITIONAL_ENCODINGS, rel_shift_pad
 
-ENCODINGS = ["xl", "shaw", "rope", "alibi", "sinusoidal", "learned"]
+ENCODINGS = list(POSITIONAL_ENCODINGS)  # every registered encoding: none escapes the parity test
 VARIANTS = {
     "plain": {},
     "same_length": {"same_length": True},

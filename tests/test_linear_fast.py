@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from txl.fast import linear as linear_fast
 from txl.config import TransformerXLConfig
+from txl.fast import linear as linear_fast
 from txl.fast.linear import FastLinear, applies, linear
 from txl.model import TransformerXL
 

@@ -5,38 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from txl import TransformerXLConfig
+from tiny_models import build, tiny, two_segments_vs_one_pass
 from txl.attention.masks import causal_mask
 from txl.memory import Memory
 from txl.model import TransformerXL
+from txl.positional import POSITIONAL_ENCODINGS
 
-RELATIVE = ["xl", "shaw", "rope", "alibi"]
-ABSOLUTE = ["sinusoidal", "learned"]
-
-
-def tiny(**overrides) -> TransformerXLConfig:
-    base = dict(vocab_size=61, n_layer=2, d_model=32, n_head=4, d_head=8, d_inner=48, mem_len=16,
-                dropout=0.0, dropatt=0.0)
-    return TransformerXLConfig(**{**base, **overrides})
-
-
-def build(seed=0, **overrides) -> TransformerXL:
-    torch.manual_seed(seed)
-    model = TransformerXL(tiny(**overrides)).eval()
-    with torch.no_grad():  # make biases/LayerNorm shifts non-trivial so every path matters
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    return model
-
-
-def two_segments_vs_one_pass(model, seg=8, batch=2):
-    torch.manual_seed(3)
-    x = torch.randint(0, model.config.vocab_size, (batch, 2 * seg))
-    with torch.no_grad():
-        full = model(x, mem_len=2 * seg).logits
-        first = model(x[:, :seg], mem_len=2 * seg)
-        second = model(x[:, seg:], memory=first.memory, mem_len=2 * seg)
-    return (second.logits - full[:, seg:]).abs().max().item()
+# From the registry, so a new encoding cannot escape the invariance and causality tests.
+RELATIVE = [name for name, cls in POSITIONAL_ENCODINGS.items() if cls.relative]
+ABSOLUTE = [name for name, cls in POSITIONAL_ENCODINGS.items() if not cls.relative]
 
 
 VARIANTS = {
@@ -59,32 +36,9 @@ def test_segments_with_memory_equal_one_long_pass(pos, variant):
     assert two_segments_vs_one_pass(model) < 1e-5
 
 
-@pytest.mark.parametrize("pos", ABSOLUTE)
-def test_absolute_positions_show_temporal_confusion(pos):
-    # Positions restart each segment, so the second segment is not what one long pass computes.
-    assert two_segments_vs_one_pass(build(pos_encoding=pos)) > 1e-3
-
-
 def test_shaw_value_side_is_segment_invariant():
     model = build(pos_encoding="shaw", shaw_values=True, max_relative_distance=6)
     assert two_segments_vs_one_pass(model) < 1e-5
-
-
-def test_stop_gradient_through_memory():
-    model = build(tie_weight=False).train()  # untied, so input embeddings get gradient only as inputs
-    x = torch.randint(0, 61, (2, 16))
-    first = model(x[:, :8], labels=x[:, 1:9])
-    assert all(not h.requires_grad for h in first.memory.hidden)
-    # Only segment 2's loss is back-propagated: segment 1's activations must receive nothing.
-    seg1_hidden = first.hidden
-    seg1_hidden.retain_grad()
-    second = model(x[:, 8:], memory=first.memory, labels=torch.roll(x[:, 8:], -1, 1))
-    second.loss.backward()
-    assert seg1_hidden.grad is None
-    embed_grad = model.embed.layers[0].weight.grad
-    touched = embed_grad.abs().sum(-1) > 0
-    seg1_only = set(x[:, :8].flatten().tolist()) - set(x[:, 8:].flatten().tolist())
-    assert not any(touched[t] for t in seg1_only), "a segment-1-only token embedding got gradient"
 
 
 @pytest.mark.parametrize("pos", RELATIVE + ABSOLUTE)
@@ -132,19 +86,6 @@ def test_same_length_every_query_sees_mem_len_keys():
     model.same_length = False
     with torch.no_grad():
         assert not torch.allclose(model(x, memory=memory).logits, model(x, memory=poke(0)).logits)
-
-
-def test_memory_starts_empty_keeps_latest_and_mem_len_per_call():
-    model = build(mem_len=5)
-    x = torch.randint(0, 61, (3, 8))
-    out = model(x)
-    assert out.memory.length == 5 and out.memory.batch_size == 3
-    # the memory is the tail of each layer's input: layer 0's input is the (scaled) embedding
-    emb = model.embed(x)
-    torch.testing.assert_close(out.memory.hidden[0], emb[:, -5:])
-    out2 = model(x, memory=out.memory, mem_len=11)
-    assert out2.memory.length == 11
-    assert model(x, mem_len=0).memory is None  # the vanilla Transformer LM keeps nothing
 
 
 def test_labels_loss_and_per_token_nll_in_input_order():
@@ -197,14 +138,6 @@ def test_untied_model_has_its_own_output_weights():
     assert set(model.head.projs) == {"0", "1"}
 
 
-def test_learned_positions_reject_too_long_input():
-    from txl.errors import UsageError
-
-    model = build(pos_encoding="learned", max_positions=8)
-    with pytest.raises(UsageError, match="max_positions"):
-        model(torch.zeros(1, 9, dtype=torch.long))
-
-
 def test_bad_runtime_arguments():
     from txl.errors import UsageError
 
@@ -215,30 +148,3 @@ def test_bad_runtime_arguments():
         model(torch.zeros(2, 3, dtype=torch.long), memory=model(torch.zeros(1, 3, dtype=torch.long)).memory)
     with pytest.raises(UsageError, match=r"\(batch, length\)"):
         model(torch.zeros(3, dtype=torch.long))
-
-
-def test_in_place_memory_gives_the_same_results_and_reuses_the_buffers():
-    model = build(mem_len=6)
-    x = torch.randint(0, 61, (2, 18))
-    with torch.no_grad():
-        memory = model(x[:, :6]).memory  # full: 6 states
-        reference = model(x[:, 6:10], memory=memory)
-        copy = Memory(tuple(h.clone() for h in memory.hidden)).donate()
-        buffers = [h.data_ptr() for h in copy.hidden]
-        out = model(x[:, 6:10], memory=copy)
-        assert out.memory is copy and [h.data_ptr() for h in out.memory.hidden] == buffers
-        assert torch.equal(out.logits, reference.logits)
-        for a, b in zip(out.memory.hidden, reference.memory.hidden):
-            assert torch.equal(a, b)
-        # a memory that is not full yet, or a forward with autograd, takes the allocating path
-        short = model(x[:, :3]).memory.donate()
-        assert model(x[:, 3:5], memory=short).memory is not short
-    grad_out = model(x[:, 6:10], memory=copy)
-    assert grad_out.memory is not copy
-
-
-def test_memory_cat_inverts_select_over_row_groups():
-    memory = Memory(tuple(torch.randn(5, 3, 4) for _ in range(2)), tuple(torch.randn(5, 2, 4) for _ in range(2)))
-    joined = Memory.cat([memory.select(slice(0, 2)), memory.select(slice(2, 4)), memory.select(4)])
-    for a, b in zip(joined.hidden + joined.compressed, memory.hidden + memory.compressed, strict=True):
-        assert torch.equal(a, b)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 from txl.attention.masks import AttentionMask
 from txl.attention.registry import register

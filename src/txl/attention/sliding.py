@@ -71,7 +71,7 @@ def local_pattern(dist: Tensor, window: int, dilation: int) -> Tensor:
 def default_block_size(window: int) -> int:
     """Queries per block. Each block computes B + w - 1 keys for w useful ones, so smaller blocks
     waste less; larger blocks make fewer, bigger matmuls. w/4 (within 16..256) measured best on a
-    2-core CPU at w = 512, n = 4k…16k (B = 128: 0.33 s, B = 256: 0.38-0.44 s per 16k layer)."""
+    2-core CPU (docs/benchmarks.md, "Measurements behind the code")."""
     return max(16, min(256, window // 4))
 
 

@@ -54,8 +54,8 @@ _workspaces = threading.local()
 def _workspace(name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
     """A scratch tensor reused across calls (per thread, per name) for intermediates that never leave
     the function that asked for it. Fresh large CPU tensors are costly here: the allocator maps new
-    pages for every block above its mmap threshold, and first-touch page faults made a 32 MiB buffer
-    cost 35 ms against 1 ms to refill a reused one (measured in a KVM guest, torch 2.13)."""
+    pages for every block above its mmap threshold and each page faults on first touch (the
+    measurement is in docs/benchmarks.md, "Measurements behind the code")."""
     numel = math.prod(shape)
     cache = _workspaces.__dict__
     buffer = cache.get(name)
@@ -87,7 +87,7 @@ def _shift_grad_buffer(like: Tensor, q_len: int, k_len: int) -> tuple[Tensor, Te
 
 class _RelShift(torch.autograd.Function):
     """`rel_shift_strided` with a copy-light backward (autograd's own `as_strided` backward takes a slow
-    path for overlapping views: measured 1.2x slower than the reference pad-and-copy)."""
+    path for overlapping views, slower than the reference pad-and-copy; docs/benchmarks.md)."""
 
     @staticmethod
     def forward(ctx, raw):
@@ -128,7 +128,7 @@ def _xl_probs(qu: Tensor, qv: Tensor, k: Tensor, r: Tensor, mask: Tensor | None,
         scores.add_(mask)
     # In place, in the scores' dtype (callers run with autocast off). For bf16 that is still an fp32
     # softmax: the kernel accumulates in fp32 and rounds once at the end, bit-equal to eager's
-    # `.float().softmax().to(bf16)` and 11x faster than that round trip (measured).
+    # `.float().softmax().to(bf16)` and much faster than that round trip (docs/benchmarks.md).
     return torch.softmax(scores, dim=-1, out=scores)
 
 
@@ -150,8 +150,7 @@ def _xl_forward_chunked(qu, qv, k, v, r, mask, scale) -> Tensor:
 # Training splits the queries into this many blocks when a block keeps at least TRAIN_MIN_BLOCK
 # queries: a block attends to the keys up to its last query only, so part of the causally masked
 # corner of the score matrix is never computed (with tgt_len = mem_len, 2 blocks skip 12.5% of the
-# score work). Measured side by side (1 thread, base shape): 2 blocks 10% faster per fp32 training
-# step than 1 and 3% in bf16; 4 and 8 blocks were slower than 2 (smaller products, more calls).
+# score work). 2 blocks measured faster than 1, 4 and 8 (docs/benchmarks.md, "What the fast path does").
 TRAIN_QUERY_BLOCKS = 2
 TRAIN_MIN_BLOCK = 64
 
@@ -226,7 +225,7 @@ class _XLAttention(torch.autograd.Function):
         # Key/value gradients accumulate in fp32 as (B, n, d), whose copy into the projection's layout
         # moves rows of d; in bf16/fp16 as (B, d, n), since there oneDNN first copies a transposed big
         # operand (the (keys, queries) view of P or dS), which costs more than the element-wise gather
-        # of the final transposed copy (measured on the tiny and base shapes, 1 thread).
+        # of the final transposed copy (docs/benchmarks.md).
         low = out.dtype != torch.float32
         grad_k = k3.new_zeros(b * h, d, n) if low else torch.zeros_like(k3)
         grad_v = k3.new_zeros(b * h, d, n) if low else torch.zeros_like(v3)
@@ -298,8 +297,8 @@ def _below_zero_row(x: Tensor) -> Tensor:
 
 def _product_into(out: Tensor, x: Tensor, y: Tensor) -> None:
     """out = x @ y (batched) for a slice `out`. Into a slice whose matrices are not evenly spaced, the CPU
-    fp32 `bmm` runs one gemm per matrix: a product into a fresh tensor and a copy was 1.3-2x faster on
-    the tiny shape's blocks (slower in bf16, where oneDNN takes the slice as it is). Measured, 2 threads."""
+    fp32 `bmm` runs one gemm per matrix: a product into a fresh tensor and a copy is faster on
+    small blocks (slower in bf16, where oneDNN takes the slice as it is; docs/benchmarks.md)."""
     if out.dtype == torch.float32 and out.device.type == "cpu" and not out.is_contiguous():
         out.copy_(torch.bmm(x, y))
     else:

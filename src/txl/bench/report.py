@@ -211,6 +211,44 @@ def rerender(out_dir: str | Path = "docs") -> None:
     (out / "benchmarks.md").write_text(render(report, plots, out))
 
 
+# The single measurements the code's choices rest on (its comments point here; timings go stale in code).
+# Each was measured once on the benchmark machine (2-core AMD EPYC, AVX-512, torch 2.13, 2026-11-20..22).
+MEASUREMENTS = [
+    "## Measurements behind the code",
+    "",
+    "Single measurements the fast path's choices rest on (the code's comments point here). Machine as above, "
+    "torch 2.13, 2026-11-20 to 22; each an A/B on the same machine, not a target.",
+    "",
+    "- oneDNN against MKL for fp32 linears (`src/txl/fast/linear.py`): MKL ~210 GFLOP/s with 2 threads (its "
+    "AVX2 code on this AMD CPU), oneDNN 400-470; a (1024, 128) x (128, 512) linear 621 -> 335 us, "
+    "(1024, 512) x (512, 2048) 10.1 -> 4.7 ms. oneDNN's fixed cost ~14 us: a tiny model's generated "
+    "token (1, 128) x (128, 512) takes 7 us in MKL, 16 in oneDNN, hence `MIN_MACS`; a large weight read "
+    "once per token streams faster through oneDNN (weights not in cache: (1, 512) x (512, 2048) 276 -> "
+    "126 us, (1, 512) x (512, 512) 47 -> 29 us), hence `MIN_WEIGHT`.",
+    "- Fresh large CPU tensors (`_workspace` in `src/txl/attention/xl_fast.py`): a fresh 32 MiB buffer cost "
+    "35 ms against 1 ms to refill a reused one (first-touch page faults, KVM guest).",
+    "- Autograd's own `as_strided` backward for the rel-shift: 1.2x slower than the reference pad-and-copy "
+    "(`_RelShift` writes it out).",
+    "- Softmax in place in the bf16 buffer (fp32 accumulation): 11x faster than `.float().softmax().to(bf16)`, "
+    "bit-equal. The additive mask: a ninth of an in-place `masked_fill_` with a broadcast bool mask.",
+    "- bf16 key/value gradients accumulated transposed (B, d, n): faster than oneDNN's transposed copy of a "
+    "big operand (tiny and base shapes, 1 thread). A product into a slice of unevenly spaced matrices: the "
+    "CPU fp32 `bmm` runs one gemm per matrix; a fresh tensor and a copy was 1.3-2x faster on the tiny "
+    "shape's blocks (slower in bf16).",
+    "- Dropout's random source (`src/txl/fast/dropout.py`): 7x faster than `bernoulli_`; bool tensors were "
+    "the slow part (`>=` plus a bool->float cast 4x, `torch.where` / x * bool 10-50x a float product); "
+    "building the multiplier on 16-bit integers: 7% on a (2, 512, 2048) multiplier in bf16, bit-equal. "
+    "Fused ReLU + dropout: 1 ms less per call on the tiny benchmark's (8, 128, 512) hidden layer.",
+    "- Generation: the float64 position table cost 1.4 ms of a 3.7 ms tiny step at a 1k context before it "
+    "was memoised (`src/txl/fast/positions.py`); copying the whole memory per layer per token was a third "
+    "of a token's time before `append_rows` (tiny shape, mem_len 1024).",
+    "- Sliding window blocks (`src/txl/attention/sliding.py`): B = w/4 best at w = 512, n = 4k-16k "
+    "(B = 128: 0.33 s, B = 256: 0.38-0.44 s per 16k layer). Performer's chunk groups: one giant "
+    "(nc, c, c) product made 32k tokens cost 2.8x 16k.",
+    "",
+]
+
+
 def render(report: dict, plots: list[str], out: Path | None = None) -> str:
     from txl.bench.cli import load
     from txl.bench.common import markdown_table
@@ -240,6 +278,7 @@ def render(report: dict, plots: list[str], out: Path | None = None) -> str:
         "the model and, for evaluation, the memory state, held twice while the next one is built).",
         "",
     ]
+    lines += MEASUREMENTS
     lines += [
         "## What the fast path does",
         "",

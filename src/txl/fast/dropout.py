@@ -2,7 +2,7 @@
 
 On CPU, `torch.bernoulli_` (what F.dropout uses) draws one
 Mersenne-Twister number per element; here one 64-bit draw feeds four elements as 16-bit uniforms,
-7x faster measured on this repository's benchmark machine (docs/benchmarks.md). The keep
+several times faster (docs/benchmarks.md). The keep
 probability is 1 - round(p * 2^16) / 2^16 (within 2^-17 of 1 - p) and survivors are scaled by its
 exact inverse, so the output is unbiased. Same generator (`torch.manual_seed`, checkpointed RNG
 state), different stream than `nn.Dropout`: the reference backend keeps `nn.Dropout`.
@@ -23,10 +23,9 @@ def _dropout_scale(x: Tensor, p: float) -> Tensor:
     uniform = bits.view(torch.int16)[: x.numel()].view(x.shape)  # integers uniform on [-2^15, 2^15)
     # Keep where uniform >= threshold, as a multiplier (0 or 1/keep-probability) built without bool
     # tensors: clamping the integers to [threshold-1, threshold] in place leaves exactly two values,
-    # 0 and 1 after the subtraction, then one cast to x's dtype. Bool tensors were the slow part here:
-    # `>=` plus a bool->float cast took 4x longer, and torch.where / x * bool 10-50x longer than a
-    # float product (this CPU, torch 2.13); the integer steps before the cast save an fp32 round trip
-    # in bf16 (measured 7% on a (2, 512, 2048) multiplier, bit-equal results).
+    # 0 and 1 after the subtraction, then one cast to x's dtype. Bool tensors were the slow part here
+    # (`>=` plus a bool->float cast, torch.where, x * bool), and the integer steps before the cast save
+    # an fp32 round trip in bf16, with bit-equal results (docs/benchmarks.md).
     threshold = cut - 32768
     keep = uniform.clamp_(threshold - 1, threshold).sub_(threshold - 1)
     return keep.to(x.dtype).mul_(65536 / (65536 - cut))
@@ -49,8 +48,7 @@ class _ReluDropout(torch.autograd.Function):
     """dropout(relu(x)) for the feed-forward hidden layer, as relu(x * scale) (equal, since scale >= 0)
     computed in place in the freshly drawn multiplier. The backward needs only the output: where it
     is positive the multiplier was 1/keep, elsewhere the gradient is 0. Two fresh hidden-sized
-    tensors instead of three and one saved instead of three (measured: 1 ms less per call on the tiny
-    benchmark's (8, 128, 512) hidden layer, this CPU). x itself is left alone: it is a view of the
+    tensors instead of three and one saved instead of three (docs/benchmarks.md). x itself is left alone: it is a view of the
     linear layer's output, and an in-place write there costs autograd a copy-and-scatter."""
 
     @staticmethod

@@ -1,10 +1,9 @@
 """The fast path's fp32 linear layers: oneDNN's matmul on x86 CPUs instead of torch's default BLAS.
 
 torch sends an fp32 `F.linear` / `mm` on CPU to MKL's sgemm. On the AMD EPYC (AVX-512) this
-repository benchmarks on, MKL runs its AVX2 code (it picks kernels by CPU vendor) and reaches about
-210 GFLOP/s with 2 threads, while oneDNN, the library torch already uses for bf16 matmuls, picks
-kernels by instruction set and reaches 400-470 GFLOP/s on the same fp32 shapes (measured
-2026-11-22: a (1024, 128) x (128, 512) linear 621 -> 335 us, (1024, 512) x (512, 2048) 10.1 -> 4.7 ms).
+repository benchmarks on, MKL runs its AVX2 code (it picks kernels by CPU vendor), while oneDNN, the
+library torch already uses for bf16 matmuls, picks kernels by instruction set and reaches about twice
+MKL's GFLOP/s on the same fp32 shapes (docs/benchmarks.md, "Measurements behind the code").
 Same fp32 arithmetic: the error against a float64 product is of the same size as MKL's; only the
 summation order differs.
 
@@ -17,9 +16,9 @@ the smaller one.
 It runs only where it was measured to pay: CPU, fp32 (autocast off: bf16 and fp16 already go to
 oneDNN), x86-64, outside `torch.compile` (whose inductor backend fails to lower the op), and a
 product of at least `MIN_MACS` multiply-adds or a weight of at least `MIN_WEIGHT` elements. Below both
-the op's ~14 us fixed cost loses to MKL (a tiny model's generated token: (1, 128) x (128, 512) takes
-7 us in MKL, 16 in oneDNN); a large weight read once per token streams faster through oneDNN (base
-shape, weights not in cache: (1, 512) x (512, 2048) 276 -> 126 us, (1, 512) x (512, 512) 47 -> 29 us).
+the op's fixed cost loses to MKL (a tiny model's generated token); a large weight read once per token
+streams faster through oneDNN (the base shape's generated token). The break-evens are measured
+(docs/benchmarks.md).
 Everything else is `F.linear`. The reference backend keeps plain `nn.Linear`.
 """
 
