@@ -258,3 +258,58 @@ def test_clamp_len_and_same_length_per_call_equal_the_model_attributes(tiny):
 def test_attention_mask_validates_its_window():
     with pytest.raises(ValueError, match="window needs causal=True"):
         AttentionMask(causal=False, window=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every registered kernel (parametrised from the registry, so a new one cannot escape these)
+
+KERNEL_NAMES = kernel_registry.kernel_names()
+KERNEL_OPTIONS = {"sliding": {"sliding_window": 4}, "sparse": {"sparse_stride": 3}, "performer": {"performer_features": 32},
+                  "linformer": {"linformer_k": 8, "linformer_max_len": 32}}
+
+
+def kernel_config(tiny, name: str, **overrides):
+    spec = kernel_registry.SPECS[name]
+    causal = spec.causal
+    return tiny(attention=name, pos_encoding="rope", causal=causal, mem_len=8 if causal else 0,
+                **KERNEL_OPTIONS.get(name, {}), **overrides)
+
+
+@pytest.mark.parametrize("name", KERNEL_NAMES)
+def test_every_kernel_fast_equals_its_eager_reference(name, tiny):
+    impls = {impl for n, impl in KERNELS if n == name}
+    if impls != {"eager", "fast"}:
+        pytest.skip(f"attention={name!r} has one implementation ({', '.join(sorted(impls))})")
+    config = kernel_config(tiny, name)
+    torch.manual_seed(0)
+    eager = TransformerXL(config.replace(attention_impl="eager", backend="reference")).eval()
+    fast = TransformerXL(config.replace(attention_impl="fast")).eval()
+    fast.load_state_dict(eager.state_dict())
+    x = torch.randint(0, 61, (2, 20))
+    outs = []
+    for model in (eager, fast):
+        model.zero_grad()
+        memory = model(x[:, :10]).memory if config.causal else None
+        out = model(x[:, 10:], memory=memory, labels=x[:, 10:])
+        out.loss.backward()
+        outs.append((out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-5, rtol=0)
+    for n, g in outs[0][1].items():
+        assert (outs[1][1][n] - g).norm() <= 1e-4 * g.norm().clamp(min=1e-12), n
+
+
+@pytest.mark.parametrize("impl", ["eager", "fast"])
+@pytest.mark.parametrize("name", [n for n in KERNEL_NAMES if kernel_registry.SPECS[n].causal])
+def test_every_causal_kernel_never_sees_the_future(name, impl, tiny):
+    if (name, impl) not in KERNELS:
+        pytest.skip(f"attention={name!r} has no {impl!r} implementation")
+    torch.manual_seed(0)
+    model = TransformerXL(kernel_config(tiny, name, attention_impl=impl)).eval()
+    x = torch.randint(0, 61, (2, 12))
+    y = x.clone()
+    y[:, 7:] = (y[:, 7:] + 1) % 61
+    with torch.no_grad():
+        memory = model(torch.randint(0, 61, (2, 8))).memory
+        a, b = model(x, memory=memory).logits, model(y, memory=memory).logits
+    assert torch.equal(a[:, :7], b[:, :7])
+    assert not torch.allclose(a[:, 7:], b[:, 7:])
