@@ -371,6 +371,8 @@ def no_padding(name: str, mask: AttentionMask) -> None:
 class SlidingWindowAttention(nn.Module):
     """`attention="sliding"`: Longformer's sliding window (Beltagy et al. 2020), O(n·w)."""
 
+    name = "sliding"
+
     def __init__(self, config: TransformerXLConfig):
         super().__init__()
         self.head_windows = [(config.sliding_window, s) for s in head_dilations(config)]
@@ -378,7 +380,7 @@ class SlidingWindowAttention(nn.Module):
 
     def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
                 need_weights: bool = False):
-        no_padding("sliding", mask)
+        no_padding(self.name, mask)
         if need_weights:  # the probabilities over every key: the dense reference forms them
             return SlidingWindowReference.forward(self, q, k, v, positions=positions, mask=mask, dropatt=dropatt,
                                                   training=training, need_weights=True)
@@ -397,7 +399,7 @@ class SlidingWindowReference(SlidingWindowAttention):
 
     def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
                 need_weights: bool = False):
-        no_padding("sliding", mask)
+        no_padding(self.name, mask)
         out, probs = sliding_reference(q, k, v, positions=positions, head_windows=self.head_windows,
                                        global_tokens=self.global_tokens, horizon=mask.window, dropatt=dropatt,
                                        training=training, return_probs=True)

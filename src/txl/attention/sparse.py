@@ -21,12 +21,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from txl.attention.masks import AttentionMask
 from txl.attention.registry import register
-from txl.attention.sliding import UNBOUNDED, banded_attention, no_padding, sliding_reference
+from txl.attention.sliding import UNBOUNDED, SlidingWindowAttention, SlidingWindowReference
 from txl.config import TransformerXLConfig
 from txl.errors import ConfigError
-from txl.positional import LayerPositions
 
 
 def sparse_head_windows(config: TransformerXLConfig) -> list[tuple[int, int]]:
@@ -47,34 +45,17 @@ def check_sparse(config: TransformerXLConfig) -> None:
 
 
 @register("sparse", "fast", check=check_sparse)
-class SparseStridedAttention(nn.Module):
+class SparseStridedAttention(SlidingWindowAttention):
     """`attention="sparse"`: local + strided heads (Child et al. 2019), block-banded, no n×n matrix."""
 
+    name = "sparse"
+
     def __init__(self, config: TransformerXLConfig):
-        super().__init__()
+        nn.Module.__init__(self)
         self.head_windows = sparse_head_windows(config)
-
-    def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
-                need_weights: bool = False):
-        no_padding("sparse", mask)
-        if need_weights:  # the probabilities over every key: the dense reference forms them
-            return SparseStridedReference.forward(self, q, k, v, positions=positions, mask=mask, dropatt=dropatt,
-                                                  training=training, need_weights=True)
-        out = banded_attention(q, k, v, positions=positions, head_windows=self.head_windows, global_tokens=0,
-                               horizon=mask.window, dropatt=dropatt, training=training)
-        return out, None
-
-    def extra_repr(self) -> str:
-        return f"head_windows={self.head_windows}"
+        self.global_tokens = 0
 
 
 @register("sparse", "eager", check=check_sparse)
-class SparseStridedReference(SparseStridedAttention):
+class SparseStridedReference(SparseStridedAttention, SlidingWindowReference):
     """The same pattern as a dense mask (O(n²)): the ground truth for `SparseStridedAttention`."""
-
-    def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
-                need_weights: bool = False):
-        no_padding("sparse", mask)
-        out, probs = sliding_reference(q, k, v, positions=positions, head_windows=self.head_windows, global_tokens=0,
-                                       horizon=mask.window, dropatt=dropatt, training=training, return_probs=True)
-        return out, probs if need_weights else None
