@@ -164,7 +164,8 @@ def evaluate(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(iterator), desc="eval", unit="seg", leave=False, dynamic_ncols=True)
+        bar = tqdm(total=len(iterator), desc="eval", unit="seg", leave=False, dynamic_ncols=True,
+                   disable=not sys.stderr.isatty())  # a log file gets no \r-redrawn bar
     with runtime_settings(model, clamp_len=clamp_len, same_length=same_length) as settings:
         used_clamp, used_same = settings.clamp_len, settings.same_length
         start = time.perf_counter()
@@ -354,7 +355,8 @@ def evaluate_vanilla(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=n - 1, desc="vanilla eval", unit="tok", leave=False, dynamic_ncols=True)
+        bar = tqdm(total=n - 1, desc="vanilla eval", unit="tok", leave=False, dynamic_ncols=True,
+                   disable=not sys.stderr.isatty())
     with runtime_settings(model, clamp_len=clamp_len, same_length=False) as settings:
         used_clamp = settings.clamp_len
         start = time.perf_counter()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -28,11 +29,15 @@ from txl.model import TransformerXL
 from txl.optim import build_optimizer, lr_at, set_lr
 from txl.run_config import RunConfig
 from txl.train.distributed import init_distributed
+from txl.train.finish import sample_prompt_ids
 from txl.train.progress import MetricsLog, Progress
 from txl.train.state import (
     BEST,
     LAST,
-    prepare_out_dir,
+    check_out_dir,
+    create_out_dir,
+    load_initial_weights,
+    resolve_data,
     restore_checkpoint,
     save_best,
     save_checkpoint,
@@ -42,7 +47,10 @@ from txl.train.state import (
 
 class Trainer:
     def __init__(self, run: RunConfig, out_dir: str | Path, *, device: str = "auto", resume: bool = False,
-                 quiet: bool = False):
+                 quiet: bool = False, init_from: str | Path | None = None):
+        """Everything a run needs at its end is checked here, before the first step: the data (and a
+        preset's corpus being where it is expected), the sample prompt, the validation split and the
+        output directory, which is created last, so a failed start leaves nothing behind."""
         from txl.data import StreamIterator, open_corpus
 
         self.run = run
@@ -59,11 +67,22 @@ class Trainer:
             for name in (LAST, BEST):  # a crash mid-checkpoint leaves the previous one set aside
                 recover_directory(self.out / name)
             if not resume:
-                prepare_out_dir(self.out)
+                check_out_dir(self.out)
+        self.data_as_typed = self.cfg.data
+        self.cfg.data = resolve_data(self.cfg.data)  # absolute: the run works from any directory
         self.corpus = open_corpus(self.cfg.data)
+        self.metric = self.corpus.metric
+        self.validates = "valid" in self.corpus.splits
+        if not self.validates and self.dist.main and not resume:
+            print(f"note: {self.cfg.data} has no valid split: validation is off, so there is no `best` checkpoint "
+                  "and no final score (add a valid.txt to the corpus directory to get them)", file=sys.stderr)
+        self.sample_prompt = sample_prompt_ids(self.corpus, self.cfg)
         self.model_config = run.model_config(vocab_size=len(self.corpus.vocab))
         torch.manual_seed(self.cfg.seed)
         self.model = TransformerXL(self.model_config).to(self.dist.device)
+        self.init_from = None
+        if init_from is not None and not resume:
+            self.init_from = str(load_initial_weights(self.model, init_from, self.corpus.vocab))
         torch.manual_seed(self.cfg.seed + self.dist.rank)  # distinct dropout streams per rank
         self.ddp = self.model
         if self.dist.world > 1:
@@ -89,9 +108,10 @@ class Trainer:
         self.nonfinite_streak = 0
         self.stop_requested = False
         self._checked_splits: set[str] = set()
-        self.metric = self.corpus.metric
         if resume:
             restore_checkpoint(self, self.out / LAST)
+        elif self.dist.main:
+            create_out_dir(self.out)
 
     # -- one optimisation step ---------------------------------------------------------------------
     def train_step(self, batch) -> tuple[float, int]:
@@ -189,7 +209,7 @@ class Trainer:
                 bar.advance(self.step)
                 time_up = cfg.max_minutes > 0 and self.elapsed >= cfg.max_minutes * 60
                 stopping = stop > 0 or time_up or self.step == cfg.max_steps
-                if self.step % cfg.eval_interval == 0 or time_up or self.step == cfg.max_steps:
+                if self.validates and (self.step % cfg.eval_interval == 0 or time_up or self.step == cfg.max_steps):
                     self.validate(log, bar)  # (not on a signal: save and leave quickly)
                 due = (cfg.save_interval and self.step % cfg.save_interval == 0) or (
                     not cfg.save_interval and self.step % cfg.eval_interval == 0

@@ -9,6 +9,7 @@ checkpoint or one from another run is one `CheckpointError`, never a crash at th
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,12 +42,26 @@ OPTIMIZER_STATE_KEYS = {"step", "exp_avg", "exp_avg_sq"}  # per parameter, for a
 STATE_FILE = "trainer_state.json"
 
 
-def prepare_out_dir(out: Path) -> None:
-    """A new run's --out: refuse one that holds a run or is not a directory; check it is writable."""
+def check_out_dir(out: Path) -> None:
+    """A new run's --out, before anything is created: refuse one that holds a run or is not a
+    directory, and one whose nearest existing parent cannot be written."""
     if (out / LAST).exists():
         raise UsageError(f"{out} already holds a run; continue it with --resume {out} or pick a new --out")
     if out.exists() and not out.is_dir():
         raise OutputError(f"output directory {out} exists and is not a directory; pick a new --out")
+    parent = out.absolute()
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise OutputError(f"cannot write to output directory {out}: {parent} is a file, not a directory; "
+                          "pick a new --out")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write to output directory {out}: {parent} is not writable (permission denied); "
+                          "pick a new --out")
+
+
+def create_out_dir(out: Path) -> None:
+    """Create a new run's --out (the last step before training) and prove it is writable."""
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".write-test"
@@ -56,10 +71,62 @@ def prepare_out_dir(out: Path) -> None:
         raise OutputError(f"cannot write to output directory {out}: {describe_os_error(err)}") from None
 
 
+def resolve_data(spec_text: str) -> str:
+    """The data spec with an absolute path (stored in the run, so eval/generate/resume work from any
+    directory). A spec without a path (a preset names corpora, not paths) means the default download
+    location; when the corpus is not there, one line says how to get it or point at it."""
+    from txl.data import parse_spec
+
+    spec = parse_spec(spec_text)
+    body = spec.text.partition("?")[0] if "?" in spec.text else spec.text
+    implicit = ":" not in body
+    if implicit and spec.info.download and spec.path is not None and not Path(spec.path).exists():
+        raise DataError(f"corpus {spec.name} not found in its download location {spec.path}; fetch it with "
+                        f"`txl data download {spec.info.download}` or point at your copy with --data "
+                        f"{spec.name}:DIR")
+    return spec.canonical()
+
+
+def load_initial_weights(model, source: str | Path, vocab) -> Path:
+    """Fine-tuning (`--init-from`): copy trained weights into a new run's model. The vocabulary must be
+    the same one (ids mean the same symbols); the error says how the two differ."""
+    from txl.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(source)
+    if ckpt.vocab is not None and ckpt.vocab.fingerprint != vocab.fingerprint:
+        raise DataError(f"--init-from {source}: {vocab_difference(ckpt.vocab, vocab)}; fine-tune on data with the "
+                        "checkpoint's vocabulary (same tokenizer and symbols)")
+    if ckpt.vocab is None and ckpt.model.config.vocab_size != vocab.size:
+        raise DataError(f"--init-from {source}: the checkpoint has {ckpt.model.config.vocab_size} ids but the data has "
+                        f"{vocab.size}")
+    weights = ckpt.model.state_dict()
+    check_state_dict(model.state_dict(), weights, ckpt.path)
+    model.load_state_dict(weights)
+    return ckpt.path
+
+
+def vocab_difference(old, new) -> str:
+    """How two vocabularies differ, in words (kind, size, the first symbols only one of them has)."""
+    if old.kind != new.kind:
+        return f"the checkpoint has a {old.kind} vocabulary, the data a {new.kind} vocabulary"
+    text = f"the checkpoint's {old.kind} vocabulary has {old.size} ids, the data's {new.size}"
+    if old.symbols is not None and new.symbols is not None:
+        missing = [s for s in new.symbols if s not in set(old.symbols)][:5]
+        extra = [s for s in old.symbols if s not in set(new.symbols)][:5]
+        if missing:
+            text += f"; the data has symbols the checkpoint lacks ({', '.join(map(repr, missing))})"
+        if extra:
+            text += f"; the checkpoint has symbols the data lacks ({', '.join(map(repr, extra))})"
+        if not missing and not extra:
+            text += "; the same symbols in a different order"
+    return text
+
+
 def write_run_file(trainer: Trainer) -> None:
     data = {"config": trainer.run.to_dict(), "model": trainer.model_config.to_dict(), "world_size": trainer.dist.world,
-            "data": trainer.cfg.data, "metric": trainer.metric, "parameters": trainer.model.num_parameters(),
-            "torch": torch.__version__}
+            "data": trainer.cfg.data, "data_as_typed": trainer.data_as_typed, "metric": trainer.metric,
+            "parameters": trainer.model.num_parameters(), "torch": torch.__version__,
+            "init_from": trainer.init_from, "validation": trainer.validates}
     write_json(trainer.out / "run.json", data)
 
 
