@@ -632,7 +632,7 @@ def _(ctx):
 
 
 @case("resume-with-set", "`--resume` with settings that would change the run", "txl train --resume RUN --set lr=1",
-      "only --max-steps and --max-minutes")
+      "only --max-steps, --max-minutes and --data")
 def _(ctx):
     return cli("train", "--resume", str(ctx.run_copy()), "--set", "lr=1")
 
@@ -658,7 +658,7 @@ def _(ctx):
 
 
 @case("out-below-a-file", "output directory below a regular file", "txl train --out FILE/run",
-      "not a directory", "choose another location")
+      "not a directory", "pick a new --out")
 def _(ctx):
     ctx.write("file", "x")
     return cli("train", "--config", str(ctx.config), "--out", str(ctx.dir / "file" / "run"), "--quiet", *TINY)
