@@ -86,8 +86,10 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warm-memory", action=argparse.BooleanOptionalAction, default=True,
                         help="start each stream mem_len tokens early so every scored token has full context "
                              "(default: on)")
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="fp32, or bf16/fp16 autocast (default fp32)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="where to run (default: auto, a GPU when there is one)")
     parser.add_argument("--max-tokens", type=int, default=0, help="score only the first N targets (0 = all)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--per-token", metavar="FILE",
@@ -363,8 +365,10 @@ def configure_recl(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=0,
                         help="window mode: windows per forward (0 = automatic); memory mode: streams (0 = 1)")
     parser.add_argument("--names", help="comma-separated labels for the checkpoints (default: run names)")
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="fp32, or bf16/fp16 autocast (default fp32)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="where to run (default: auto, a GPU when there is one)")
     parser.add_argument("--cache", metavar="DIR",
                         help="store per-token losses here and reuse them (resumable; change r or the "
                              "threshold without recomputing)")

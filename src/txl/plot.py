@@ -106,7 +106,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path, *, title: str | None 
 def configure_cli(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("runs", nargs="+", help="run directories (the --out of `txl train`)")
     parser.add_argument("--out", help="PNG path (default: RUN_DIR/curves.png for one run, curves.png otherwise)")
-    parser.add_argument("--title")
+    parser.add_argument("--title", help="figure title (default: the run names)")
 
 
 def run_cli(args: argparse.Namespace) -> int:
