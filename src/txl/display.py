@@ -37,6 +37,8 @@ def terminal_text(text: str) -> str:
 
 
 def for_stream(text: str, stream) -> str:
-    """What to write to `stream`: escaped on a terminal, the text itself (exact bytes) otherwise."""
+    """What to write to `stream`: control characters escaped on a terminal; elsewhere (a log file, a
+    pipe) the text as it is except bytes that are not UTF-8, as escapes (the exact bytes are in the
+    files a run writes)."""
     isatty = getattr(stream, "isatty", None)
-    return terminal_text(text) if isatty is not None and isatty() else text
+    return terminal_text(text) if isatty is not None and isatty() else json_text(text)

@@ -8,6 +8,7 @@ checkpoint or one from another run is one `CheckpointError`, never a crash at th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -80,6 +81,8 @@ def resolve_data(spec_text: str) -> str:
     spec = parse_spec(spec_text)
     body = spec.text.partition("?")[0] if "?" in spec.text else spec.text
     implicit = ":" not in body
+    if spec.path is not None and spec.name != "builtin":
+        spec = dataclasses.replace(spec, path=os.path.abspath(spec.path))  # normalised: no "work/../data"
     if implicit and spec.info.download and spec.path is not None and not Path(spec.path).exists():
         raise DataError(f"corpus {spec.name} not found in its download location {spec.path}; fetch it with "
                         f"`txl data download {spec.info.download}` or point at your copy with --data "
