@@ -371,12 +371,11 @@ def sample_text(
             rows[row].stream.push(token)
             return rows[row].stop.stopped
 
+        # every token goes through its row's text path as it is produced (so `on_text` streams); the
+        # <eos> that ends a row is kept in its ids but not in its text
         result = sample(model, [ids] * num_samples, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                        should_stop=should_stop if stop else None, **kwargs)
+                        should_stop=should_stop, **kwargs)
         for row, sink in enumerate(rows):
-            if not stop:
-                for token in result.ids[row]:
-                    sink.stream.push(token)
             if not sink.stop.stopped:
                 sink.stream.close()
             sink.stop.close()
