@@ -152,3 +152,154 @@ def test_presets_name_corpora_not_paths():
         data = load_preset(name)["train"].get("data", "")
         assert ".." not in data and "/" not in data, f"preset {name} names a path: {data}"
         assert "sample_prompt" not in load_preset(name)["train"], f"preset {name} carries a corpus-specific prompt"
+
+
+# ---------------------------------------------------------------------------------------------
+# The defects of issue 16, one test each (each failed before the fix)
+
+
+def test_a_sample_prompt_the_corpus_cannot_encode_stops_before_training(corpora, workdir, capsys):
+    """Before: the run trained, then failed at the sample (or the word silently became <unk>)."""
+    for spec, prompt, word in ((f"text:{corpora / 'plain.txt'}?tokenizer=words", "the zebra", "'zebra'"),
+                               (f"text:{corpora / 'plain.txt'}?tokenizer=chars", "déf", "'é'")):
+        code, _, err = txl(capsys, "train", "--data", spec, "--out", "run", *SMALL, "--set", f"sample_prompt={prompt}")
+        assert code == 2 and "sample_prompt" in err and word in err and len(err.strip().splitlines()) == 1, err
+        assert not (workdir / "run").exists()
+
+
+def test_a_text_folder_with_only_train_trains_without_validation(corpora, workdir, capsys, tmp_path):
+    """Before: "text has no split 'valid'" after training, and no checkpoint."""
+    folder = tmp_path / "own"
+    folder.mkdir()
+    shutil.copy(corpora / "plain.txt", folder / "train.txt")
+    code, out, err = txl(capsys, "train", "--data", f"text:{folder}", "--out", "run", *SMALL)
+    assert code == 0, err
+    assert "no valid split" in err and "validation is off" in err
+    result = json.loads((workdir / "run" / "result.json").read_text())
+    assert result["final"] == {} and result["best_valid_loss_nats"] is None and result["sample"]
+    assert (workdir / "run" / "last" / "model.safetensors").is_file()
+    ok(capsys, "eval", "run", "--text", corpora / "new.txt")
+
+
+def test_set_flags_are_applied_together_in_any_order():
+    """Before: `--set attention=performer --set pos_encoding=rope` failed; the reverse order worked."""
+    from txl.run_config import build_run_config
+
+    for sets in (["attention=performer", "pos_encoding=rope"], ["pos_encoding=rope", "attention=performer"]):
+        run = build_run_config(preset="tiny", sets=sets)
+        assert run.model["attention"] == "performer" and run.model["pos_encoding"] == "rope"
+
+
+def test_resume_refuses_out_and_accepts_the_corpus_moved(corpora, workdir, capsys, tmp_path):
+    """Before: --resume silently ignored --out, and refused --data, so a moved corpus ended the run."""
+    data = tmp_path / "data"
+    shutil.copytree(corpora / "ptb", data)
+    ok(capsys, "train", "--preset", "tiny", "--data", f"ptb-char:{data}", "--out", "run", *SMALL)
+    code, _, err = txl(capsys, "train", "--resume", "run", "--out", "other", "--max-steps", 5)
+    assert code == 2 and "drop --out" in err and "--init-from" in err and not (workdir / "other").exists()
+    data.rename(tmp_path / "moved")
+    code, _, err = txl(capsys, "train", "--resume", "run", "--max-steps", 5)
+    assert code == 2 and "not found" in err
+    ok(capsys, "train", "--resume", "run", "--max-steps", 5, "--data", f"ptb-char:{tmp_path / 'moved'}")
+    assert json.loads((workdir / "run" / "result.json").read_text())["steps"] == 5
+    code, _, err = txl(capsys, "train", "--resume", "run", "--max-steps", 7, "--data",
+                       f"text:{corpora / 'plain.txt'}")  # another corpus: the fingerprints differ
+    assert code == 2 and "different vocabulary" in err
+
+
+def test_a_longer_schedule_on_resume_is_stated(corpora, workdir, capsys):
+    ok(capsys, "train", "--data", f"text:{corpora / 'plain.txt'}", "--out", "run", *SMALL)
+    code, _, err = txl(capsys, "train", "--resume", "run", "--max-steps", 6)
+    assert code == 0 and "max_steps 3 -> 6" in err and "cosine schedule now ends at step 6" in err
+    code, _, err = txl(capsys, "train", "--resume", "run", "--max-steps", 4)
+    assert code == 2 and "not beyond the run's step 6" in err
+
+
+def test_fine_tuning_needs_the_same_vocabulary_and_says_how_it_differs(corpora, workdir, capsys):
+    ok(capsys, "train", "--data", f"text:{corpora / 'plain.txt'}?tokenizer=chars", "--out", "run", *SMALL)
+    (workdir / "other.txt").write_text("zzz qqq\n" * 200)
+    code, _, err = txl(capsys, "train", "--init-from", "run", "--data", "text:other.txt?tokenizer=chars",
+                       "--out", "tuned", *SMALL)
+    assert code == 2 and "--init-from run" in err and "chars vocabulary has" in err and "lacks" in err
+    assert not (workdir / "tuned").exists()
+    ok(capsys, "train", "--init-from", "run", "--data", f"text:{corpora / 'plain.txt'}?tokenizer=chars",
+       "--out", "tuned", *SMALL, "--set", "lr=1e-4")
+    from txl import TransformerXL
+
+    assert TransformerXL.from_pretrained(workdir / "tuned").config.d_model == 32  # the checkpoint's shape
+
+
+def test_eval_of_new_text_uses_the_runs_vocabulary_and_names_unknown_symbols(corpora, workdir, capsys):
+    """Before: the vocabulary was rebuilt from the new file, so chars/words/BPE runs refused it."""
+    ok(capsys, "train", "--data", f"text:{corpora / 'plain.txt'}?tokenizer=chars", "--out", "chars", *SMALL)
+    (workdir / "odd.txt").write_text("the model\nthe mødel\n")
+    code, _, err = txl(capsys, "eval", "chars", "--text", "odd.txt")
+    assert code == 2 and "'ø'" in err and "position 15" in err
+    ok(capsys, "eval", "chars", "--data", f"text:{corpora / 'new.txt'}?tokenizer=chars", "--split", "all")
+    code, _, err = txl(capsys, "eval", "chars", "--split", "all")
+    assert code == 2 and "--text FILE" in err
+    ok(capsys, "train", "--data", f"text:{corpora / 'plain.txt'}?tokenizer=words", "--out", "words", *SMALL)
+    out = ok(capsys, "eval", "words", "--text", "odd.txt", "--json")  # "mødel" is <unk>: the vocabulary has one
+    assert json.loads(out)["tokens"] == 5
+
+
+def test_from_pretrained_accepts_a_run_folder(corpora, workdir, capsys):
+    """Before: a CheckpointError, though every CLI command accepts a run folder."""
+    from txl import TransformerXL
+
+    ok(capsys, "train", "--data", f"text:{corpora / 'plain.txt'}", "--out", "run", *SMALL)
+    model = TransformerXL.from_pretrained("run")
+    best = TransformerXL.from_pretrained(workdir / "run" / "best")
+    assert all((a == b).all() for a, b in zip(model.state_dict().values(), best.state_dict().values()))
+    shutil.rmtree(workdir / "run" / "best")
+    assert TransformerXL.from_pretrained("run").config.d_model == 32  # last, when there is no best
+
+
+def test_the_end_of_a_run_says_where_everything_went_and_what_to_run_next(corpora, workdir, capsys):
+    out = ok(capsys, "train", "--data", f"text:{corpora / 'plain.txt'}", "--out", "run", *SMALL)
+    for text in ("result.json", "txl eval run", "txl generate run", "txl plot run", "txl train --resume run"):
+        assert text in out
+    result = json.loads((workdir / "run" / "result.json").read_text())
+    assert {"best_valid_loss_nats", "best_valid_bpc", "data", "sample", "sample_ids"} <= set(result)
+    assert "best_valid" not in result  # a bare name without its unit
+
+
+def test_outputs_for_people_escape_control_bytes_and_keep_json_utf8():
+    """Before: the end-of-run sample printed raw control bytes to the terminal and result.json held lone
+    surrogates (`json.load(...)["sample"].encode()` failed)."""
+    from txl.data import Vocab
+    from txl.display import json_text, terminal_text
+
+    text = Vocab("bytes").decode(list(b"ok\x1b[2J\x07\xff\xfe\n\tend"))
+    assert terminal_text(text) == "ok\\x1b[2J\\x07\\xff\\xfe\n\tend"
+    assert json_text(text) == "ok\x1b[2J\x07\\xff\\xfe\n\tend" and json.loads(json.dumps(json_text(text))).encode()
+
+
+def test_plain_log_lines_without_carriage_returns(corpora, workdir, capsys):
+    code, out, err = txl(capsys, "train", "--data", f"text:{corpora / 'plain.txt'}", "--out", "run",
+                         *[a for a in SMALL if a != "--quiet"], "--set", "final_splits=[\"valid\",\"test\"]")
+    assert code == 0 and "\r" not in err and "\r" not in out and "step 3" in err
+
+
+def test_plot_one_point_series_one_colour_per_run_and_bpc_ppl_panels(corpora, workdir, capsys):
+    """Before: a one-point series was invisible, a ppl run next to a bpc run was dropped without notice,
+    and one run had different colours in different panels."""
+    from txl.plot import draw_runs
+
+    ok(capsys, "train", "--data", f"text:{corpora / 'plain.txt'}", "--out", "bpc", *SMALL)
+    ok(capsys, "train", "--data", f"text:{corpora / 'plain.txt'}?tokenizer=words", "--out", "ppl", *SMALL)
+    notes: list[str] = []
+    fig = draw_runs(["bpc", "ppl"], notes=notes)
+    axes = {ax.get_ylabel(): ax for ax in fig.axes if ax.get_visible()}
+    assert {"bpc", "ppl"} <= set(axes) and notes and "own panel" in notes[0]
+    assert {line.get_label().split()[0] for line in axes["bpc"].lines} == {"bpc"}
+    assert {line.get_label().split()[0] for line in axes["ppl"].lines} == {"ppl"}
+    colours: dict[str, set] = {}
+    for ax in fig.axes:
+        for line in ax.lines:
+            colours.setdefault(line.get_label().split()[0], set()).add(line.get_color())
+            if len(line.get_xdata()) == 1:
+                assert line.get_marker() not in (None, "None", "")  # a single point is visible
+    assert all(len(c) == 1 for c in colours.values()) and colours["bpc"] != colours["ppl"]
+    code, _, err = txl(capsys, "plot", "bpc", "ppl", "--out", "both.png")
+    assert code == 0 and "note:" in err and (workdir / "both.png").is_file()
