@@ -482,7 +482,8 @@ def encode_text(vocab, text: str | bytes, *, what: str = "the text") -> np.ndarr
     try:
         return vocab.encode(text)
     except DataError as err:
-        raise DataError(f"{what}: {err}") from None
+        fix = "; the checkpoint's vocabulary has no <unk>: replace or remove it" if vocab.kind == "chars" else ""
+        raise DataError(f"{what}: {err}{fix}") from None
 
 
 def read_text_tokens(vocab, path: str | Path) -> np.ndarray:
