@@ -125,6 +125,15 @@ def vocab_difference(old, new) -> str:
     return text
 
 
+def previous_run_record(out: Path) -> dict:
+    """run.json of an existing run ({} when absent or unreadable: it is a record, not state)."""
+    try:
+        data = read_json(out / "run.json", "run record")
+    except CheckpointError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def write_run_file(trainer: Trainer) -> None:
     data = {"config": trainer.run.to_dict(), "model": trainer.model_config.to_dict(), "world_size": trainer.dist.world,
             "data": trainer.cfg.data, "data_as_typed": trainer.data_as_typed, "metric": trainer.metric,
