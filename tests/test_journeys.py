@@ -218,6 +218,13 @@ def test_resume_refuses_out_and_accepts_the_corpus_moved(corpora, workdir, capsy
     code, _, err = txl(capsys, "train", "--resume", "run", "--max-steps", 7, "--data",
                        f"text:{corpora / 'plain.txt'}")  # another corpus: the fingerprints differ
     assert code == 2 and "different vocabulary" in err
+    edited = tmp_path / "edited"
+    shutil.copytree(tmp_path / "moved", edited)
+    train = edited / "ptb.char.train.txt"
+    lines = train.read_text().splitlines(keepends=True)
+    train.write_text("".join(lines[:-100] + lines[:-101:-1]))  # the same counts of the same symbols, other text
+    code, _, err = txl(capsys, "train", "--resume", "run", "--max-steps", 7, "--data", f"ptb-char:{edited}")
+    assert code == 2 and "other text" in err
 
 
 def test_a_longer_schedule_on_resume_is_stated(corpora, workdir, capsys):
