@@ -340,6 +340,7 @@ def test_model_generate_batches_rows_like_one_prompt_each():
     model = tiny_model(mem_len=64)
     prompts = torch.tensor([[1, 2, 3, 4], [9, 8, 7, 6]])
     out = generate_tokens(model, prompts, 12, temperature=0.0)
+    assert torch.equal(model.generate(prompts, 12, temperature=0.0), out)  # the method is this function
     assert out.shape == (2, 16) and torch.equal(out[:, :4], prompts)
     for row in range(2):
         assert out[row, 4:].tolist() == generate(model, prompts[row].tolist(), max_new_tokens=12, temperature=0.0)

@@ -253,6 +253,14 @@ class TransformerXL(nn.Module):
             raise UsageError("attention_mask works without memory: pass mem_len=0 (a memory cannot hold padding)")
         return attention_mask.to(device=input_ids.device) != 0
 
+    def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
+        """`input_ids` (b, t) followed by up to `max_new_tokens` sampled tokens, (b, t + n), reusing
+        the memory token by token (`txl.generate.sample`). Keyword arguments: temperature (0 =
+        greedy), top_k, top_p, eos_token_id, pad_token_id, mem_len, segment_len, generator."""
+        from txl.generate import generate_tokens  # generation sits above the model
+
+        return generate_tokens(self, input_ids, max_new_tokens, **kwargs)
+
     # ------------------------------------------------------------------------------------------
     def save_pretrained(self, directory: str | Path) -> None:
         """Write `config.json` + `model.safetensors` (atomically; nothing pickled)."""
@@ -264,8 +272,9 @@ class TransformerXL(nn.Module):
     def from_pretrained(
         cls, directory: str | Path, *, map_location: str | torch.device = "cpu", **overrides
     ) -> TransformerXL:
-        """Load a directory written by `save_pretrained` (or by the trainer). Validates every tensor
-        against config.json and fails with one clear `CheckpointError` otherwise."""
+        """Load a directory written by `save_pretrained`, a checkpoint of the trainer, or a run folder
+        (its `best`, else `last`). Validates every tensor against config.json and fails with one clear
+        `CheckpointError` otherwise."""
         from txl.checkpoint import load_model
 
         return load_model(directory, map_location=map_location, **overrides)
