@@ -187,10 +187,13 @@ class TextStream:
     Byte vocabularies decode bytes incrementally (a UTF-8 character may span tokens). Other kinds
     re-decode `prefix` + the new ids and write what was added, so words get the separator they need
     after the prompt; `prefix` (e.g. the prompt's ids) is never written itself. A BPE text that ends
-    in an incomplete UTF-8 character is held back until the character is complete.
+    in an incomplete UTF-8 character is held back until the character is complete. A vocabulary that
+    detokenises (WikiText-103 rules: `state @-@ of` -> `state-of`, `23 @,@ 000` -> `23,000`) can join a
+    token to the next one, so its text is written up to the last space before the newest `LAG` tokens.
     """
 
     PREFIX_TOKENS = 16  # enough prompt tokens to decide spacing and finish a split character
+    LAG = 2  # detokenising vocabularies: tokens held back (a joiner such as @-@ and the word after it)
 
     def __init__(self, vocab, write: Callable[[str], object], prefix: Sequence[int] = ()):
         self.vocab = vocab
@@ -200,12 +203,25 @@ class TextStream:
         self.prefix = [int(t) for t in prefix][-self.PREFIX_TOKENS :]
         self.ids: list[int] = []
         self.shown = len(vocab.decode(self.prefix)) if self.prefix and not self.byte_level else 0
+        self.detokenizing = getattr(vocab, "text_rules", None) is not None
+        self.covered = vocab.decode(self.prefix) if self.detokenizing else ""  # decoded text written so far
+
+    def _extend(self, text: str) -> None:
+        """Detokenising vocabularies: write what `text` adds to the text covered so far."""
+        if len(text) > len(self.covered) and text.startswith(self.covered):
+            self.write(text[len(self.covered) :])
+            self.covered = text
 
     def push(self, token: int) -> None:
         if self.byte_level:
             self.write(self.decoder.decode(bytes([token])))
             return
         self.ids.append(token)
+        if self.detokenizing:
+            if len(self.ids) > self.LAG:
+                stable = self.vocab.decode(self.prefix + self.ids[: -self.LAG])
+                self._extend(stable[: max(stable.rfind(" "), stable.rfind("\n")) + 1])
+            return
         text = self.vocab.decode(self.prefix + self.ids)
         if getattr(self.vocab, "kind", None) == "bpe":
             text = text.rstrip("\ufffd")
@@ -214,7 +230,13 @@ class TextStream:
             self.shown = len(text)
 
     def close(self) -> None:
-        if self.byte_level:
+        if self.detokenizing:
+            text = self.vocab.decode(self.prefix + self.ids)
+            if text.startswith(self.covered):
+                self._extend(text)
+            else:  # a join reached back into written text (not seen in practice): write the rest as it is
+                self.write(text[len(self.covered) :])
+        elif self.byte_level:
             self.write(self.decoder.decode(b"", final=True))
         elif getattr(self.vocab, "kind", None) == "bpe":
             text = self.vocab.decode(self.prefix + self.ids)
