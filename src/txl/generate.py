@@ -189,7 +189,7 @@ class TextStream:
     after the prompt; `prefix` (e.g. the prompt's ids) is never written itself. A BPE text that ends
     in an incomplete UTF-8 character is held back until the character is complete. A vocabulary that
     detokenises (WikiText-103 rules: `state @-@ of` -> `state-of`, `23 @,@ 000` -> `23,000`) can join a
-    token to the next one, so its text is written up to the last space before the newest `LAG` tokens.
+    token to its neighbours, so its text is written up to the last space before the newest `LAG` tokens.
     """
 
     PREFIX_TOKENS = 16  # enough prompt tokens to decide spacing and finish a split character
@@ -220,7 +220,8 @@ class TextStream:
         if self.detokenizing:
             if len(self.ids) > self.LAG:
                 stable = self.vocab.decode(self.prefix + self.ids[: -self.LAG])
-                self._extend(stable[: max(stable.rfind(" "), stable.rfind("\n")) + 1])
+                # up to the last word and the space before it: a joiner there (@,@) can eat that space
+                self._extend(stable[: max(stable.rfind(" "), stable.rfind("\n"), 0)])
             return
         text = self.vocab.decode(self.prefix + self.ids)
         if getattr(self.vocab, "kind", None) == "bpe":
