@@ -334,3 +334,63 @@ def test_streamed_text_equals_the_decoded_text(imported):
     stream.close()
     assert vocab.decode(prompt) + "".join(pieces) == vocab.decode(prompt + new)
     assert "-of-" in "".join(pieces) and "23,000" in "".join(pieces)
+
+
+# ---------------------------------------------------------------------------------------------
+# The paper's evaluation command on a small file in WikiText-103's format
+
+WIKI_LINES = [
+    " = Valkyria Chronicles = ",
+    "",
+    " The year 1990 was a time of 23 @,@ 000 people . It was 1 @.@ 80 m tall , he said . ",
+    " The state @-@ of @-@ the @-@ art city of New York is 5 @,@ 000 km long ; I do n't know . ",
+    "",
+    " = = Zyzzyva = = ",
+    " Hello world ! The <unk> was 10 % of 100 $ . Frobnication is unknown here . ",
+]
+
+
+@pytest.mark.hf
+def test_paper_evaluation_command_on_a_wikitext103_format_directory(imported, tmp_path, capsys):
+    """README: `txl eval OUT --data wikitext103:DIR --split test --tgt-len 128 --mem-len 1600 --clamp-len 1000
+    --same-length --batch-size 10 --no-warm-memory`: the corpus file is read as it is (whitespace symbols,
+    <eos> per line, unknown words <unk>) with the imported vocabulary, as the reference code reads it."""
+    import json
+
+    import numpy as np
+
+    from txl.evaluate import evaluate
+    from txl.model import TransformerXL
+
+    tok, out = imported
+    data = tmp_path / "wikitext-103"
+    data.mkdir()
+    for split, repeat in (("train", 3), ("valid", 2), ("test", 40)):
+        (data / f"wiki.{split}.tokens").write_text("\n".join(WIKI_LINES * repeat) + "\n", encoding="utf-8")
+    cmd = ["eval", str(out), "--data", f"wikitext103:{data}", "--split", "test", "--tgt-len", "128", "--mem-len",
+           "1600", "--clamp-len", "1000", "--same-length", "--batch-size", "10", "--no-warm-memory"]
+    assert main([*cmd, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+
+    # the stream the reference builds: line.split() + <eos>, ids from the HF tokenizer's own table
+    lines = (data / "wiki.test.tokens").read_text(encoding="utf-8").split("\n")[:-1]
+    symbols = [s for line in lines for s in line.split() + ["<eos>"]]
+    ids = np.asarray([tok.sym2idx.get(s, tok.sym2idx["<unk>"]) for s in symbols])
+    model = TransformerXL.from_pretrained(out)
+    expected = evaluate(model, ids, metric="ppl", batch_size=10, tgt_len=128, mem_len=1600, warm_memory=False,
+                        clamp_len=1000, same_length=True)
+    assert (result["tokens"], result["mem_len"], result["tgt_len"], result["clamp_len"], result["same_length"]) == (
+        expected.tokens, 1600, 128, 1000, True)
+    assert result["ppl"] == pytest.approx(expected.value, rel=1e-6)
+    assert main(cmd) == 0  # the table form prints the perplexity
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("ppl "))
+    assert float(row.split()[1]) == pytest.approx(expected.value, abs=1e-4)
+
+
+@pytest.mark.hf
+def test_evaluating_an_imported_model_on_a_byte_corpus_is_one_line(imported, tmp_path, capsys):
+    _tok, out = imported
+    (tmp_path / "t.txt").write_text("some text\n" * 50)
+    assert main(["eval", str(out), "--data", f"text:{tmp_path / 't.txt'}"]) == 2
+    err = capsys.readouterr().err
+    assert "word-level corpus" in err and err.count("\n") == 1, err
