@@ -27,7 +27,7 @@ from typing import Any
 
 from txl.errors import DataError
 
-MAX_BYTES = 1 << 30  # the wt103 vocab.pkl is ~10 MB
+MAX_BYTES = 256 << 20  # the wt103 vocab.pkl is ~10 MB
 MAX_DEPTH = 64  # a tokenizer's __dict__ nests about 6 deep
 MAX_ITEMS = 50_000_000  # items held by containers, counting shared containers once per use
 MAX_INT_BYTES = 64  # LONG1/LONG4/LONG: no vocabulary needs integers of more than 512 bits
@@ -183,8 +183,12 @@ class _Reader:
     @staticmethod
     def hashable(items: list[Any]) -> list[Any]:
         for item in items:
-            if isinstance(item, list | dict | set | Opaque | _Global | _Mark):
-                raise PickleRefused("it is malformed (an unhashable key or set member)")
+            if isinstance(item, Opaque | _Global | _Mark):
+                raise PickleRefused("it is malformed (an object as a key or set member)")
+            try:
+                hash(item)  # a tuple holding a list is not hashable either
+            except TypeError:
+                raise PickleRefused("it is malformed (an unhashable key or set member)") from None
         return items
 
     def setitems(self, target: Any, items: list[Any]) -> None:
