@@ -244,7 +244,7 @@ def test_a_harmless_vocab_pkl_with_the_same_checkpoint_imports(tmp_path):
         ({"idx2sym": ["a", "b", "c"], "lower_case": "yes"}, "'lower_case' is 'yes'"),
         ({"idx2sym": ["a", "b", "c"], "delimiter": ""}, "character-level"),
         (["a", "b", "c"], "holds a list"),
-        (119547037146038801333356, "legacy torch.save"),
+        (119547037146038801333356, "truncated"),  # a legacy torch.save magic number and nothing after it
     ],
 )
 def test_vocab_pkl_that_is_not_a_vocabulary_is_one_line(tmp_path, capsys, state, why):
@@ -253,6 +253,17 @@ def test_vocab_pkl_that_is_not_a_vocabulary_is_one_line(tmp_path, capsys, state,
     err = capsys.readouterr().err
     assert why in err and err.count("\n") == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_vocab_pkl_written_by_legacy_torch_save_is_read(tmp_path):
+    """Before torch 1.6, torch.save wrote several pickles in a row (magic number, version, sys_info,
+    the object); transformers falls back to torch.load for such a vocab file. Its object is plain data."""
+    state = _vocab_like("plain")
+    with open(tmp_path / "legacy.pkl", "wb") as f:
+        torch.save(state, f, _use_new_zipfile_serialization=False)
+    src = _hf_dir_with_vocab(tmp_path, (tmp_path / "legacy.pkl").read_bytes())
+    assert main(["import-hf", str(src), str(tmp_path / "out")]) == 0
+    assert Vocab.load(tmp_path / "out" / "vocab.json").symbols == ("<eos>", "<unk>", "a")
 
 
 def test_vocab_json_text_rules_are_checked(tmp_path):

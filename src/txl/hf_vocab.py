@@ -22,9 +22,10 @@ from typing import Any
 
 from txl.data.vocab import Vocab
 from txl.errors import CheckpointError, DataError
-from txl.plain_pickle import PickleRefused, read_plain_pickle
+from txl.plain_pickle import PickleRefused, read_plain_pickle_at
 
 DEFAULT_PROTECTED = ("<unk>", "<eos>", "<formula>")  # TransfoXLTokenizer's unk, eos, additional special
+TORCH_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # torch.save before 1.6: magic, protocol, sys_info, object, storages
 
 
 def read_hf_vocab(path: str | Path, *, tokenizer_config: dict[str, Any] | None = None) -> Vocab:
@@ -35,7 +36,10 @@ def read_hf_vocab(path: str | Path, *, tokenizer_config: dict[str, Any] | None =
     except OSError as err:
         raise CheckpointError(f"cannot read {path}: {err.strerror or err}") from None
     try:
-        state = read_plain_pickle(data)
+        state, end = read_plain_pickle_at(data, 0)
+        if state == TORCH_LEGACY_MAGIC and not isinstance(state, bool):  # a dictionary saved with torch.save
+            for _ in range(3):  # protocol version, sys_info, then the object itself
+                state, end = read_plain_pickle_at(data, end)
     except PickleRefused as err:
         raise CheckpointError(f"refused {path}: {err}; nothing in it was run (a TransfoXL vocab.pkl holds "
                               "plain data only)") from None
@@ -47,9 +51,6 @@ def read_hf_vocab(path: str | Path, *, tokenizer_config: dict[str, Any] | None =
 
 def vocab_from_hf_state(state: Any, config: dict[str, Any]) -> Vocab:
     """Build our vocabulary from the plain data of a `vocab.pkl` (and tokenizer_config.json values)."""
-    if isinstance(state, int) and not isinstance(state, bool):
-        raise DataError("it is a legacy torch.save file (it starts with a magic number), not a pickled "
-                        "tokenizer dictionary; use the repository's vocab.pkl")
     if not isinstance(state, dict):
         raise DataError(f"it holds a {type(state).__name__}, not the tokenizer's dictionary")
     symbols = _symbols(state)

@@ -94,15 +94,22 @@ _CONTAINERS = (list, dict, set, tuple, frozenset, Opaque)
 
 def read_plain_pickle(data: bytes) -> Any:
     """The object of the pickle stream `data`, built from plain data only; `PickleRefused` otherwise."""
-    return _Reader(data).run()
+    return read_plain_pickle_at(data, 0)[0]
+
+
+def read_plain_pickle_at(data: bytes, offset: int) -> tuple[Any, int]:
+    """The object of the pickle that starts at byte `offset` of `data`, and the offset after its STOP
+    (files written by the legacy `torch.save` are several pickles in a row)."""
+    reader = _Reader(data, offset)
+    return reader.run(), reader.pos
 
 
 class _Reader:
-    def __init__(self, data: bytes):
+    def __init__(self, data: bytes, offset: int = 0):
         if len(data) > MAX_BYTES:
             raise PickleRefused(f"it is {len(data):,} bytes, more than the {MAX_BYTES:,} a vocabulary may have")
         self.data = memoryview(data)
-        self.pos = 0
+        self.pos = offset
         self.stack: list[Any] = []
         self.marks: list[int] = []
         self.memo: dict[int, Any] = {}
