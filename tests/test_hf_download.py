@@ -192,6 +192,10 @@ def test_revision_with_a_local_directory_is_a_usage_mistake(tmp_path, capsys):
     assert "applies to a hub repo id" in capsys.readouterr().err
 
 
-def test_a_path_that_is_no_directory_is_not_sent_to_the_hub(tmp_path, capsys):
-    assert main(["import-hf", str(tmp_path / "missing" / "dir"), str(tmp_path / "out")]) == 2
+@pytest.mark.parametrize("name", ["absolute", "wt103-hf", "./rel/dir", "dir/"])
+def test_a_path_that_is_no_directory_is_not_sent_to_the_hub(hub_env, tmp_path, capsys, name):
+    hub, _tok = hub_env
+    src = str(tmp_path / "missing" / "dir") if name == "absolute" else name
+    assert main(["import-hf", src, str(tmp_path / "out")]) == 2
     assert "directory not found" in capsys.readouterr().err
+    assert hub.requests == []

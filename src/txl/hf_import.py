@@ -239,7 +239,10 @@ _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?")
 
 
 def looks_like_repo_id(text: str) -> bool:
-    return bool(_REPO_ID.fullmatch(text)) and ".." not in text and not text.endswith((".", "-"))
+    """owner/name, or one of the legacy bare names (a bare word is more likely a mistyped directory)."""
+    if text in LEGACY_IDS:
+        return True
+    return "/" in text and bool(_REPO_ID.fullmatch(text)) and ".." not in text and not text.endswith((".", "-"))
 
 
 def download_hf(repo_id: str, revision: str | None = None) -> Path:
@@ -272,8 +275,8 @@ def download_hf(repo_id: str, revision: str | None = None) -> Path:
                 raise CheckpointError(f"cannot download {where}: the repository has no {filename}") from None
             return None
         except huggingface_hub.utils.RepositoryNotFoundError:
-            raise CheckpointError(f"cannot download {where}: no such repository (or it is private); check the "
-                                  "repo id") from None
+            raise CheckpointError(f"cannot download {where}: no such repository (or it is private), and no local "
+                                  f"directory {repo_id} either; check the repo id or the path") from None
         except huggingface_hub.utils.RevisionNotFoundError:
             raise CheckpointError(f"cannot download {where}: no such revision; check --revision") from None
         except (HfHubHTTPError, OSError) as err:
