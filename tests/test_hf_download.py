@@ -59,8 +59,8 @@ class Hub:
                 if commit not in hub.repos[repo]:
                     return self.fail(404, "RevisionNotFound")
                 files = hub.repos[repo][commit]
-                if filename not in files:
-                    return self.fail(404, "EntryNotFound")
+                if filename not in files:  # the hub names the commit it looked in (clients cache the absence)
+                    return self.fail(404, "EntryNotFound", commit)
                 data = files[filename]
                 self.send_response(200)
                 self.send_header("X-Repo-Commit", commit)
@@ -70,9 +70,11 @@ class Hub:
                 if body:
                     self.wfile.write(data)
 
-            def fail(self, status: int, code: str):
+            def fail(self, status: int, code: str, commit: str | None = None):
                 self.send_response(status)
                 self.send_header("X-Error-Code", code)
+                if commit:
+                    self.send_header("X-Repo-Commit", commit)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
@@ -169,7 +171,7 @@ def test_download_failures_are_one_line(hub_env, tmp_path, capsys, args, why):
     assert not out.exists()
 
 
-def test_without_network_the_command_fails_with_one_line(tmp_path, monkeypatch, capsys):
+def test_without_network_the_command_fails_with_one_line(tmp_path, monkeypatch, capfd):
     with socket.socket() as s:  # a port on which nothing listens
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -181,7 +183,7 @@ def test_without_network_the_command_fails_with_one_line(tmp_path, monkeypatch, 
     monkeypatch.setattr(hub_http.time, "sleep", lambda _seconds: None)  # its 5 retries wait 23 s in all
     out = tmp_path / "out"
     assert main(["import-hf", REPO, str(out)]) == 2
-    err = capsys.readouterr().err
+    err = capfd.readouterr().err  # file-descriptor level: huggingface_hub's own log handler writes there too
     assert "unreachable" in err and PINNED in err and err.count("\n") == 1, err
     assert not out.exists()
 
@@ -199,3 +201,27 @@ def test_a_path_that_is_no_directory_is_not_sent_to_the_hub(hub_env, tmp_path, c
     assert main(["import-hf", src, str(tmp_path / "out")]) == 2
     assert "directory not found" in capsys.readouterr().err
     assert hub.requests == []
+
+
+def test_a_second_import_works_offline_from_the_cache(hub_env, tmp_path, monkeypatch):
+    """The pinned revision is a commit: once its files are cached, no request is needed."""
+    hub, _tok = hub_env
+    assert main(["import-hf", REPO, str(tmp_path / "first"), "--revision", OTHER]) == 0  # the .bin-only commit
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{s.getsockname()[1]}")
+    import huggingface_hub.utils._http as hub_http
+
+    monkeypatch.setattr(hub_http.time, "sleep", lambda _seconds: None)
+    hub.requests.clear()
+    assert main(["import-hf", REPO, str(tmp_path / "again"), "--revision", OTHER]) == 0
+    assert (tmp_path / "again" / "vocab.json").read_bytes() == (tmp_path / "first" / "vocab.json").read_bytes()
+
+
+def test_without_huggingface_hub_a_repo_id_names_the_extra(tmp_path, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import fails as if not installed
+    assert main(["import-hf", REPO, str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'txl[hf]'" in err and err.count("\n") == 1, err

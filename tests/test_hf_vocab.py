@@ -435,3 +435,16 @@ def test_evaluating_an_imported_model_on_a_byte_corpus_is_one_line(imported, tmp
     assert main(["eval", str(out), "--data", f"text:{tmp_path / 't.txt'}"]) == 2
     err = capsys.readouterr().err
     assert "word-level corpus" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.hf
+def test_without_sacremoses_raw_text_names_the_extra(imported, monkeypatch, capsys):
+    import sys
+
+    _tok, out = imported
+    monkeypatch.setitem(sys.modules, "sacremoses", None)  # import fails as if not installed
+    with pytest.raises(DataError, match=r"pip install 'txl\[hf\]'"):
+        Vocab.load(out / "vocab.json").encode("Hello, world")
+    assert main(["generate", str(out), "--prompt", "Hello, world", "--max-new-tokens", "2"]) == 2
+    captured = capsys.readouterr()
+    assert "sacremoses" in captured.err and captured.err.count("\n") == 1, captured.err

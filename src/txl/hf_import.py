@@ -251,6 +251,7 @@ def download_hf(repo_id: str, revision: str | None = None) -> Path:
     try:
         import huggingface_hub
         from huggingface_hub.utils import EntryNotFoundError, HfHubHTTPError
+        from huggingface_hub.utils import logging as hub_logging
     except ImportError:
         raise CheckpointError(f"{repo_id!r} is not a directory; to download it by repo id install the optional "
                               "dependency huggingface_hub: pip install 'txl[hf]'") from None
@@ -263,6 +264,12 @@ def download_hf(repo_id: str, revision: str | None = None) -> Path:
     where = f"{repo_id} (revision {revision}) from {endpoint or 'https://huggingface.co'}"
 
     def fetch(filename: str, required: bool) -> Path | None:
+        if re.fullmatch(r"[0-9a-f]{40}", revision):  # a commit never changes: its cached files need no request
+            cached = huggingface_hub.try_to_load_from_cache(repo_id, filename, cache_dir=cache_dir, revision=revision)
+            if isinstance(cached, str):
+                return Path(cached)
+            if cached is not None and not required:  # the cache recorded that the commit has no such file
+                return None
         try:
             return Path(huggingface_hub.hf_hub_download(repo_id, filename, revision=revision, endpoint=endpoint,
                                                         cache_dir=cache_dir))
@@ -283,11 +290,16 @@ def download_hf(repo_id: str, revision: str | None = None) -> Path:
             why = " ".join(str(err).split()) or type(err).__name__
             raise CheckpointError(f"cannot download {where}: {why[:300]}") from None
 
-    config = fetch("config.json", True)
-    if fetch(WEIGHT_FILES[0], False) is None:
-        fetch(WEIGHT_FILES[1], True)
-    fetch("vocab.pkl", False)
-    fetch("tokenizer_config.json", False)
+    verbosity = hub_logging.get_verbosity()
+    hub_logging.set_verbosity_error()  # its retry warnings would bury our one line; progress bars stay
+    try:
+        config = fetch("config.json", True)
+        if fetch(WEIGHT_FILES[0], False) is None:
+            fetch(WEIGHT_FILES[1], True)
+        fetch("vocab.pkl", False)
+        fetch("tokenizer_config.json", False)
+    finally:
+        hub_logging.set_verbosity(verbosity)
     return config.parent
 
 
