@@ -108,7 +108,7 @@ class _Reader:
     def __init__(self, data: bytes, offset: int = 0):
         if len(data) > MAX_BYTES:
             raise PickleRefused(f"it is {len(data):,} bytes, more than the {MAX_BYTES:,} a vocabulary may have")
-        self.data = memoryview(data)
+        self.data = bytes(data)
         self.pos = offset
         self.stack: list[Any] = []
         self.marks: list[int] = []
@@ -121,15 +121,15 @@ class _Reader:
     def take(self, n: int) -> bytes:
         if n < 0 or self.pos + n > len(self.data):
             raise PickleRefused("it is truncated or malformed (a length runs past the end of the stream)")
-        out = bytes(self.data[self.pos : self.pos + n])
+        out = self.data[self.pos : self.pos + n]
         self.pos += n
         return out
 
     def line(self) -> bytes:
-        end = bytes(self.data[self.pos : self.pos + (1 << 20)]).find(b"\n")
+        end = self.data.find(b"\n", self.pos, self.pos + (1 << 20))
         if end < 0:
             raise PickleRefused("it is truncated or malformed (an unterminated text argument)")
-        return self.take(end + 1)[:-1]
+        return self.take(end + 1 - self.pos)[:-1]
 
     def uint(self, n: int) -> int:
         return int.from_bytes(self.take(n), "little")
@@ -267,7 +267,33 @@ class _Reader:
                 raise PickleRefused("it is truncated (no STOP opcode)")
             op = self.data[self.pos]
             self.pos += 1
-            if op == 0x80:  # PROTO
+            # -- the most frequent opcodes of a vocabulary first: strings, the memo, small ints
+            if op in (0x58, 0x8C, 0x8D):  # BINUNICODE, SHORT_BINUNICODE, BINUNICODE8
+                n = self.uint({0x58: 4, 0x8C: 1, 0x8D: 8}[op])
+                try:
+                    push(self.take(n).decode("utf-8", "surrogatepass"))
+                except UnicodeDecodeError:
+                    raise PickleRefused("it is malformed (a string that is not UTF-8)") from None
+            elif op in (0x70, 0x71, 0x72, 0x94):  # PUT, BINPUT, LONG_BINPUT, MEMOIZE
+                if op == 0x94:
+                    key = len(self.memo)
+                elif op == 0x70:
+                    key = self._line_int()
+                else:
+                    key = self.uint(1 if op == 0x71 else 4)
+                self.memo[key] = self.top()
+            elif op in (0x67, 0x68, 0x6A):  # GET, BINGET, LONG_BINGET
+                key = self._line_int() if op == 0x67 else self.uint(1 if op == 0x68 else 4)
+                if key not in self.memo:
+                    raise PickleRefused("it is malformed (a memo reference to nothing)")
+                push(self.memo[key])
+            elif op == 0x4B:  # BININT1
+                push(self.uint(1))
+            elif op == 0x4D:  # BININT2
+                push(self.uint(2))
+            elif op == 0x4A:  # BININT
+                push(int.from_bytes(self.take(4), "little", signed=True))
+            elif op == 0x80:  # PROTO
                 if self.uint(1) > 5:
                     raise PickleRefused("it uses a pickle protocol newer than 5")
             elif op == 0x95:  # FRAME
@@ -279,7 +305,7 @@ class _Reader:
             elif op == 0x28:  # MARK
                 self.marks.append(len(self.stack))
             elif op == 0x30:  # POP
-                if self.stack and self.marks and len(self.stack) == self.marks[-1]:
+                if self.marks and len(self.stack) == self.marks[-1]:  # an empty frame: POP drops its MARK
                     self.pop_mark()
                 else:
                     self.pop()
@@ -294,12 +320,6 @@ class _Reader:
                 push(True)
             elif op == 0x89:  # NEWFALSE
                 push(False)
-            elif op == 0x4B:  # BININT1
-                push(self.uint(1))
-            elif op == 0x4D:  # BININT2
-                push(self.uint(2))
-            elif op == 0x4A:  # BININT
-                push(int.from_bytes(self.take(4), "little", signed=True))
             elif op == 0x8A:  # LONG1
                 push(int.from_bytes(self.take(self.uint(1)), "little", signed=True))
             elif op == 0x8B:  # LONG4
@@ -326,13 +346,6 @@ class _Reader:
                     raise PickleRefused("it is malformed (a bad float)") from None
             elif op == 0x47:  # BINFLOAT
                 push(struct.unpack(">d", self.take(8))[0])
-            # -- strings and bytes
-            elif op in (0x58, 0x8C, 0x8D):  # BINUNICODE, SHORT_BINUNICODE, BINUNICODE8
-                n = self.uint({0x58: 4, 0x8C: 1, 0x8D: 8}[op])
-                try:
-                    push(self.take(n).decode("utf-8", "surrogatepass"))
-                except UnicodeDecodeError:
-                    raise PickleRefused("it is malformed (a string that is not UTF-8)") from None
             elif op == 0x56:  # UNICODE (protocol 0)
                 try:
                     push(codecs.decode(self.line(), "raw-unicode-escape"))
@@ -392,16 +405,6 @@ class _Reader:
                     raise PickleRefused("it is malformed (ADDITEMS on something that is not a set)")
                 self.grow(target, items)
                 target.update(self.hashable(items))
-            # -- the memo
-            elif op in (0x70, 0x71, 0x72, 0x94):  # PUT, BINPUT, LONG_BINPUT, MEMOIZE
-                key = {0x71: lambda: self.uint(1), 0x72: lambda: self.uint(4),
-                       0x94: lambda: len(self.memo)}.get(op, lambda: self._line_int())()
-                self.memo[key] = self.top()
-            elif op in (0x67, 0x68, 0x6A):  # GET, BINGET, LONG_BINGET
-                key = self._line_int() if op == 0x67 else self.uint(1 if op == 0x68 else 4)
-                if key not in self.memo:
-                    raise PickleRefused("it is malformed (a memo reference to nothing)")
-                push(self.memo[key])
             # -- globals and object construction: never imported, never called
             elif op == 0x63:  # GLOBAL
                 module = self.line().decode("utf-8", "replace")
