@@ -84,11 +84,6 @@ class _Global:
             raise PickleRefused(f"it refers to the Python object {self.name}, and unpickling it could run code")
 
 
-class _Mark:
-    pass
-
-
-_MARK = _Mark()
 _CONTAINERS = (list, dict, set, tuple, frozenset, Opaque)
 
 
@@ -190,7 +185,7 @@ class _Reader:
     @staticmethod
     def hashable(items: list[Any]) -> list[Any]:
         for item in items:
-            if isinstance(item, Opaque | _Global | _Mark):
+            if isinstance(item, Opaque | _Global):
                 raise PickleRefused("it is malformed (an object as a key or set member)")
             try:
                 hash(item)  # a tuple holding a list is not hashable either
@@ -260,7 +255,7 @@ class _Reader:
             raise PickleRefused(f"it is malformed (BUILD on a {type(obj).__name__})")
 
     # ---- the interpreter ----------------------------------------------------------------------
-    def run(self) -> Any:  # noqa: C901 - one branch per opcode reads best as one function
+    def run(self) -> Any:  # one branch per opcode reads best as one function
         push = self.stack.append
         while True:
             if self.pos >= len(self.data):
