@@ -24,6 +24,7 @@ SENTENCES = [
     "Zyzzyva frobnicates the quux, unknowable words become <unk>.",
     "It was a   spaced\ttab line   ",
     "The U.S. state-of-the-art, 2–3 people?",
+    "The inscription in Greek reads: ΑΧΙΛΛΕΥΣ, “curly” quotes… and <formula> mid<unk>word <UNK>.",
 ]
 
 

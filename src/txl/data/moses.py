@@ -85,8 +85,9 @@ class MosesText:
     def tokenize(self, line: str) -> list[str]:
         """Symbols of one line of raw text (no `<eos>`)."""
         pieces = self._split.split(line) if self._split else [line]
-        if self.rules["lower_case"]:  # HF lower-cases everything but the special tokens
-            pieces = [p if p in self._protected else p.lower() for p in pieces]
+        if self.rules["lower_case"]:  # HF lower-cases everything but the special tokens, one character at a
+            # time (so a word-final capital sigma becomes σ, not the ς of str.lower() on the whole word)
+            pieces = [p if p in self._protected else "".join(c.lower() for c in p) for p in pieces]
         out: list[str] = []
         for piece in pieces:
             if piece in self._protected:
