@@ -14,7 +14,7 @@ WORDS = [
     "the", ",", ".", "of", "and", "in", "to", "a", "was", "The", "@-@", "@,@", "@.@", "1", "2", "3", "000", "80",
     "23", "5", "is", "he", "'s", "1990", '"', "(", ")", ";", ":", "'", "n't", "year", "time", "state", "art",
     "people", "tall", "m", "said", "I", "do", "know", "hello", "world", "Hello", "!", "?", "$", "%", "twice", "He",
-    "It", "it", "U.S.", "New", "York", "city", "10", "100", "--", "–", "km", "long",
+    "It", "it", "U.S.", "New", "York", "city", "10", "100", "--", "–", "km", "long", "ΑΧΙΛΛΕΥΣ", "αχιλλευσ",
 ]
 
 SENTENCES = [
