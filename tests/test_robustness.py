@@ -768,6 +768,50 @@ def _(ctx):
     return outcome
 
 
+@case("hf-vocab-pickle", "malicious vocab.pkl (a global calling os.system)", "txl import-hf SRC OUT",
+      "os.system", "nothing in it was run", test="tests/test_hf_vocab.py::test_hostile_vocab_pkl_is_refused_and_never_runs")
+def _(ctx):
+    src = _hf_dir(ctx.dir / "hf", complete=True)
+    (src / "vocab.pkl").write_bytes(b"cos\nsystem\n(S'touch pwned'\ntR.")
+    outcome = cli("import-hf", str(src), str(ctx.dir / "out"))
+    assert not (Path.cwd() / "pwned").exists() and not (ctx.dir / "out").exists()
+    return outcome
+
+
+@case("hf-vocab-bomb", "vocab.pkl that is a pickle bomb (100,000 nested lists)", "txl import-hf SRC OUT",
+      "nest more than 64 deep", "pickle bomb", test="tests/test_hf_vocab.py::test_pickle_bombs_as_vocab_pkl_are_refused")
+def _(ctx):
+    src = _hf_dir(ctx.dir / "hf", complete=True)
+    (src / "vocab.pkl").write_bytes(b"\x80\x02" + b"]" * 100_000 + b"a" * 99_999 + b".")
+    return cli("import-hf", str(src), str(ctx.dir / "out"))
+
+
+@case("hf-vocab-size", "vocab.pkl of another model (symbol count != vocab_size)", "txl import-hf SRC OUT",
+      "3 symbols", "vocab_size=40", "not the same model")
+def _(ctx):
+    src = _hf_dir(ctx.dir / "hf", complete=True)
+    (src / "vocab.pkl").write_bytes(b"\x80\x02}X\x07\x00\x00\x00idx2sym](X\x01\x00\x00\x00aX\x01\x00\x00\x00b"
+                                    b"X\x05\x00\x00\x00<eos>es.")
+    return cli("import-hf", str(src), str(ctx.dir / "out"))
+
+
+@case("hf-revision-local", "--revision with a local directory", "txl import-hf SRC OUT --revision R",
+      "--revision applies to a hub repo id")
+def _(ctx):
+    return cli("import-hf", str(_hf_dir(ctx.dir / "hf")), str(ctx.dir / "out"), "--revision", "main")
+
+
+@case("vocab-text-rules", "vocab.json whose text rules are wrong (lower_case: \"yes\")", "Vocab.load",
+      "text rule 'lower_case'", "bool")
+def _(ctx):
+    from txl.data import Vocab
+    from txl.errors import DataError
+
+    path = ctx.write("vocab.json", json.dumps({"format": "txl-vocab", "version": 1, "kind": "words",
+                                               "symbols": ["<eos>", "a"], "text": {"lower_case": "yes"}}))
+    return api(lambda: Vocab.load(path), DataError)
+
+
 @case("hf-attn-type", "HF config with attn_type != 0", "txl import-hf SRC OUT", "attn_type=2", "only attn_type 0")
 def _(ctx):
     return cli("import-hf", str(_hf_dir(ctx.dir / "hf", attn_type=2)), str(ctx.dir / "out"))

@@ -55,7 +55,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "txl.bench.cli:run",
     ),
     "import-hf": (
-        "convert a Hugging Face TransfoXL checkpoint (config.json + pytorch_model.bin or model.safetensors)",
+        "convert a Hugging Face TransfoXL checkpoint (a directory, or a hub repo id such as "
+        "transfo-xl/transfo-xl-wt103) with its vocab.pkl, read without unpickling",
         "txl.hf_import:configure_cli",
         "txl.hf_import:run_cli",
     ),

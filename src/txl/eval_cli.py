@@ -404,8 +404,13 @@ def run_recl(args: argparse.Namespace) -> int:
         raise UsageError(f"two checkpoints have the same label ({names}); give --names")
     data = args.data or ckpts[0].data_spec
     corpus = tokens = None
+    read_as = set()
     for ckpt in ckpts:  # every model must read the same corpus with the same vocabulary
         corpus, tokens = open_eval_corpus(ckpt, data, args.split)
+        read_as.add(corpus.fingerprint)
+    if len(read_as) > 1:  # e.g. an imported model (its own fixed vocabulary) next to one trained on the corpus
+        raise UsageError(f"the checkpoints read {data} with different vocabularies, so their token streams differ; "
+                         "RECL compares models on the same tokens")
     positions_count = args.positions if args.positions is not None else (2000 if args.mode == "window" else 0)
     positions = choose_positions(len(tokens), contexts[-1], positions_count, max_tokens=args.max_tokens)
 

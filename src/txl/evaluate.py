@@ -538,6 +538,8 @@ def open_eval_corpus(ckpt: LoadedCheckpoint, data: str | None, split: str, text:
     spec = data or ckpt.data_spec
     if not spec:
         raise UsageError(f"{ckpt.path} does not record its training data; pass --data SPEC")
+    if ckpt.vocab is not None and ckpt.vocab.text_rules is not None:
+        return _fixed_vocab_corpus(ckpt, spec, split)
     corpus = open_corpus(spec)
     if ckpt.vocab is not None:
         try:
@@ -560,6 +562,28 @@ def open_eval_corpus(ckpt: LoadedCheckpoint, data: str | None, split: str, text:
                         f"({ckpt.model.config.vocab_size} ids): the prepared cache is damaged; run "
                         f"`txl data prepare {spec} --force`")
     return corpus, tokens
+
+
+@dataclass
+class FixedVocabCorpus:
+    """A split read with the checkpoint's own vocabulary (what `open_eval_corpus` returns for it)."""
+
+    metric: str
+    vocab: Any
+    fingerprint: str
+
+
+def _fixed_vocab_corpus(ckpt: LoadedCheckpoint, spec: str, split: str):
+    """A published model's vocabulary (imported, with text rules) is fixed: the corpus is read with it
+    instead of with a vocabulary built from its train split (which would number words differently)."""
+    import hashlib
+
+    from txl.data import parse_spec
+    from txl.data.readers import encode_split
+
+    tokens, metric = encode_split(parse_spec(spec), split, ckpt.vocab)
+    digest = hashlib.sha256(ckpt.vocab.fingerprint.encode() + tokens.tobytes()).hexdigest()
+    return FixedVocabCorpus(metric=metric, vocab=ckpt.vocab, fingerprint=digest), tokens
 
 
 def evaluate_checkpoint(

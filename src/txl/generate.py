@@ -440,17 +440,21 @@ class TextStream:
     the separator they need after it) and the new ids, dropping the oldest half of the window when it
     is full and the rest of the text is a suffix of the whole (true for chars and words; checked, so a
     tokenizer without that property just keeps a longer window). A BPE text that ends in an
-    incomplete UTF-8 character is held back until the character is complete.
+    incomplete UTF-8 character is held back until the character is complete. A vocabulary that
+    detokenises (WikiText-103 rules: `state @-@ of` -> `state-of`, `23 @,@ 000` -> `23,000`) can join a
+    token to its neighbours, so its text is written up to the last space before the newest `LAG` tokens.
     """
 
     PREFIX_TOKENS = 16  # enough prompt tokens to decide spacing and finish a split character
     WINDOW = 64  # tokens decoded per step at most (about)
+    LAG = 2  # detokenising vocabularies: tokens held back (a joiner such as @-@ and the word after it)
 
     def __init__(self, vocab, write: Callable[[str], object], prefix: Sequence[int] = ()):
         self.vocab = vocab
         self.write = write
         self.byte_level = getattr(vocab, "kind", None) == "bytes"
         self.bpe = getattr(vocab, "kind", None) == "bpe"
+        self.detokenizing = getattr(vocab, "text_rules", None) is not None
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.window = [int(t) for t in prefix][-self.PREFIX_TOKENS :]
         self.shown = len(vocab.decode(self.window)) if self.window and not self.byte_level else 0
@@ -461,7 +465,12 @@ class TextStream:
             return
         self.window.append(int(token))
         full = self.vocab.decode(self.window)
-        text = full.rstrip("\ufffd") if self.bpe else full
+        if self.detokenizing:
+            stable = self.vocab.decode(self.window[: -self.LAG])
+            # up to the last word and the space before it: a joiner there (@,@) can eat that space
+            text = stable[: max(stable.rfind(" "), stable.rfind("\n"), 0)]
+        else:
+            text = full.rstrip("\ufffd") if self.bpe else full
         if len(text) > self.shown:
             self.write(text[self.shown :])
             self.shown = len(text)
@@ -480,7 +489,7 @@ class TextStream:
     def close(self) -> None:
         if self.byte_level:
             self.write(self.decoder.decode(b"", final=True))
-        elif self.bpe:
+        elif self.bpe or self.detokenizing:  # what was held back
             text = self.vocab.decode(self.window)
             if len(text) > self.shown:
                 self.write(text[self.shown :])

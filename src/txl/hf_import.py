@@ -2,7 +2,12 @@
 
 Reads HF's `config.json` and `model.safetensors` or `pytorch_model.bin` (the latter only through
 `torch.load(weights_only=True)`, which refuses anything but tensors and plain containers, so a
-malicious pickle cannot run code) and writes our format: `config.json` + `model.safetensors`.
+malicious pickle cannot run code) and writes our format: `config.json` + `model.safetensors`, plus
+`vocab.json` from the tokenizer's `vocab.pkl` (read by `txl.hf_vocab` without unpickling), so that
+`txl generate` and `txl eval` use the result directly.
+
+The source is a directory or a hub repo id (`transfo-xl/transfo-xl-wt103`), fetched with
+`huggingface_hub` (the `hf` extra) at a pinned revision; `HF_ENDPOINT` / `HF_HOME` are honoured.
 
 Name map (HF -> txl), l = layer, i = cluster:
     transformer.word_emb.emb_layers.i.weight     -> embed.layers.i.weight
@@ -26,7 +31,9 @@ Name map (HF -> txl), l = layer, i = cluster:
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -224,13 +231,111 @@ def _torch_version() -> tuple[int, int]:
     return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
 
 
-def import_hf(src: str | Path, out: str | Path) -> TransformerXLConfig:
-    """Convert HF directory `src` into a txl checkpoint directory `out` (written atomically)."""
+# Revisions known to hold the published weights; a repo id given without --revision is fetched at these.
+KNOWN_REVISIONS = {"transfo-xl/transfo-xl-wt103": "40a186da79458c9f9de846edfaea79c412137f97"}
+LEGACY_IDS = {"transfo-xl-wt103": "transfo-xl/transfo-xl-wt103"}  # the pre-2023 names, as transformers knew them
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?")
+
+
+def looks_like_repo_id(text: str) -> bool:
+    """owner/name, or one of the legacy bare names (a bare word is more likely a mistyped directory)."""
+    if text in LEGACY_IDS:
+        return True
+    return "/" in text and bool(_REPO_ID.fullmatch(text)) and ".." not in text and not text.endswith((".", "-"))
+
+
+def download_hf(repo_id: str, revision: str | None = None) -> Path:
+    """Fetch config.json, the weights, vocab.pkl and tokenizer_config.json of `repo_id` into the hub cache;
+    returns the snapshot directory. One-line `CheckpointError` for every failure (no network included)."""
+    try:
+        import huggingface_hub
+        from huggingface_hub.utils import EntryNotFoundError, HfHubHTTPError
+        from huggingface_hub.utils import logging as hub_logging
+    except ImportError:
+        raise CheckpointError(f"{repo_id!r} is not a directory; to download it by repo id install the optional "
+                              "dependency huggingface_hub: pip install 'txl[hf]'") from None
+    repo_id = LEGACY_IDS.get(repo_id, repo_id)
+    revision = revision or KNOWN_REVISIONS.get(repo_id, "main")
+    # Read at call time (huggingface_hub reads them once, at import).
+    endpoint = os.environ.get("HF_ENDPOINT") or None
+    cache_dir = os.environ.get("HF_HUB_CACHE") or (
+        os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None)
+    where = f"{repo_id} (revision {revision}) from {endpoint or 'https://huggingface.co'}"
+
+    def fetch(filename: str, required: bool) -> Path | None:
+        if re.fullmatch(r"[0-9a-f]{40}", revision):  # a commit never changes: its cached files need no request
+            cached = huggingface_hub.try_to_load_from_cache(repo_id, filename, cache_dir=cache_dir, revision=revision)
+            if isinstance(cached, str):
+                return Path(cached)
+            if cached is not None and not required:  # the cache recorded that the commit has no such file
+                return None
+        try:
+            return Path(huggingface_hub.hf_hub_download(repo_id, filename, revision=revision, endpoint=endpoint,
+                                                        cache_dir=cache_dir))
+        except huggingface_hub.utils.LocalEntryNotFoundError:
+            raise CheckpointError(f"cannot download {where}: the hub is unreachable (no network?) and the files "
+                                  "are not in the local cache; connect, or download the repository's files "
+                                  "yourself and pass their directory") from None
+        except EntryNotFoundError:
+            if required:
+                raise CheckpointError(f"cannot download {where}: the repository has no {filename}") from None
+            return None
+        except huggingface_hub.utils.RepositoryNotFoundError:
+            raise CheckpointError(f"cannot download {where}: no such repository (or it is private), and no local "
+                                  f"directory {repo_id} either; check the repo id or the path") from None
+        except huggingface_hub.utils.RevisionNotFoundError:
+            raise CheckpointError(f"cannot download {where}: no such revision; check --revision") from None
+        except (HfHubHTTPError, OSError) as err:
+            why = " ".join(str(err).split()) or type(err).__name__
+            raise CheckpointError(f"cannot download {where}: {why[:300]}") from None
+
+    verbosity = hub_logging.get_verbosity()
+    hub_logging.set_verbosity_error()  # its retry warnings would bury our one line; progress bars stay
+    try:
+        config = fetch("config.json", True)
+        if fetch(WEIGHT_FILES[0], False) is None:
+            fetch(WEIGHT_FILES[1], True)
+        fetch("vocab.pkl", False)
+        fetch("tokenizer_config.json", False)
+    finally:
+        hub_logging.set_verbosity(verbosity)
+    return config.parent
+
+
+def resolve_source(src: str | Path, revision: str | None = None) -> Path:
+    """A local HF directory as it is, or a repo id downloaded (see `download_hf`)."""
+    path = Path(src)
+    if path.is_dir():
+        if revision is not None:
+            raise CheckpointError(f"--revision applies to a hub repo id, but {src} is a local directory")
+        return path
+    text = str(src)
+    if path.exists() or not looks_like_repo_id(text) or text.startswith((".", "~")):
+        raise CheckpointError(f"HF checkpoint directory not found: {src} (give a directory with config.json, or a "
+                              "hub repo id such as transfo-xl/transfo-xl-wt103)")
+    return download_hf(text, revision)
+
+
+def read_source_vocab(src: Path, vocab_size: int):
+    """vocab.json content from `src/vocab.pkl` (None when there is none); checked against the model."""
+    from txl.hf_vocab import read_hf_vocab, read_tokenizer_config
+
+    pkl = src / "vocab.pkl"
+    if not pkl.is_file():
+        return None
+    vocab = read_hf_vocab(pkl, tokenizer_config=read_tokenizer_config(src / "tokenizer_config.json"))
+    if vocab.size != vocab_size:
+        raise CheckpointError(f"{pkl} has {vocab.size} symbols but config.json has vocab_size={vocab_size}; "
+                              "they are not the same model's")
+    return vocab
+
+
+def import_hf(src: str | Path, out: str | Path, *, revision: str | None = None) -> TransformerXLConfig:
+    """Convert HF directory or repo id `src` into a txl checkpoint directory `out` (written atomically)."""
     from txl.model import TransformerXL
 
-    src = Path(src)
-    if not src.is_dir():
-        raise CheckpointError(f"HF checkpoint directory not found: {src}")
+    src = resolve_source(src, revision)
     try:
         config = convert_config(read_json(src / "config.json", "HF config"))
     except ConfigError as err:
@@ -240,6 +345,7 @@ def import_hf(src: str | Path, out: str | Path) -> TransformerXLConfig:
     except (RuntimeError, IndexError) as err:  # torch.stack / torch.cat of tensors whose shapes disagree
         msg = str(err).splitlines()[0]
         raise CheckpointError(f"{src}: the HF tensors do not have the shapes config.json implies ({msg})") from None
+    vocab = read_source_vocab(src, config.vocab_size)  # before anything is written: a refused file leaves nothing
     model = TransformerXL(config)
     from txl.checkpoint import check_state_dict
 
@@ -248,18 +354,29 @@ def import_hf(src: str | Path, out: str | Path) -> TransformerXLConfig:
     model.load_state_dict({k: v.to(expected[k].dtype) for k, v in tensors.items()})
     with atomic_directory(out) as tmp:
         write_model_files(model, tmp)
+        if vocab is not None:
+            vocab.save(tmp / "vocab.json")
+    if vocab is None:
+        print(f"note: {src} has no vocab.pkl, so {out} has no vocab.json: `txl generate` needs one, and `txl eval` "
+              "can only check the vocabulary size", file=sys.stderr)
     return config
 
 
 def configure_cli(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", help="HF TransfoXL directory: config.json + model.safetensors or pytorch_model.bin")
-    parser.add_argument("out", help="output txl checkpoint directory (config.json + model.safetensors)")
+    parser.add_argument("src", help="HF TransfoXL directory (config.json + model.safetensors or pytorch_model.bin "
+                                    "[+ vocab.pkl]) or a hub repo id, e.g. transfo-xl/transfo-xl-wt103")
+    parser.add_argument("out", help="output txl checkpoint directory (config.json + model.safetensors + vocab.json)")
+    parser.add_argument("--revision", help="hub revision (commit, branch or tag) of a repo id; default: the known "
+                                           "commit of transfo-xl/transfo-xl-wt103 "
+                                           f"({KNOWN_REVISIONS['transfo-xl/transfo-xl-wt103'][:12]}), main for others")
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    config = import_hf(args.src, args.out)
+    config = import_hf(args.src, args.out, revision=args.revision)
+    has_vocab = (Path(args.out) / "vocab.json").is_file()
     print(
         f"wrote {args.out}: {config.n_layer} layers, d_model {config.d_model}, vocab {config.vocab_size}, "
         f"cutoffs {list(config.cutoffs)}, div_val {config.div_val}"
+        + (", vocab.json with WikiText-103 tokenisation" if has_vocab else "")
     )
     return 0

@@ -795,3 +795,42 @@ def _unknown_symbol(seg: Segment, offset: int, lines: list[str], k: int, word: s
         f"{seg.label}: symbol {word!r} at byte offset {at} is not in the vocabulary built from train, "
         f"and this corpus has no <unk>; the valid/test files must only use training symbols"
     )
+
+
+# ---- one split with a fixed vocabulary (a published model's) ------------------------------------
+
+
+class _ArrayWriter:
+    """The `NpyWriter` interface, collecting into memory (one split of a word corpus)."""
+
+    def __init__(self, dtype: np.dtype):
+        self.dtype = np.dtype(dtype)
+        self.count = 0
+        self.chunks: list[np.ndarray] = []
+
+    def write(self, ids: np.ndarray) -> None:
+        self.chunks.append(np.array(ids, dtype=self.dtype))
+        self.count += len(ids)
+
+    def array(self) -> np.ndarray:
+        return np.concatenate(self.chunks) if self.chunks else np.zeros(0, dtype=self.dtype)
+
+
+def encode_split(spec: DataSpec, split: str, vocab: Vocab) -> tuple[np.ndarray, str]:
+    """Token ids of one split of a word-level corpus read with `vocab` instead of one built from train,
+    and the corpus metric. This is how a published model (`txl import-hf`) is scored: its vocabulary is
+    fixed, the corpus files are whitespace-split as they are, `<eos>` after every line, unknown words
+    `unk`. Nothing is cached: only the split is read (WikiText-103 test is 1.3 MB)."""
+    plan = make_plan(spec)
+    if plan.tokenizer != "words" or vocab.kind != "words":
+        raise DataError(f"{spec.text} is read as {plan.tokenizer}, but the checkpoint's vocabulary is a {vocab.kind} "
+                        "vocabulary of a published model; evaluate it on a word-level corpus such as "
+                        "wikitext103:DIR")
+    if split not in plan.splits:
+        raise DataError(f"{spec.text} has no split {split!r}; splits: {', '.join(plan.splits)}")
+    rules = plan.words or WordRules()
+    if rules.eos is not None and vocab.eos != rules.eos:
+        raise DataError(f"{spec.text} ends lines with {rules.eos}, which the checkpoint's vocabulary lacks")
+    writer = _ArrayWriter(vocab.dtype)
+    _encode_words(plan, vocab, plan.splits[split], writer, None)  # type: ignore[arg-type]
+    return writer.array(), plan.metric

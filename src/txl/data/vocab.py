@@ -9,6 +9,9 @@ Four kinds, one per tokenizer:
 - `words`: whitespace-separated symbols (PTB word and char, WikiText, lm1b, `text?tokenizer=words`).
   An `eos` symbol stands for each line end, lm1b also puts a `bos` symbol at each line start, as the
   reference code does (`add_eos` / `add_double_eos` in kimiyoung/transformer-xl `vocabulary.py`).
+  A words vocabulary may carry `text` rules (`txl.data.moses`): then `encode` tokenises raw text the
+  WikiText-103 way (Moses, `@-@`, `@,@`) and `decode` detokenises, as for the published models that
+  `txl import-hf` brings in. Corpus files are always read as whitespace-separated symbols.
 - `bpe`: a byte-level BPE model from Hugging Face `tokenizers`, kept as its own JSON inside ours.
 
 The reason for JSON only: a vocabulary travels with checkpoints, and loading a stranger's pickle runs
@@ -65,6 +68,7 @@ class Vocab:
         bos: str | None = None,
         unk: str | None = None,
         bpe: str | None = None,
+        text: dict[str, Any] | None = None,
     ):
         if kind not in KINDS:
             raise DataError(f"unknown vocabulary kind {kind!r}; known: {', '.join(KINDS)}")
@@ -72,6 +76,15 @@ class Vocab:
         self.eos, self.bos, self.unk = eos, bos, unk
         self._bpe_json = bpe
         self._tokenizer = None
+        self.text_rules: dict[str, Any] | None = None
+        self._text = None
+        if text is not None:
+            from txl.data.moses import MosesText
+
+            if kind != "words":
+                raise DataError(f"text rules apply to words vocabularies, not {kind}")
+            self._text = MosesText(text)
+            self.text_rules = self._text.rules
         if kind == "bytes":
             self.symbols: tuple[str, ...] | None = None
             self._size = 256
@@ -171,7 +184,8 @@ class Vocab:
         words: every '\\n' becomes `eos` (and starts a line with `bos` for lm1b); a last line without
         '\\n' gets no `eos`, so a prompt can be continued. (Corpus files differ in one respect, as in
         the reference: their unterminated last line also gets `eos`.) Unknown words map to `unk`, or
-        raise `DataError` when the vocabulary has none.
+        raise `DataError` when the vocabulary has none. With `text` rules each line is tokenised by
+        them (Moses, WikiText-103 style) instead of split at whitespace.
         """
         if self.kind == "bytes":
             data = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else bytes(text)
@@ -209,7 +223,7 @@ class Vocab:
                 break
             if self.bos is not None:
                 out.append(self._stoi[self.bos])
-            for word in line.split():
+            for word in self._text.tokenize(line) if self._text is not None else line.split():
                 idx = stoi.get(word, unk)
                 if idx is None:
                     raise DataError(
@@ -235,7 +249,8 @@ class Vocab:
         return self.decode(ids).encode("utf-8", "surrogatepass")
 
     def decode(self, ids: Iterable[int] | np.ndarray) -> str:
-        """Text of `ids`; inverse of `encode` (words: symbols joined by one space, `eos` -> '\\n')."""
+        """Text of `ids`; inverse of `encode` (words: symbols joined by one space, or detokenised by the
+        `text` rules, `eos` -> '\\n')."""
         arr = self._ids(ids)
         if self.kind == "bytes":
             return arr.astype(np.uint8).tobytes().decode("utf-8", "surrogateescape")
@@ -244,6 +259,7 @@ class Vocab:
         if self.kind == "bpe":
             return self._bpe().decode(arr.tolist(), skip_special_tokens=False)
         eos, bos = self.eos_id, self.bos_id
+        join = self._text.detokenize if self._text is not None else " ".join
         parts: list[str] = []
         line: list[str] = []
         at_line_start = True
@@ -252,13 +268,13 @@ class Vocab:
                 at_line_start = False
                 continue
             if eos is not None and i == eos:
-                parts.append(" ".join(line) + "\n")
+                parts.append(join(line) + "\n")
                 line, at_line_start = [], True
                 continue
             at_line_start = False
             line.append(self.symbols[i])
         if line:
-            parts.append(" ".join(line))
+            parts.append(join(line))
         return "".join(parts)
 
     def _bpe(self):
@@ -280,6 +296,8 @@ class Vocab:
                 d[key] = getattr(self, key)
         if self.kind == "bpe":
             d["bpe"] = self._bpe_json
+        if self.text_rules is not None:
+            d["text"] = self.text_rules
         return d
 
     def to_json(self) -> str:
@@ -321,7 +339,7 @@ class Vocab:
         kind = d.get("kind")
         if kind not in KINDS:
             raise bad(f"kind {kind!r} is not one of {', '.join(KINDS)}")
-        unknown = set(d) - {"format", "version", "kind", "size", "symbols", "eos", "bos", "unk", "bpe"}
+        unknown = set(d) - {"format", "version", "kind", "size", "symbols", "eos", "bos", "unk", "bpe", "text"}
         if unknown:
             raise bad(f"unknown keys {sorted(unknown)}")
         for key in ("eos", "bos", "unk"):
@@ -337,7 +355,8 @@ class Vocab:
         if kind == "bpe" and not isinstance(d.get("bpe"), str):
             raise bad("bpe must hold the tokenizer JSON as a string")
         try:
-            vocab = cls(kind, symbols, eos=d.get("eos"), bos=d.get("bos"), unk=d.get("unk"), bpe=d.get("bpe"))
+            vocab = cls(kind, symbols, eos=d.get("eos"), bos=d.get("bos"), unk=d.get("unk"), bpe=d.get("bpe"),
+                        text=d.get("text"))
         except DataError as err:
             raise bad(str(err)) from None
         if "size" in d and d["size"] != vocab.size:
