@@ -381,6 +381,23 @@ def test_streamed_text_equals_the_decoded_text(imported):
     assert "-of-" in "".join(pieces) and "23,000" in "".join(pieces)
 
 
+def test_streamed_text_of_a_long_generation_equals_the_decoded_text(imported):
+    """Past the stream's bounded decoding window (hundreds of tokens) joiners are still held back."""
+    from txl.generate import TextStream
+
+    _tok, out = imported
+    vocab = Vocab.load(out / "vocab.json")
+    prompt = vocab.encode("The year").tolist()
+    new = vocab.encode(" 23,000 people's state-of-the-art time, \"hello\" (twice) 1.80 m." * 12).tolist()
+    assert len(new) > 2 * TextStream.WINDOW
+    pieces: list[str] = []
+    stream = TextStream(vocab, pieces.append, prefix=prompt)
+    for token in new:
+        stream.push(token)
+    stream.close()
+    assert vocab.decode(prompt) + "".join(pieces) == vocab.decode(prompt + new)
+
+
 # ---------------------------------------------------------------------------------------------
 # The paper's evaluation command on a small file in WikiText-103's format
 
