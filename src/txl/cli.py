@@ -54,6 +54,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "txl.bench.cli:configure",
         "txl.bench.cli:run",
     ),
+    "serve": (
+        "a local playground page: streamed generation, attention over memory, loss vs memory length",
+        "txl.serve.cli:configure",
+        "txl.serve.cli:run",
+    ),
     "import-hf": (
         "convert a Hugging Face TransfoXL checkpoint (config.json + pytorch_model.bin or model.safetensors)",
         "txl.hf_import:configure_cli",
