@@ -349,12 +349,18 @@ function drawLines(canvas, series, { xlabel, ylabel }) {
   ctx.strokeStyle = "#d9dde6"; ctx.beginPath(); ctx.moveTo(left, top); ctx.lineTo(left, H - bottom); ctx.lineTo(W - right, H - bottom); ctx.stroke();
   ctx.fillText(y1.toFixed(2), 2, top + 8); ctx.fillText(y0.toFixed(2), 2, H - bottom);
   ctx.fillText(String(x0), left, H - bottom + 14); ctx.fillText(String(x1), W - right - 30, H - bottom + 14);
-  ctx.fillText(xlabel, W / 2 - 20, H - 4); ctx.fillText(ylabel, left + 4, top + 8);
-  series.forEach((s, i) => {
+  ctx.fillText(xlabel, W / 2 - 20, H - 4);
+  ctx.save(); ctx.translate(12, (H - bottom) / 2 + 30); ctx.rotate(-Math.PI / 2); ctx.fillText(ylabel, 0, 0); ctx.restore();
+  [...series].reverse().forEach((s) => {  // the first series on top
     ctx.strokeStyle = s.color; ctx.lineWidth = 1.5; ctx.beginPath();
     s.points.forEach(([x, y], k) => (k ? ctx.lineTo(X(x), Y(y)) : ctx.moveTo(X(x), Y(y))));
     ctx.stroke();
-    ctx.fillStyle = s.color; ctx.fillText(s.label, W - right - 260, top + 12 + 14 * i);
+  });
+  const width = Math.max(...series.map((s) => ctx.measureText(s.label).width)) + 26;
+  ctx.fillStyle = "rgba(255,255,255,0.85)"; ctx.fillRect(W - right - width - 4, top, width + 4, 8 + 14 * series.length);
+  series.forEach((s, i) => {
+    ctx.fillStyle = s.color; ctx.fillRect(W - right - width, top + 6 + 14 * i, 12, 3);
+    ctx.fillText(s.label, W - right - width + 16, top + 11 + 14 * i);
   });
 }
 
