@@ -307,3 +307,69 @@ def test_a_run_without_vocab_is_refused(tmp_path, capsys, tiny):
     TransformerXL(tiny()).save_pretrained(tmp_path / "novocab")
     assert main(["serve", str(tmp_path / "novocab"), "--port", "0"]) == 2
     assert "vocab.json" in capsys.readouterr().err
+
+
+def test_a_bug_in_one_request_is_a_500_json_and_the_server_keeps_serving(served, monkeypatch):
+    import txl.serve.app as app_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(app_module, "score", broken)
+    monkeypatch.setattr(app_module, "generate", broken)
+    with running(create_app([served])) as base:
+        status, body, _ = request(base, "POST", "/api/score", {"text": "the memory"})
+        assert status == 500 and body == {"error": "internal error (RuntimeError); the server keeps running"}
+        result = stream_generation(base, {"prompt": "the", "max_new_tokens": 5})
+        assert result["error"] == "internal error (RuntimeError); the server keeps running"
+        assert [e for e, _ in result["events"]][-1] == "done"
+        assert request(base, "GET", "/health")[1]["active"] == 0
+
+
+def test_a_full_server_queues_then_refuses(served):
+    """One slot, one waiting place: the second request waits (and gives up after queue_timeout with a
+    503 event), the third is refused at once with 429."""
+    limits = Limits(max_new_tokens=100000, max_concurrent=1, max_waiting=1, queue_timeout=1.0, request_timeout=30)
+    with running(create_app([served], limits)) as base:
+        host, port = base.removeprefix("http://").split(":")
+        busy = http.client.HTTPConnection(host, int(port), timeout=60)
+        busy.request("POST", "/api/generate", json.dumps({"prompt": "the", "max_new_tokens": 100000}),
+                     {"Content-Type": "application/json"})
+        events = sse_events(busy.getresponse())
+        assert next(events)[0] == "start"
+        waiting = http.client.HTTPConnection(host, int(port), timeout=60)
+        waiting.request("POST", "/api/generate", json.dumps({"prompt": "the", "max_new_tokens": 5}),
+                        {"Content-Type": "application/json"})
+        response = waiting.getresponse()
+        while request(base, "GET", "/health")[1]["waiting"] == 0:
+            time.sleep(0.01)
+        status, body, _ = request(base, "POST", "/api/generate", {"prompt": "the", "max_new_tokens": 5})
+        assert status == 429 and "busy" in body["error"]
+        event, data = next(sse_events(response))
+        assert event == "error" and data["status"] == 503 and "no work slot" in data["error"]
+        waiting.close()
+        busy.sock.close()
+        busy.close()
+
+
+def test_txl_serve_binds_loopback_and_stops_on_ctrl_c(run_dir):
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "txl", "serve", str(run_dir), "--port", "0", "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("txl serve: run at http://127.0.0.1:"), (line, proc.stderr.read() if proc.poll() else "")
+        base = line.split(" at ")[1].split("/ ")[0]
+        status, body, _ = request(base, "GET", "/health")
+        assert status == 200 and body["status"] == "ok"
+        status, page, headers = request(base, "GET", "/")
+        assert status == 200 and "txl playground" in page and headers["content-type"].startswith("text/html")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -222,12 +222,16 @@ class Server:
                                 f"run{'s' if len(self.runs) > 1 else ''})")
         return self.runs[index]
 
-    async def acquire(self, on_wait: Callable[[], Any] | None = None) -> None:
-        """Wait for a work slot (at most queue_timeout seconds)."""
+    def check_capacity(self) -> None:
+        """Refuse at once (429) when every slot is taken and the waiting line is full."""
         if self.slots is None:
             self.slots = asyncio.Semaphore(self.limits.max_concurrent)
         if self.slots.locked() and self.waiting >= self.limits.max_waiting:
             raise ApiError(429, f"the server is busy ({self.limits.max_waiting} requests waiting); try again shortly")
+
+    async def acquire(self) -> None:
+        """Wait for a work slot (at most queue_timeout seconds)."""
+        self.check_capacity()
         self.waiting += 1
         try:
             await asyncio.wait_for(self.slots.acquire(), timeout=self.limits.queue_timeout)
@@ -333,6 +337,7 @@ def create_app(runs: list[ServedRun], limits: Limits | None = None, *, allowed_h
         if len(ids) > limits.max_prompt_tokens:
             raise ApiError(413, f"the prompt is {len(ids):,} tokens; this server takes at most "
                                 f"{limits.max_prompt_tokens:,}")
+        server.check_capacity()
         window = run.ckpt.train_setting("tgt_len") if mem_len == 0 else None  # as `txl generate`
         session_id = session_id or secrets.token_urlsafe(12)
         key = (session_id, args["run"])
