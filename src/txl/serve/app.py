@@ -288,10 +288,10 @@ def create_app(runs: list[ServedRun], limits: Limits | None = None, *, allowed_h
     limits = limits or Limits()
     server = Server(runs, limits)
     hosts = LOOPBACK_HOSTS if allowed_hosts is None else allowed_hosts
-    with_fields = {name: Field(f.kind, f.default, f.low, f.high) for name, f in GENERATE_FIELDS.items()}
-    with_fields["prompt"] = Field(str, "", high=limits.max_prompt_tokens * 8)
-    with_fields["max_new_tokens"] = Field(int, min(50, limits.max_new_tokens), low=1, high=limits.max_new_tokens)
-    with_fields["mem_len"] = Field(int, None, low=0, high=limits.max_mem_len)
+    generate_fields = dict(GENERATE_FIELDS)  # with this server's bounds
+    generate_fields["prompt"] = Field(str, "", high=limits.max_prompt_tokens * 8)
+    generate_fields["max_new_tokens"] = Field(int, min(50, limits.max_new_tokens), low=1, high=limits.max_new_tokens)
+    generate_fields["mem_len"] = Field(int, None, low=0, high=limits.max_mem_len)
     score_fields = dict(SCORE_FIELDS)
     score_fields["text"] = Field(str, None, high=limits.max_score_tokens * 8)
     score_fields["ids"] = Field(list, None, high=limits.max_score_tokens)
@@ -317,7 +317,7 @@ def create_app(runs: list[ServedRun], limits: Limits | None = None, *, allowed_h
                              "limits": asdict(limits)}, headers=SECURITY_HEADERS)
 
     async def generate_route(request: Request) -> Response:
-        args = parse_fields(await read_json(request, limits.max_body_bytes), with_fields)
+        args = parse_fields(await read_json(request, limits.max_body_bytes), generate_fields)
         run = server.run_of(args["run"])
         model = run.model
         session_id = args["session"]

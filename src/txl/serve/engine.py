@@ -53,6 +53,9 @@ class ServedRun:
 
 def open_run(path: str | Path, *, device: str = "cpu") -> ServedRun:
     ckpt = load_checkpoint(path, device=device, require_vocab=True)
+    if not ckpt.model.config.causal:
+        raise UsageError(f"{ckpt.path} is a bidirectional (masked-LM) model: it cannot generate text; "
+                         "txl serve needs a causal language model")
     run_dir = ckpt.path.parent if ckpt.path.name in ("best", "last") else ckpt.path
     name = run_dir.name
     return ServedRun(name=name, ckpt=ckpt, card=model_card(ckpt, name=name, run_dir=run_dir))
