@@ -373,3 +373,14 @@ def test_txl_serve_binds_loopback_and_stops_on_ctrl_c(run_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_bidirectional_model_is_refused(tmp_path, capsys, tiny):
+    from txl.data import Vocab
+    from txl.model import TransformerXL
+
+    torch.manual_seed(0)
+    TransformerXL(tiny(vocab_size=256, causal=False, mem_len=0, pos_encoding="rope")).save_pretrained(tmp_path / "mlm")
+    Vocab("bytes").save(tmp_path / "mlm" / "vocab.json")
+    assert main(["serve", str(tmp_path / "mlm"), "--port", "0"]) == 2
+    assert "bidirectional" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import socket
 import sys
@@ -74,10 +75,8 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
     print(f"txl serve: {', '.join(r.name for r in runs)} at {url} (Ctrl-C to stop)", flush=True)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, access_log=False)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn shuts down gracefully, then re-raises the Ctrl-C
         uvicorn.Server(config).run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn shuts down gracefully, then re-raises the Ctrl-C it caught
-        pass
     print("txl serve: stopped", flush=True)
     return 0
 
