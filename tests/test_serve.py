@@ -384,3 +384,17 @@ def test_a_bidirectional_model_is_refused(tmp_path, capsys, tiny):
     Vocab("bytes").save(tmp_path / "mlm" / "vocab.json")
     assert main(["serve", str(tmp_path / "mlm"), "--port", "0"]) == 2
     assert "bidirectional" in capsys.readouterr().err
+
+
+def test_a_port_in_use_and_three_runs_end_in_one_line(run_dir, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        assert main(["serve", str(run_dir), "--port", str(port)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"127.0.0.1:{port} is in use" in err and "\n" not in err
+    assert main(["serve", str(run_dir), str(run_dir), str(run_dir)]) == 2
+    assert "one run or two" in capsys.readouterr().err
