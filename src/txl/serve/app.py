@@ -462,7 +462,7 @@ async def _generation(server: Server, run: ServedRun, session: Session, session_
 
         def on_token(token: int, logprob: float, text: str) -> None:
             nonlocal count
-            put("token", {"i": len(decoder.ids), "id": token, "text": text, "logprob": logprob})
+            put("token", {"i": decoder.length, "id": token, "text": text, "logprob": logprob})
             count += 1
 
         stopped_by = "max_new_tokens"
@@ -470,7 +470,7 @@ async def _generation(server: Server, run: ServedRun, session: Session, session_
             generator = torch.Generator().manual_seed(seed)
             decoder.feed(ids, cancelled)
             put("start", {"run": run.name, "session": session_id, "seed": seed, "mem_len": decoder.mem_len,
-                          "first": len(decoder.ids) - len(ids), "prompt_ids": ids,
+                          "first": decoder.length - len(ids), "prompt_ids": ids,
                           "prompt_pieces": token_pieces(run.vocab, ids), **settings})
             generate(decoder, generator=generator, on_token=on_token, cancelled=cancelled, **settings)
         except Cancelled:

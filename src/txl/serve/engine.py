@@ -149,6 +149,8 @@ class Decoder:
     step re-runs a window of the last `window` tokens instead. Continuing a session feeds more text
     on top of the same memory."""
 
+    TAIL = 64  # a session can go on for ever; its state stays bounded
+
     def __init__(self, run: ServedRun, *, mem_len: int, window: int | None):
         self.run = run
         self.mem_len = mem_len
@@ -156,7 +158,8 @@ class Decoder:
         self.memory: Memory | None = None
         self.context: torch.Tensor | None = None  # mem_len 0: the window of the last tokens (1, t)
         self.logits: torch.Tensor | None = None  # (1, V) of the next token
-        self.ids: list[int] = []  # the whole text so far (prompt, continuations, generated)
+        self.length = 0  # tokens fed so far (prompt, continuations, generated): the next token's position
+        self.tail: list[int] = []  # the last TAIL of them, the decoding context of the next piece of text
 
     @torch.no_grad()
     def feed(self, ids: Sequence[int], cancelled=lambda: False) -> None:
@@ -164,7 +167,8 @@ class Decoder:
             return
         model = self.run.model
         tokens = torch.tensor([list(ids)], dtype=torch.long, device=next(model.parameters()).device)
-        self.ids.extend(int(i) for i in ids)
+        self.length += len(ids)
+        self.tail = (self.tail + [int(i) for i in ids])[-self.TAIL :]
         if self.mem_len == 0:
             context = tokens if self.context is None else torch.cat([self.context, tokens], dim=1)
             self.context = context[:, -self.segment_len :]
@@ -195,7 +199,7 @@ def generate(decoder: Decoder, *, max_new_tokens: int, temperature: float, top_k
     (as `sample` does), so the session can continue from it."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     pieces: list[str] = []
-    stream = TextStream(decoder.run.vocab, pieces.append, prefix=decoder.ids)
+    stream = TextStream(decoder.run.vocab, pieces.append, prefix=decoder.tail)
     for _ in range(max_new_tokens):
         if cancelled():
             raise Cancelled

@@ -260,17 +260,18 @@ function renderAttention(stream, result) {
   row.forEach((w, j) => {
     const pos = a.first_key + j;
     if (pos === a.segment_start && j > 0) strip.append(el("span", { class: "boundary", title: "memory | segment" }));
+    else if (pos > 0 && pos % result.tgt_len === 0 && j > 0) strip.append(el("span", { class: "earlier", title: "an earlier segment starts here" }));
     const span = el("span", { class: "key" + (pos < a.segment_start ? " mem" : "") + (pos === a.query ? " query" : ""),
       text: pos >= 0 ? (result.tokens[pos] || "\u200b") : "·" });
     span.style.background = heat(w / top);
     span.title = `position ${pos}: ${(100 * w).toFixed(2)}%`;
     strip.append(span);
   });
-  drawMatrix($("attn-matrix"), a, memory);
+  drawMatrix($("attn-matrix"), a, memory, result.tgt_len);
   drawBars($("attn-distance"), a.avg_distance[a.layer], a.head);
 }
 
-function drawMatrix(canvas, a, memory) {
+function drawMatrix(canvas, a, memory, tgtLen) {
   const ctx = canvas.getContext("2d");
   const W = canvas.width, H = canvas.height, pad = 28;
   ctx.clearRect(0, 0, W, H);
@@ -283,6 +284,11 @@ function drawMatrix(canvas, a, memory) {
       ctx.fillRect(pad + j * cw, pad + i * ch, Math.ceil(cw), Math.ceil(ch));
     }
   }
+  ctx.strokeStyle = "#8a8f9c"; ctx.lineWidth = 1; ctx.setLineDash([3, 3]);  // earlier segments inside the memory
+  for (let j = 1; j < memory; j++) {
+    if ((a.first_key + j) % tgtLen === 0) { ctx.beginPath(); ctx.moveTo(pad + j * cw, pad); ctx.lineTo(pad + j * cw, H - 2); ctx.stroke(); }
+  }
+  ctx.setLineDash([]);
   const boundary = pad + memory * cw;  // memory | segment
   ctx.strokeStyle = "#c0392b"; ctx.lineWidth = 2;
   ctx.beginPath(); ctx.moveTo(boundary, pad - 6); ctx.lineTo(boundary, H - 2); ctx.stroke();
