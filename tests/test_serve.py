@@ -398,3 +398,16 @@ def test_a_port_in_use_and_three_runs_end_in_one_line(run_dir, capsys):
         assert f"127.0.0.1:{port} is in use" in err and "\n" not in err
     assert main(["serve", str(run_dir), str(run_dir), str(run_dir)]) == 2
     assert "one run or two" in capsys.readouterr().err
+
+
+def test_training_curve_is_thinned_and_skips_damaged_lines(tmp_path):
+    from txl.serve.engine import CURVE_POINTS, training_curve
+
+    lines = [json.dumps({"split": "train", "step": s, "loss": 5.0 / s}) for s in range(1, 1001)]
+    lines += ["{not json", json.dumps({"split": "valid", "step": 10, "loss": float("nan")}),
+              json.dumps({"split": "valid", "step": 20, "loss": 1.5}), json.dumps({"step": 3})]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines))
+    curve = training_curve(tmp_path / "metrics.jsonl")
+    assert len(curve["train"]) == CURVE_POINTS and curve["train"][0] == [1, 5.0] and curve["train"][-1] == [1000, 0.005]
+    assert curve["valid"] == [[20, 1.5]]
+    assert training_curve(tmp_path / "missing.jsonl") == {}
