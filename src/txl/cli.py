@@ -54,6 +54,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "txl.bench.cli:configure",
         "txl.bench.cli:run",
     ),
+    "serve": (
+        "a local playground page: streamed generation, attention over memory, loss vs memory length",
+        "txl.serve.cli:configure",
+        "txl.serve.cli:run",
+    ),
     "import-hf": (
         "convert a Hugging Face TransfoXL checkpoint (a directory, or a hub repo id such as "
         "transfo-xl/transfo-xl-wt103) with its vocab.pkl, read without unpickling",

@@ -270,7 +270,7 @@ def sample(
                 memory, logits = out.memory, out.logits[:, -1]
         for _ in range(max_new_tokens):
             logits = logits.float()
-            tokens = _pick_rows(logits, temperature, top_k, top_p, generator)
+            tokens = pick_tokens(logits, temperature, top_k, top_p, generator)
             chosen = logits.log_softmax(-1).gather(1, tokens[:, None].to(logits.device))[:, 0].tolist()
             for row, token in enumerate(tokens.tolist()):
                 if not live[row]:
@@ -295,7 +295,9 @@ def sample(
     return Generation(ids=ids, logprobs=logprobs, stopped_by=stopped_by)
 
 
-def _pick_rows(logits: Tensor, temperature: float, top_k: int, top_p: float, generator) -> Tensor:
+def pick_tokens(logits: Tensor, temperature: float, top_k: int, top_p: float, generator) -> Tensor:
+    """One token per row of `logits` (rows, vocab): the argmax at temperature 0, else a draw from the
+    top-k / top-p filtered distribution (the random draws `sample` makes, for callers that must match it)."""
     if temperature == 0:
         return logits.argmax(-1).cpu()
     probs = filter_logits(logits / temperature, top_k=top_k, top_p=top_p).softmax(-1).cpu()

@@ -1,0 +1,108 @@
+"""`txl serve RUN [RUN2]`: argument parsing and start-up (no torch or Starlette at import time)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ipaddress
+import socket
+import sys
+
+from txl.errors import UsageError
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("runs", nargs="+", metavar="RUN",
+                        help="a `txl train` run directory or a checkpoint directory (with vocab.json); give two "
+                             "to compare them side by side")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1: this machine only). Anything else "
+                             "exposes the model to the network")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default 0 = torch's choice)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="where to run (default: auto, a GPU when there is one)")
+    limits = parser.add_argument_group("limits (each request is refused with a 4xx past them)")
+    limits.add_argument("--max-new-tokens", type=int, default=512, help="tokens one generation may ask for (512)")
+    limits.add_argument("--max-prompt-tokens", type=int, default=2048, help="prompt tokens (2048)")
+    limits.add_argument("--max-score-tokens", type=int, default=4096, help="tokens of a text to score (4096)")
+    limits.add_argument("--max-concurrent", type=int, default=4,
+                        help="generations and scorings running at once; more wait for a slot (4)")
+    limits.add_argument("--timeout", type=float, default=120.0, help="seconds of work per request (120)")
+    limits.add_argument("--max-sessions", type=int, default=256, help="client memories kept (256)")
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("max_new_tokens", "max_prompt_tokens", "max_score_tokens", "max_concurrent", "max_sessions"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in 0…65535, got {args.port}")
+    if args.timeout <= 0:
+        raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if args.threads < 0:
+        raise UsageError(f"--threads must be >= 0, got {args.threads}")
+    if len(args.runs) > 2:
+        raise UsageError(f"txl serve shows one run or two side by side; got {len(args.runs)}")
+    try:
+        import starlette  # noqa: F401
+        import uvicorn
+    except ImportError as err:
+        raise UsageError(f"txl serve needs the serve extra ({err.name} is not installed): "
+                         "pip install 'txl[serve]'") from None
+    import torch
+
+    from txl.eval_cli import _device
+    from txl.serve.app import LOOPBACK_HOSTS, Limits, create_app
+    from txl.serve.engine import open_run
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = _device(args.device)
+    runs = [open_run(path, device=device) for path in args.runs]
+    if len(runs) == 2 and runs[0].name == runs[1].name:
+        runs[1].name += " (2)"
+    limits = Limits(max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+                    max_score_tokens=args.max_score_tokens, max_concurrent=args.max_concurrent,
+                    request_timeout=args.timeout, max_sessions=args.max_sessions)
+    loopback = _is_loopback(args.host)
+    app = create_app(runs, limits, allowed_hosts=None if not loopback else LOOPBACK_HOSTS)
+    sock = _bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/"
+    if not loopback:
+        print(f"txl serve: warning: listening on {args.host}: anyone who can reach this machine can use the model",
+              file=sys.stderr)
+    print(f"txl serve: {', '.join(r.name for r in runs)} at {url} (Ctrl-C to stop)", flush=True)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, access_log=False)
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn shuts down gracefully, then re-raises the Ctrl-C
+        uvicorn.Server(config).run(sockets=[sock])
+    print("txl serve: stopped", flush=True)
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except socket.gaierror as err:
+        sock.close()
+        raise UsageError(f"--host {host}: {err.strerror}") from None
+    except OSError as err:
+        sock.close()
+        what = "is in use; pick another with --port (0 = any free port)" if err.errno == 98 else f"failed: {err.strerror}"
+        raise UsageError(f"listening on {host}:{port} {what}") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock

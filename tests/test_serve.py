@@ -1,0 +1,413 @@
+"""`txl serve` (issue 20): the JSON API against the CLI it fronts (streamed text = `txl generate`,
+/api/score NLL = `txl eval` per token), attention rows, client sessions, bounded and malformed
+requests, what the server will not read, a bounded load test and a disconnect mid-stream, all over
+real HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from serve_helpers import request, running, train_run
+from txl.cli import build_parser, main
+from txl.serve.app import Limits, create_app
+from txl.serve.engine import open_run
+from txl.serve.load import run_load, sse_events, stream_generation
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TEXT = ("the memory of the segment and the attention of the layer\nrelative position token memory and the "
+        "segment of the model\nattention memory the of and layer token relative position of the memory\n")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    return train_run(tmp_path_factory.mktemp("serve"))
+
+
+@pytest.fixture(scope="module")
+def served(run_dir):
+    return open_run(run_dir)
+
+
+@pytest.fixture(scope="module")
+def url(served):
+    with running(create_app([served], Limits(max_new_tokens=300, max_concurrent=4))) as base:
+        yield base
+
+
+def generation(url: str, **body) -> tuple[list[dict], dict, dict]:
+    """(token events, start event, done event) of one streamed generation."""
+    result = stream_generation(url, body)
+    assert result["status"] == 200 and result["error"] is None, result
+    events = result["events"]
+    assert events[0][0] == "start" and events[-1][0] == "done", [e for e, _ in events]
+    return [d for e, d in events if e == "token"], events[0][1], events[-1][1]
+
+
+def cli(capsys, *argv) -> str:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out
+
+
+@pytest.mark.parametrize("settings", [{}, {"temperature": 0.7, "top_p": 0.9, "top_k": 0}, {"mem_len": 0}],
+                         ids=["defaults", "nucleus", "no-memory-window"])
+def test_streamed_text_equals_txl_generate_with_the_same_seed(url, run_dir, capsys, settings):
+    tokens, start, done = generation(url, prompt="the memory of", max_new_tokens=60, seed=11, **settings)
+    flags = [x for k, v in settings.items() for x in (f"--{k.replace('_', '-')}", v)]
+    sample = json.loads(cli(capsys, "generate", run_dir, "--prompt", "the memory of", "--max-new-tokens", 60,
+                            "--seed", 11, "--json", *flags))["samples"][0]
+    assert len(tokens) == 60 and done["tokens"] == 60 and done["stopped_by"] == "max_new_tokens"
+    assert [t["id"] for t in tokens] == sample["ids"]
+    assert "".join(t["text"] for t in tokens) == sample["text"]
+    assert np.allclose([t["logprob"] for t in tokens], sample["logprobs"], atol=1e-5)
+    assert start["prompt_ids"] == sample["prompt_ids"] and start["seed"] == 11
+    assert [t["i"] for t in tokens] == list(range(len(start["prompt_ids"]), len(start["prompt_ids"]) + 60))
+
+
+def test_score_nll_equals_txl_eval_per_token(url, run_dir, tmp_path, capsys):
+    path = tmp_path / "text.txt"
+    path.write_text(TEXT)
+    cli(capsys, "eval", run_dir, "--text", path, "--batch-size", 1, "--per-token", tmp_path / "nll.npy", "--quiet")
+    expected = np.load(tmp_path / "nll.npy")
+    status, body, _ = request(url, "POST", "/api/score", {"text": TEXT})
+    assert status == 200, body
+    assert len(body["nll"]) == len(TEXT.encode()) - 1 == len(expected) > 3 * (body["tgt_len"] + body["mem_len"])
+    np.testing.assert_allclose(body["nll"], expected, atol=1e-5)
+    assert body["mean_nll"] == pytest.approx(float(expected.mean()), abs=1e-5)
+    assert "".join(body["tokens"]) == TEXT
+    # memory matters: without it the same text scores worse on this trained model
+    _, without, _ = request(url, "POST", "/api/score", {"text": TEXT, "mem_len": 0})
+    assert without["mem_len"] == 0 and without["mean_nll"] > body["mean_nll"]
+
+
+@pytest.mark.parametrize("token", [1, 5, 16, 17, 40, 150])
+def test_attention_rows_sum_to_one_over_memory_and_segment(url, served, token):
+    layer, head = 1, 1
+    status, body, _ = request(url, "POST", "/api/score",
+                              {"text": TEXT, "attention": {"token": token, "layer": layer, "head": head}})
+    assert status == 200, body
+    a = body["attention"]
+    tgt_len, mem_len = body["tgt_len"], body["mem_len"]
+    query = token - 1
+    start = query // tgt_len * tgt_len
+    assert (a["query"], a["segment_start"]) == (query, start)
+    assert a["first_key"] == max(0, start - mem_len)  # keys = [memory ; segment]
+    rows = np.array(a["rows"])  # (layers, heads, keys)
+    config = served.model.config
+    assert rows.shape == (config.n_layer, config.n_head, a["segment_end"] - a["first_key"])
+    np.testing.assert_allclose(rows.sum(-1), 1.0, atol=1e-5)
+    future = query + 1 - a["first_key"]
+    assert np.all(rows[..., future:] == 0)  # causal: nothing after the query
+    matrix = np.array(a["matrix"])  # the whole segment, layer 1 head 1
+    np.testing.assert_allclose(matrix.sum(-1), 1.0, atol=1e-3)
+    np.testing.assert_allclose(matrix[query - start], rows[layer, head], atol=1e-5)
+    positions = np.arange(a["first_key"], a["segment_end"])
+    np.testing.assert_allclose(a["avg_distance"], (rows * (query - positions)).sum(-1), rtol=1e-4, atol=1e-4)
+
+
+def test_each_session_keeps_its_own_memory(url):
+    """Greedy: 12 tokens, then 12 more continuing the same session = 24 in one go, even with another
+    session generating in between."""
+    whole, _, _ = generation(url, prompt="attention of", max_new_tokens=24, temperature=0)
+    first, start, _ = generation(url, prompt="attention of", max_new_tokens=12, temperature=0, session="session-aaaa")
+    generation(url, prompt="layer token relative", max_new_tokens=30, temperature=0, session="session-bbbb")
+    second, again, _ = generation(url, max_new_tokens=12, temperature=0, session="session-aaaa", **{"continue": True})
+    assert [t["id"] for t in first + second] == [t["id"] for t in whole]
+    assert start["session"] == again["session"] == "session-aaaa" and again["first"] == len(start["prompt_ids"]) + 12
+    # a continuation with more text feeds it on top of the memory
+    more, _, _ = generation(url, prompt=" memory", max_new_tokens=3, temperature=0, session="session-aaaa",
+                            **{"continue": True})
+    assert more[0]["i"] == len(start["prompt_ids"]) + 24 + len(" memory")
+
+
+BAD = [  # (method, path, body, headers, status, words in the error)
+    ("POST", "/api/generate", b"{not json", {"Content-Type": "application/json"}, 400, "not valid JSON"),
+    ("POST", "/api/generate", b"[1, 2]", {"Content-Type": "application/json"}, 400, "JSON object"),
+    ("POST", "/api/generate", b"\xff\xfe", {"Content-Type": "application/json"}, 400, "not UTF-8"),
+    ("POST", "/api/generate", b'{"prompt": "x"}', {}, 415, "application/json"),
+    ("POST", "/api/generate", {"prompt": "x", "path": "/etc/passwd"}, {}, 400, "unknown field 'path'"),
+    ("POST", "/api/generate", {"prompt": 3}, {}, 422, "'prompt' must be a string"),
+    ("POST", "/api/generate", {"max_new_tokens": "50"}, {}, 422, "'max_new_tokens' must be an integer"),
+    ("POST", "/api/generate", {"max_new_tokens": 10**6}, {}, 413, "must be <= 300"),
+    ("POST", "/api/generate", {"max_new_tokens": 0}, {}, 422, "must be >= 1"),
+    ("POST", "/api/generate", {"temperature": -1}, {}, 422, "'temperature' must be >= 0"),
+    ("POST", "/api/generate", {"top_p": 0}, {}, 422, "'top_p' must be in (0, 1]"),
+    ("POST", "/api/generate", {"prompt": "x" * 20000}, {}, 413, "too long"),
+    ("POST", "/api/generate", {"prompt": "x" * 16000}, {}, 413, "at most 2,048"),
+    ("POST", "/api/generate", b'{"prompt": "' + b"x" * 300_000 + b'"}', {"Content-Type": "application/json"}, 413,
+     "larger than"),
+    ("POST", "/api/generate", {"run": 1}, {}, 422, "'run' must be 0"),
+    ("POST", "/api/generate", {"run": "/tmp/other-run"}, {}, 422, "'run' must be an integer"),
+    ("POST", "/api/generate", {"session": "../../x"}, {}, 422, "'session'"),
+    ("POST", "/api/generate", {"continue": True}, {}, 422, "needs the \"session\""),
+    ("POST", "/api/generate", {"continue": True, "session": "never-started"}, {}, 404, "no such session"),
+    ("POST", "/api/score", {"text": "the"}, {}, 200, None),
+    ("POST", "/api/score", {"text": "t"}, {}, 422, "at least 2"),
+    ("POST", "/api/score", {}, {}, 422, "exactly one of"),
+    ("POST", "/api/score", {"text": "the", "ids": [1, 2]}, {}, 422, "exactly one of"),
+    ("POST", "/api/score", {"ids": [1, 999]}, {}, 422, "outside the vocabulary"),
+    ("POST", "/api/score", {"ids": [1, True]}, {}, 422, "list of integers"),
+    ("POST", "/api/score", {"ids": list(range(5000))}, {}, 413, "too long"),
+    ("POST", "/api/score", {"text": "the", "attention": {"token": 9}}, {}, 422, "attention.token"),
+    ("POST", "/api/score", {"text": "the", "attention": {"token": 1, "layer": 7}}, {}, 422, "attention.layer"),
+    ("POST", "/api/score", {"text": "the", "attention": {"token": 1, "file": "x"}}, {}, 400, "unknown field 'file'"),
+    ("POST", "/api/score", {"text": "the", "mem_len": 1e9}, {}, 422, "'mem_len' must be an integer"),
+    ("GET", "/api/generate", None, {}, 405, "not allowed"),
+    ("DELETE", "/api/model", None, {}, 405, "not allowed"),
+    ("GET", "/api/nothing", None, {}, 404, "not found"),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "headers", "status", "words"), BAD,
+                         ids=[f"{i}-{b[1]}-{b[4]}" for i, b in enumerate(BAD)])
+def test_bad_requests_get_one_json_4xx_and_the_server_stays_up(url, method, path, body, headers, status, words):
+    got, answer, response_headers = request(url, method, path, body, headers)
+    assert got == status, answer
+    if words is not None:
+        assert set(answer) == {"error"} and words in answer["error"] and "\n" not in answer["error"]
+        assert response_headers["content-type"] == "application/json"
+    assert request(url, "GET", "/health")[1]["status"] == "ok"
+
+
+def test_default_bind_is_loopback():
+    args = build_parser(only="serve").parse_args(["serve", "RUN"])
+    assert args.host == "127.0.0.1"
+
+
+def test_nothing_outside_the_page_is_readable(url, run_dir):
+    secret = "SECRET-7f3a91"
+    (run_dir / "secret.txt").write_text(secret)
+    (run_dir.parent / "secret.txt").write_text(secret)
+    tries = ["/static/../secret.txt", "/static/..%2fsecret.txt", "/static/%2e%2e/%2e%2e/secret.txt",
+             "/static/..%2F..%2Frun%2Fsecret.txt", "/static/app.js/../../secret.txt", "/static/", "/static/x/y",
+             "//etc/passwd", "/../../../../etc/passwd", "/static/..%5c..%5csecret.txt", "/run/best/config.json",
+             "/static/__init__.py", "/static/engine.py", "/secret.txt", "/api/model/../../secret.txt"]
+    for path in tries:
+        status, body, _ = request(url, "GET", path)
+        assert status == 404 and secret not in json.dumps(body), path
+    _, model, _ = request(url, "GET", "/api/model")
+    assert secret not in json.dumps(model) and str(run_dir.parent) not in json.dumps(model)
+    for name in ("index.html", "app.js", "style.css"):  # what it serves: the page, with a strict policy
+        status, _, headers = request(url, "GET", f"/static/{name}")
+        assert status == 200 and headers["content-security-policy"].startswith("default-src 'self'")
+
+
+def test_other_host_names_are_refused(url):
+    """A page elsewhere that rebinds its own name to 127.0.0.1 cannot drive the server."""
+    status, body, _ = request(url, "GET", "/api/model", headers={"Host": "attacker.example:8000"})
+    assert status == 400 and "not served here" in body["error"]
+    assert request(url, "GET", "/health", headers={"Host": "localhost:1"})[0] == 200
+
+
+def test_bounded_load_no_errors(url, capsys):
+    stats = run_load(url, clients=16, requests=20, tokens=8)
+    assert stats["requests"] == 320 and stats["errors"] == 0, stats["first_errors"]
+    assert stats["tokens"] == 320 * 8
+    with capsys.disabled():
+        print(f"\nload 16 clients × 20 requests × 8 tokens: p50 {stats['p50_ms_per_token']:.1f} ms/token, p95 "
+              f"{stats['p95_ms_per_token']:.1f} ms/token, first token p50 {stats['p50_ms_first_token']:.1f} ms, "
+              f"{stats['tokens_per_second']:.0f} tokens/s")
+    assert request(url, "GET", "/health")[1]["active"] == 0
+
+
+def test_a_disconnect_mid_stream_frees_its_slot(served, capsys):
+    """One slot; a client asks for 20000 tokens, reads three and hangs up: the work stops at once and the
+    next client gets the slot."""
+    with running(create_app([served], Limits(max_new_tokens=20000, max_concurrent=1))) as base:
+        host, port = base.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/api/generate", json.dumps({"prompt": "the", "max_new_tokens": 20000}),
+                     {"Content-Type": "application/json"})
+        events = sse_events(conn.getresponse())
+        assert next(events)[0] == "start"
+        for _ in range(3):
+            assert next(events)[0] == "token"
+        assert request(base, "GET", "/health")[1]["active"] == 1
+        conn.sock.close()
+        conn.close()
+        closed = time.perf_counter()
+        while (health := request(base, "GET", "/health")[1])["active"]:
+            assert time.perf_counter() - closed < 60, health
+            time.sleep(0.005)
+        freed = time.perf_counter() - closed
+        ended = health["recent"][-1]
+        assert ended["stopped_by"] == "disconnected" and ended["tokens"] < 20000
+        tokens, _, done = generation(base, prompt="the", max_new_tokens=5)
+        assert len(tokens) == 5 and done["stopped_by"] == "max_new_tokens"
+    with capsys.disabled():
+        print(f"\ndisconnect after 3 tokens: slot free {1000 * freed:.0f} ms after the close, the stream stopped "
+              f"at {ended['tokens']} of 20000 tokens")
+
+
+def test_work_is_time_limited(served):
+    with running(create_app([served], Limits(max_new_tokens=100000, request_timeout=0.3))) as base:
+        tokens, _, done = generation(base, prompt="the", max_new_tokens=100000)
+        assert done["stopped_by"] == "time_limit" and 0 < len(tokens) < 100000
+
+
+def test_two_runs_generate_side_by_side(served, run_dir, tmp_path):
+    other = open_run(run_dir / "last")
+    with running(create_app([served, other])) as base:
+        _, model, _ = request(base, "GET", "/api/model")
+        assert [r["name"] for r in model["runs"]] == ["run", "run"] and model["runs"][1]["checkpoint"] == "last"
+        a, _, _ = generation(base, run=0, prompt="the", max_new_tokens=10, seed=1)
+        b, _, _ = generation(base, run=1, prompt="the", max_new_tokens=10, seed=1)
+        assert len(a) == len(b) == 10
+
+
+def test_model_card_has_config_parameters_corpus_and_curve(url, served):
+    status, body, _ = request(url, "GET", "/api/model")
+    card = body["runs"][0]
+    assert status == 200 and card["name"] == "run"
+    assert card["parameters"] == sum(p.numel() for p in served.model.parameters())
+    assert card["config"]["n_layer"] == 2 and card["vocab"] == {"kind": "bytes", "size": 256}
+    assert card["corpus"] == "text:corpus.txt"  # no local directories on the page
+    assert {"train", "valid"} <= set(card["curve"]) and card["curve"]["train"][0][0] == 5
+    assert body["limits"]["max_new_tokens"] == 300
+
+
+def test_serve_without_the_extra_names_the_fix(run_dir, capsys, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_uvicorn(name, *args, **kwargs):
+        if name == "uvicorn":
+            raise ImportError("No module named 'uvicorn'", name="uvicorn")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_uvicorn)
+    assert main(["serve", str(run_dir), "--port", "0"]) == 2
+    assert "pip install 'txl[serve]'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--port", "70000"], "--port must be in"),
+    (["--max-concurrent", "0"], "--max-concurrent must be >= 1"),
+    (["--timeout", "0"], "--timeout must be > 0"),
+])
+def test_bad_flags_end_in_one_line(run_dir, capsys, argv, words):
+    assert main(["serve", str(run_dir), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and "\n" not in err
+
+
+def test_a_run_without_vocab_is_refused(tmp_path, capsys, tiny):
+    from txl.model import TransformerXL
+
+    torch.manual_seed(0)
+    TransformerXL(tiny()).save_pretrained(tmp_path / "novocab")
+    assert main(["serve", str(tmp_path / "novocab"), "--port", "0"]) == 2
+    assert "vocab.json" in capsys.readouterr().err
+
+
+def test_a_bug_in_one_request_is_a_500_json_and_the_server_keeps_serving(served, monkeypatch):
+    import txl.serve.app as app_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(app_module, "score", broken)
+    monkeypatch.setattr(app_module, "generate", broken)
+    with running(create_app([served])) as base:
+        status, body, _ = request(base, "POST", "/api/score", {"text": "the memory"})
+        assert status == 500 and body == {"error": "internal error (RuntimeError); the server keeps running"}
+        result = stream_generation(base, {"prompt": "the", "max_new_tokens": 5})
+        assert result["error"] == "internal error (RuntimeError); the server keeps running"
+        assert [e for e, _ in result["events"]][-1] == "done"
+        assert request(base, "GET", "/health")[1]["active"] == 0
+
+
+def test_a_full_server_queues_then_refuses(served):
+    """One slot, one waiting place: the second request waits (and gives up after queue_timeout with a
+    503 event), the third is refused at once with 429."""
+    limits = Limits(max_new_tokens=100000, max_concurrent=1, max_waiting=1, queue_timeout=1.0, request_timeout=30)
+    with running(create_app([served], limits)) as base:
+        host, port = base.removeprefix("http://").split(":")
+        busy = http.client.HTTPConnection(host, int(port), timeout=60)
+        busy.request("POST", "/api/generate", json.dumps({"prompt": "the", "max_new_tokens": 100000}),
+                     {"Content-Type": "application/json"})
+        events = sse_events(busy.getresponse())
+        assert next(events)[0] == "start"
+        waiting = http.client.HTTPConnection(host, int(port), timeout=60)
+        waiting.request("POST", "/api/generate", json.dumps({"prompt": "the", "max_new_tokens": 5}),
+                        {"Content-Type": "application/json"})
+        response = waiting.getresponse()
+        while request(base, "GET", "/health")[1]["waiting"] == 0:
+            time.sleep(0.01)
+        status, body, _ = request(base, "POST", "/api/generate", {"prompt": "the", "max_new_tokens": 5})
+        assert status == 429 and "busy" in body["error"]
+        event, data = next(sse_events(response))
+        assert event == "error" and data["status"] == 503 and "no work slot" in data["error"]
+        waiting.close()
+        busy.sock.close()
+        busy.close()
+
+
+def test_txl_serve_binds_loopback_and_stops_on_ctrl_c(run_dir):
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "txl", "serve", str(run_dir), "--port", "0", "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("txl serve: run at http://127.0.0.1:"), (line, proc.stderr.read() if proc.poll() else "")
+        base = line.split(" at ")[1].split("/ ")[0]
+        status, body, _ = request(base, "GET", "/health")
+        assert status == 200 and body["status"] == "ok"
+        status, page, headers = request(base, "GET", "/")
+        assert status == 200 and "txl playground" in page and headers["content-type"].startswith("text/html")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_bidirectional_model_is_refused(tmp_path, capsys, tiny):
+    from txl.data import Vocab
+    from txl.model import TransformerXL
+
+    torch.manual_seed(0)
+    TransformerXL(tiny(vocab_size=256, causal=False, mem_len=0, pos_encoding="rope")).save_pretrained(tmp_path / "mlm")
+    Vocab("bytes").save(tmp_path / "mlm" / "vocab.json")
+    assert main(["serve", str(tmp_path / "mlm"), "--port", "0"]) == 2
+    assert "bidirectional" in capsys.readouterr().err
+
+
+def test_a_port_in_use_and_three_runs_end_in_one_line(run_dir, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        assert main(["serve", str(run_dir), "--port", str(port)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"127.0.0.1:{port} is in use" in err and "\n" not in err
+    assert main(["serve", str(run_dir), str(run_dir), str(run_dir)]) == 2
+    assert "one run or two" in capsys.readouterr().err
+
+
+def test_training_curve_is_thinned_and_skips_damaged_lines(tmp_path):
+    from txl.serve.engine import CURVE_POINTS, training_curve
+
+    lines = [json.dumps({"split": "train", "step": s, "loss": 5.0 / s}) for s in range(1, 1001)]
+    lines += ["{not json", json.dumps({"split": "valid", "step": 10, "loss": float("nan")}),
+              json.dumps({"split": "valid", "step": 20, "loss": 1.5}), json.dumps({"step": 3})]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines))
+    curve = training_curve(tmp_path / "metrics.jsonl")
+    assert len(curve["train"]) == CURVE_POINTS and curve["train"][0] == [1, 5.0] and curve["train"][-1] == [1000, 0.005]
+    assert curve["valid"] == [[20, 1.5]]
+    assert training_curve(tmp_path / "missing.jsonl") == {}
