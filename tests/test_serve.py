@@ -323,6 +323,10 @@ def test_a_bug_in_one_request_is_a_500_json_and_the_server_keeps_serving(served,
         result = stream_generation(base, {"prompt": "the", "max_new_tokens": 5})
         assert result["error"] == "internal error (RuntimeError); the server keeps running"
         assert [e for e, _ in result["events"]][-1] == "done"
+        # the slot is freed when the worker thread has ended, which may be just after "done" is sent
+        deadline = time.monotonic() + 5
+        while request(base, "GET", "/health")[1]["active"] and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert request(base, "GET", "/health")[1]["active"] == 0
 
 
