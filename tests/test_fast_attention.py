@@ -339,3 +339,21 @@ def test_blocked_kernel_in_bf16_matches_fp32_on_the_same_inputs(edges):
         results[dtype] = [out.float()] + [t.grad.float() for t in leaves]
     for exact, low in zip(results[torch.float32], results[torch.bfloat16]):
         assert (low - exact).abs().max() <= 0.03 * exact.abs().max() + 1e-3
+
+
+def test_scratch_buffers_made_in_inference_mode_serve_training_afterwards():
+    """The kernel's per-thread scratch buffers outlive a call: one first made under inference_mode must
+    still be writable by a training step (an inference tensor would refuse in-place writes)."""
+    import txl.attention.xl_fast as fast_module
+
+    fast_module._workspaces.__dict__.clear()
+    _, fast = pair(mem_len=8)
+    x = torch.randint(0, 53, (2, 30), generator=torch.Generator().manual_seed(6))
+    fast.eval()
+    with torch.inference_mode():  # a long evaluation segment: a scratch buffer larger than training needs
+        fast(x[:, 8:28], memory=fast(x[:, :8]).memory)
+    assert fast_module._workspaces.__dict__  # the evaluation made a scratch buffer
+    fast.train()
+    out = fast(x[:, 8:12], memory=fast(x[:, :8]).memory, labels=x[:, 9:13])
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in fast.parameters() if p.grad is not None)

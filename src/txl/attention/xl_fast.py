@@ -60,7 +60,8 @@ def _workspace(name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
     cache = _workspaces.__dict__
     buffer = cache.get(name)
     if buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype or buffer.device != like.device:
-        buffer = like.new_empty(numel)
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+            buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
         cache[name] = buffer
     return buffer[:numel].view(shape)
 
