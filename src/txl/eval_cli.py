@@ -24,8 +24,8 @@ def _int_list(text: str, flag: str) -> list[int]:
         raise UsageError(f"{flag} {text!r}: give comma-separated integers, e.g. 0,64,128,256") from None
     if not values:
         raise UsageError(f"{flag} needs at least one value")
-    if any(v < 0 for v in values):
-        raise UsageError(f"{flag} {text!r}: memory lengths must be >= 0")
+    if any(not 0 <= v <= MAX_LENGTH for v in values):
+        raise UsageError(f"{flag}: memory lengths must be in [0, {MAX_LENGTH:,}], got {_shown(max(values, key=abs))}")
     return values
 
 
@@ -48,18 +48,28 @@ def _add_checkpoint(parser: argparse.ArgumentParser, nargs: str | None = None) -
                              "`txl train` run directory (uses RUN/best, else RUN/last)")
 
 
-def _check_nonnegative(args: argparse.Namespace, *names: str) -> None:
-    for name in names:
-        value = getattr(args, name, None)
-        if value is not None and value < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+# Lengths (tokens) and counts a command takes are bounded where they are parsed: an int of 30 digits
+# would otherwise overflow deep inside torch (OverflowError) instead of being named here.
+MAX_LENGTH = 1 << 24
+MAX_COUNT = 1 << 62  # --max-tokens, --positions
 
 
-def _check_positive(args: argparse.Namespace, *names: str) -> None:
+def _shown(value: int) -> str:
+    return f"{value:.3g}" if abs(value) >= 10**15 else str(value)
+
+
+def _check_nonnegative(args: argparse.Namespace, *names: str, limit: int = MAX_LENGTH) -> None:
     for name in names:
         value = getattr(args, name, None)
-        if value is not None and value < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if value is not None and not 0 <= value <= limit:
+            raise UsageError(f"--{name.replace('_', '-')} must be in [0, {limit:,}], got {_shown(value)}")
+
+
+def _check_positive(args: argparse.Namespace, *names: str, limit: int = MAX_LENGTH) -> None:
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None and not 1 <= value <= limit:
+            raise UsageError(f"--{name.replace('_', '-')} must be in [1, {limit:,}], got {_shown(value)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,6 +98,8 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--per-token", metavar="FILE",
                         help="write each target's NLL (nats) in corpus order to FILE (.npy or .txt)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--allow-nonfinite", action="store_true",
+                        help="report a NaN/Inf loss as a result (exit 0) instead of an error")
     vanilla = parser.add_argument_group("vanilla baseline (Al-Rfou et al. 2018)")
     vanilla.add_argument("--vanilla", action="store_true",
                          help="score every token with a fresh window of --attn-len tokens and no memory")
@@ -103,7 +115,8 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    _check_nonnegative(args, "mem_len", "clamp_len", "max_tokens", "batch_size")
+    _check_nonnegative(args, "mem_len", "clamp_len", "batch_size")
+    _check_nonnegative(args, "max_tokens", limit=MAX_COUNT)
     _check_positive(args, "tgt_len", "attn_len", "stride")
     if not args.vanilla and args.batch_size == 0:
         raise UsageError("--batch-size must be >= 1 (0 = automatic applies to --vanilla only)")
@@ -126,6 +139,7 @@ def run_eval(args: argparse.Namespace) -> int:
         return _run_sweep(args, ckpt, sweep, common)
     result, nll = evaluate_checkpoint(ckpt, mem_len=args.mem_len, vanilla=args.vanilla, attn_len=args.attn_len,
                                       stride=args.stride, per_token=bool(args.per_token), **common)
+    _check_finite(result, ckpt, args)
     out = result.to_dict()
     out["checkpoint"] = str(ckpt.path)
     out["data"] = args.data or ckpt.data_spec
@@ -139,6 +153,17 @@ def run_eval(args: argparse.Namespace) -> int:
         if args.per_token:
             print(f"per-token NLL (nats, corpus order) -> {out['per_token']}")
     return 0
+
+
+def _check_finite(result, ckpt, args: argparse.Namespace) -> None:
+    import math
+
+    from txl.errors import CheckpointError
+
+    if not math.isfinite(result.loss) and not args.allow_nonfinite:
+        raise CheckpointError(f"{ckpt.path} scored a non-finite loss ({result.loss}) on {args.split}: its weights hold "
+                              f"NaN/Inf or overflow at {args.precision}; use another checkpoint or precision fp32 "
+                              "(--allow-nonfinite reports it anyway)")
 
 
 def _cpu_name() -> str | None:
@@ -159,6 +184,7 @@ def _run_sweep(args: argparse.Namespace, ckpt, mem_lens: list[int], common: dict
     results = []
     for mem_len in mem_lens:
         result, _ = evaluate_checkpoint(ckpt, mem_len=mem_len, **common)
+        _check_finite(result, ckpt, args)
         results.append(result)
         if not args.json:
             print(f"mem_len {mem_len}: {result.metric} {result.value:.4f} ({result.tokens:,} tokens, "
@@ -237,11 +263,12 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from txl.generate import check_sampling
+    from txl.generate import check_sampling, check_seed
 
     prompt = read_prompt(args)
     temperature = 0.0 if args.greedy else args.temperature
     check_sampling(args.max_new_tokens, temperature, args.top_k, args.top_p)
+    check_seed(args.seed)
     _check_nonnegative(args, "mem_len")
     import torch
 
@@ -311,7 +338,8 @@ def run_recl(args: argparse.Namespace) -> int:
 
     contexts = parse_contexts(args.contexts)
     rs = parse_rs(args.r)
-    _check_nonnegative(args, "positions", "max_tokens", "batch_size")
+    _check_nonnegative(args, "batch_size")
+    _check_nonnegative(args, "positions", "max_tokens", limit=MAX_COUNT)
     _check_positive(args, "tgt_len")
     if not 0 < args.threshold < 1:
         raise UsageError(f"--threshold must be in (0, 1), got {args.threshold}")

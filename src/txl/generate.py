@@ -17,12 +17,14 @@ checkpoint's vocabulary and the continuation is decoded and written as it is pro
 from __future__ import annotations
 
 import codecs
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
-from txl.errors import DataError, UsageError
+from txl.config import MAX_LENGTH
+from txl.errors import CheckpointError, DataError, UsageError
 from txl.memory import Memory
 
 
@@ -41,15 +43,28 @@ def filter_logits(logits: Tensor, *, top_k: int = 0, top_p: float = 1.0) -> Tens
     return logits
 
 
+# Below these, logits / temperature overflows float32 and the nucleus test underflows: both would turn
+# the probabilities into NaN. A temperature this small is greedy decoding in all but name.
+MIN_TEMPERATURE = 1e-3
+MIN_TOP_P = 1e-6
+MAX_NEW_TOKENS = 1 << 24
+
+
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
-    if max_new_tokens < 1:
-        raise UsageError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise UsageError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
+        raise UsageError(f"max_new_tokens must be in [1, {MAX_NEW_TOKENS:,}], got {max_new_tokens}")
+    if not (temperature == 0 or MIN_TEMPERATURE <= temperature < math.inf):
+        raise UsageError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {temperature}")
     if top_k < 0:
         raise UsageError(f"top_k must be >= 0 (0 = off), got {top_k}")
-    if not 0.0 < top_p <= 1.0:
-        raise UsageError(f"top_p must be in (0, 1], got {top_p}")
+    if not MIN_TOP_P <= top_p <= 1.0:  # also rejects NaN
+        raise UsageError(f"top_p must be in [{MIN_TOP_P}, 1], got {top_p}")
+
+
+def check_seed(seed: int | None) -> None:
+    if seed is not None and not 0 <= seed < 2**63:
+        raise UsageError(f"seed must be in [0, 2**63), got {seed:.3g}" if seed >= 10**15 else
+                         f"seed must be in [0, 2**63), got {seed}")
 
 
 @torch.no_grad()
@@ -75,11 +90,11 @@ def stream_tokens(
         raise UsageError(f"prompt has token ids outside the model's vocabulary [0, {vocab})")
     device = next(model.parameters()).device
     mem_len = model.mem_len if mem_len is None else mem_len
-    if mem_len < 0:
-        raise UsageError(f"mem_len must be >= 0, got {mem_len}")
+    if not 0 <= mem_len <= MAX_LENGTH:
+        raise UsageError(f"mem_len must be in [0, {MAX_LENGTH:,}], got {mem_len}")
     segment_len = segment_len or max(mem_len, 128)
-    if segment_len < 1:
-        raise UsageError(f"segment_len must be >= 1, got {segment_len}")
+    if not 1 <= segment_len <= MAX_LENGTH:
+        raise UsageError(f"segment_len must be in [1, {MAX_LENGTH:,}], got {segment_len}")
     was_training = model.training
     model.eval()
     try:
@@ -113,6 +128,9 @@ def _stream_window(model, prompt: Tensor, *, max_new_tokens: int, window: int, t
 
 
 def _pick(logits: Tensor, temperature: float, top_k: int, top_p: float, generator) -> int:
+    if not bool(torch.isfinite(logits).all()):
+        raise CheckpointError("the model's scores for the next token are not finite (NaN or Inf): its weights are "
+                              "damaged or were trained into overflow; use another checkpoint")
     if temperature == 0:
         return int(logits.argmax())
     logits = filter_logits(logits / temperature, top_k=top_k, top_p=top_p)

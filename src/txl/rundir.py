@@ -1,0 +1,198 @@
+"""Writing into a directory that may come from a stranger, and one writer per run.
+
+A run directory is shared like a file: a colleague's run, one downloaded next to a paper. Its entries
+may be symbolic links aimed anywhere (`sample.txt -> ~/.bashrc`), so every file txl writes into it is
+created here: a fresh temporary name opened with `O_CREAT | O_EXCL | O_NOFOLLOW` relative to the
+directory's own descriptor, fsynced, then renamed over the final name (a rename replaces a link, it
+never writes through it). An entry that is already a link is refused by name instead of replaced:
+txl never renames or deletes anything outside the directory it was given (SECURITY.md).
+
+`RunLock` is the one-writer rule: an advisory `fcntl.flock` on `RUN/.txl-lock`, held for the whole run.
+The kernel drops it when its process dies (even by SIGKILL), so a stale lock file never blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+from pathlib import Path
+
+from txl.errors import OutputError, UsageError, describe_os_error
+
+LOCK_NAME = ".txl-lock"
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def is_link(path: Path) -> bool:
+    with contextlib.suppress(OSError, ValueError):
+        return stat.S_ISLNK(os.lstat(path).st_mode)
+    return False
+
+
+def is_real_dir(path: Path) -> bool:
+    """A directory itself, not a link to one."""
+    with contextlib.suppress(OSError, ValueError):
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    return False
+
+
+def refuse_link(path: Path, what: str = "entry") -> None:
+    """One line naming an entry that is a symbolic link where txl would write or move a directory."""
+    if is_link(path):
+        raise OutputError(f"{path} is a symbolic link ({what}); txl never writes through a link: remove it or "
+                          "use another directory")
+
+
+def check_utf8_path(path: Path, flag: str = "--out") -> None:
+    """safetensors (Rust) takes UTF-8 paths only: refuse others before anything is written."""
+    try:
+        os.fsencode(path).decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"{flag} {os.fsdecode(os.fsencode(path))!r} is not a UTF-8 path; txl's checkpoint "
+                         "library cannot open it: choose a name in UTF-8") from None
+
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    """Create `path` with `data` atomically, without following any link at `path`.
+
+    The temporary is created under an unguessable name with O_EXCL | O_NOFOLLOW in the same
+    directory (opened once, then used by descriptor), written, fsynced and renamed into place.
+    """
+    path = Path(path)
+    refuse_link(path)
+    try:
+        dir_fd = os.open(path.parent, os.O_RDONLY | _CLOEXEC | getattr(os, "O_DIRECTORY", 0))
+    except OSError as err:
+        raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
+    tmp = None
+    try:
+        for _ in range(100):
+            name = f".{path.name[:100]}.{os.urandom(6).hex()}.tmp"
+            try:
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o666,
+                             dir_fd=dir_fd)
+            except FileExistsError:
+                continue
+            tmp = name
+            break
+        else:  # pragma: no cover - 100 collisions of 48 random bits
+            raise OSError(errno.EEXIST, "cannot create a temporary file")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        tmp = None
+        with contextlib.suppress(OSError):
+            os.fsync(dir_fd)
+    except OSError as err:
+        raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+        os.close(dir_fd)
+
+
+def write_text(path: str | Path, text: str) -> None:
+    write_bytes(path, text.encode("utf-8", "surrogateescape"))
+
+
+def open_append(path: str | Path):
+    """Open `path` for appending text, refusing a link (O_NOFOLLOW): the metrics log of a run."""
+    path = Path(path)
+    refuse_link(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o666)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise OutputError(f"{path} is a symbolic link; txl never writes through a link: remove it") from None
+        raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OutputError(f"{path} is not a regular file; remove it or use another directory")
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
+def read_text_nofollow(path: str | Path) -> str | None:
+    """The text of a regular file in a run (None when absent); a link is refused."""
+    path = Path(path)
+    refuse_link(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        return f.read().decode("utf-8", "replace")
+
+
+class RunLock:
+    """An exclusive advisory lock on a run directory, held until `release()` or the process ends.
+
+    A second holder (another `txl train` on the same --out or --resume) fails at once with a
+    `UsageError` naming the holder's pid. Locks taken twice by one process are shared (counted).
+    """
+
+    _held: dict[str, RunLock] = {}
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self.fd: int | None = None
+        self.count = 0
+
+    @classmethod
+    def acquire(cls, directory: str | Path) -> RunLock:
+        key = os.path.realpath(directory)
+        lock = cls._held.get(key)
+        if lock is None:
+            lock = cls(directory)
+            lock._take()
+            cls._held[key] = lock
+        lock.count += 1
+        return lock
+
+    def _take(self) -> None:
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows: no advisory locks
+            return
+        path = self.directory / LOCK_NAME
+        refuse_link(path, "the run's lock file")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o644)
+        except OSError as err:
+            raise OutputError(f"cannot create the run lock {path}: {describe_os_error(err)}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            holder = ""
+            with contextlib.suppress(OSError, ValueError):
+                text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+                holder = f" (pid {int(text)})" if text.isdigit() else ""
+            os.close(fd)
+            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise UsageError(f"{self.directory} is in use by another txl process{holder}; wait for it to "
+                                 "finish (or stop it), or pick another --out") from None
+            raise OutputError(f"cannot lock {path}: {describe_os_error(err)}") from None
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        self.count -= 1
+        if self.count > 0:
+            return
+        RunLock._held.pop(os.path.realpath(self.directory), None)
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor drops the flock
+            self.fd = None
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
