@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from txl.checkpoint import resolve_checkpoint
+from txl.checkpoint import load_checkpoint, resolve_checkpoint
 from txl.cli import main
 from txl.errors import CheckpointError
 from txl.evaluate import (
@@ -19,7 +19,6 @@ from txl.evaluate import (
     evaluate,
     evaluate_checkpoint,
     evaluate_vanilla,
-    load_checkpoint,
     load_per_token,
 )
 from txl.run_config import build_run_config

@@ -18,13 +18,14 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from txl.errors import CheckpointError, ConfigError, OutputError, describe_os_error
+from txl.errors import CheckpointError, ConfigError, DataError, OutputError, describe_os_error
 from txl.rundir import is_real_dir, refuse_link, write_bytes
 
 CONFIG_NAME = "config.json"
@@ -458,3 +459,66 @@ def _compare(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[bool, 
             )
         if not is_float:
             raise CheckpointError(f"{where}: tensor {name!r} has dtype {dtype}, expected a float dtype")
+
+
+# ---------------------------------------------------------------------------------------------
+# A checkpoint with what was recorded next to it (the one loader behind txl eval / generate / recl)
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A model directory resolved from a checkpoint or run path, with what was recorded next to it."""
+
+    path: Path  # the model directory (config.json + model.safetensors [+ vocab.json])
+    model: Any  # TransformerXL in eval mode
+    vocab: Any | None  # txl.data.Vocab from vocab.json, None when the directory has none
+    state: dict = field(default_factory=dict)  # trainer_state.json of this directory ({} if absent)
+    run: dict = field(default_factory=dict)  # run.json of the run directory ({} if absent)
+
+    @property
+    def data_spec(self) -> str | None:
+        """The corpus the run trained on (trainer_state.json or run.json `data`)."""
+        return self.state.get("data") or self.run.get("data")
+
+    def train_setting(self, key: str) -> Any:
+        """A [train] value of the run (e.g. tgt_len), from last/trainer_state.json or run.json; None if unknown."""
+        for source in (self.state.get("run"), self.run.get("config")):
+            if isinstance(source, dict) and isinstance(source.get("train"), dict) and key in source["train"]:
+                return source["train"][key]
+        return None
+
+
+def _read_optional_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = parse_json(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def load_checkpoint(path: str | Path, *, device: torch.device | str = "cpu", require_vocab: bool = False) -> LoadedCheckpoint:
+    """Open a checkpoint directory or a `txl train` run directory (RUN/best, else RUN/last)."""
+    from txl.data import Vocab
+    from txl.model import TransformerXL
+
+    directory = resolve_checkpoint(path)
+    vocab = None
+    if (directory / "vocab.json").is_file():
+        try:
+            vocab = Vocab.load(directory / "vocab.json")
+        except DataError as err:
+            raise CheckpointError(f"{directory}/vocab.json: {err}") from None
+    elif require_vocab:
+        raise CheckpointError(f"{directory} has no vocab.json; it is needed to turn text into token ids "
+                              "(checkpoints written by `txl train` have one)")
+    model = TransformerXL.from_pretrained(directory, map_location=device)
+    if vocab is not None and vocab.size != model.config.vocab_size:
+        raise CheckpointError(f"{directory}: vocab.json has {vocab.size} ids but config.json has vocab_size="
+                              f"{model.config.vocab_size}; the checkpoint is inconsistent")
+    state = _read_optional_json(directory / "trainer_state.json")
+    run = _read_optional_json(directory.parent / "run.json") if directory.name in ("best", "last") else {}
+    if directory.name == "best" and "run" not in state:  # best/ records no run config; last/ does
+        state = {**_read_optional_json(directory.parent / "last" / "trainer_state.json"), **state}
+    return LoadedCheckpoint(path=directory, model=model, vocab=vocab, state=state, run=run)

@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": (
         "train a model (no arguments: the demo, preset tiny on the built-in corpus)",
-        "txl.train:configure_cli",
-        "txl.train:run_cli",
+        "txl.train.cli:configure_cli",
+        "txl.train.cli:run_cli",
     ),
     "data": (
         "corpora: list, download, prepare (tokenize once into memory-mapped arrays), stats",

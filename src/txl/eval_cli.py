@@ -127,7 +127,8 @@ def run_eval(args: argparse.Namespace) -> int:
     if (args.attn_len is not None or args.stride != 1) and not args.vanilla:
         raise UsageError("--attn-len and --stride apply to the vanilla evaluator; add --vanilla")
     sweep = _int_list(args.sweep_mem, "--sweep-mem") if args.sweep_mem else None
-    from txl.evaluate import evaluate_checkpoint, load_checkpoint, result_table, save_per_token
+    from txl.checkpoint import load_checkpoint
+    from txl.evaluate import evaluate_checkpoint, result_table, save_per_token
 
     device = _device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device=device)
@@ -272,7 +273,7 @@ def run_generate(args: argparse.Namespace) -> int:
     _check_nonnegative(args, "mem_len")
     import torch
 
-    from txl.evaluate import load_checkpoint
+    from txl.checkpoint import load_checkpoint
     from txl.generate import generate_text
 
     device = _device(args.device)
@@ -347,7 +348,8 @@ def run_recl(args: argparse.Namespace) -> int:
     if names is not None and len(names) != len(args.checkpoint):
         raise UsageError(f"--names gives {len(names)} labels for {len(args.checkpoint)} checkpoints")
 
-    from txl.evaluate import load_checkpoint, metric_value, open_eval_corpus
+    from txl.checkpoint import load_checkpoint
+    from txl.evaluate import metric_value, open_eval_corpus
     from txl.recl import compute_recl, context_losses, plot_recl, recl_markdown, weights_key
 
     device = _device(args.device)

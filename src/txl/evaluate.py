@@ -20,19 +20,19 @@ checks that the corpus vocabulary is the checkpoint's, and runs either evaluator
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from txl.errors import CheckpointError, DataError, OutputError, UsageError, describe_os_error
+from txl.checkpoint import LoadedCheckpoint, load_checkpoint
+from txl.errors import DataError, OutputError, UsageError, describe_os_error
 
 
 @dataclass
@@ -457,66 +457,6 @@ def plot_sweep(results: Sequence[EvalResult], path: str | Path, *, title: str = 
 # Checkpoints + corpora
 
 
-@dataclass
-class LoadedCheckpoint:
-    """A model directory resolved from a checkpoint or run path, with what was recorded next to it."""
-
-    path: Path  # the model directory (config.json + model.safetensors [+ vocab.json])
-    model: Any  # TransformerXL in eval mode
-    vocab: Any | None  # txl.data.Vocab from vocab.json, None when the directory has none
-    state: dict = field(default_factory=dict)  # trainer_state.json of this directory ({} if absent)
-    run: dict = field(default_factory=dict)  # run.json of the run directory ({} if absent)
-
-    @property
-    def data_spec(self) -> str | None:
-        """The corpus the run trained on (trainer_state.json or run.json `data`)."""
-        return self.state.get("data") or self.run.get("data")
-
-    def train_setting(self, key: str) -> Any:
-        """A [train] value of the run (e.g. tgt_len), from last/trainer_state.json or run.json; None if unknown."""
-        for source in (self.state.get("run"), self.run.get("config")):
-            if isinstance(source, dict) and isinstance(source.get("train"), dict) and key in source["train"]:
-                return source["train"][key]
-        return None
-
-
-def _read_optional_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def load_checkpoint(path: str | Path, *, device: torch.device | str = "cpu", require_vocab: bool = False) -> LoadedCheckpoint:
-    """Open a checkpoint directory or a `txl train` run directory (RUN/best, else RUN/last)."""
-    from txl.checkpoint import resolve_checkpoint
-    from txl.data import Vocab
-    from txl.model import TransformerXL
-
-    directory = resolve_checkpoint(path)
-    vocab = None
-    if (directory / "vocab.json").is_file():
-        try:
-            vocab = Vocab.load(directory / "vocab.json")
-        except DataError as err:
-            raise CheckpointError(f"{directory}/vocab.json: {err}") from None
-    elif require_vocab:
-        raise CheckpointError(f"{directory} has no vocab.json; it is needed to turn text into token ids "
-                              "(checkpoints written by `txl train` have one)")
-    model = TransformerXL.from_pretrained(directory, map_location=device)
-    if vocab is not None and vocab.size != model.config.vocab_size:
-        raise CheckpointError(f"{directory}: vocab.json has {vocab.size} ids but config.json has vocab_size="
-                              f"{model.config.vocab_size}; the checkpoint is inconsistent")
-    state = _read_optional_json(directory / "trainer_state.json")
-    run = _read_optional_json(directory.parent / "run.json") if directory.name in ("best", "last") else {}
-    if directory.name == "best" and "run" not in state:  # best/ records no run config; last/ does
-        state = {**_read_optional_json(directory.parent / "last" / "trainer_state.json"), **state}
-    return LoadedCheckpoint(path=directory, model=model, vocab=vocab, state=state, run=run)
-
-
 def open_eval_corpus(ckpt: LoadedCheckpoint, data: str | None, split: str):
     """The corpus to score and its split tokens; its vocabulary must be the checkpoint's."""
     from txl.data import open_corpus
@@ -643,14 +583,12 @@ def result_table(result: EvalResult) -> str:
 
 __all__ = [
     "EvalResult",
-    "LoadedCheckpoint",
     "attention_length",
     "autocast",
     "context_nll",
     "evaluate",
     "evaluate_checkpoint",
     "evaluate_vanilla",
-    "load_checkpoint",
     "metric_value",
     "plot_sweep",
     "result_table",
