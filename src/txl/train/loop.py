@@ -16,11 +16,11 @@ import contextlib
 import math
 import signal
 import time
+import weakref
 from pathlib import Path
 
 import torch
 
-from txl.checkpoint import recover_directory
 from txl.errors import ConfigError, DataError, TrainingError
 from txl.evaluate import EvalResult, autocast, evaluate, metric_value
 from txl.memory import Memory
@@ -30,9 +30,8 @@ from txl.run_config import RunConfig
 from txl.train.distributed import init_distributed
 from txl.train.progress import MetricsLog, Progress
 from txl.train.state import (
-    BEST,
     LAST,
-    prepare_out_dir,
+    open_run_dir,
     restore_checkpoint,
     save_best,
     save_checkpoint,
@@ -42,7 +41,7 @@ from txl.train.state import (
 
 class Trainer:
     def __init__(self, run: RunConfig, out_dir: str | Path, *, device: str = "auto", resume: bool = False,
-                 quiet: bool = False):
+                 quiet: bool = False, force: bool = False):
         from txl.data import StreamIterator, open_corpus
 
         self.run = run
@@ -55,11 +54,10 @@ class Trainer:
                 f"train.batch_size={self.cfg.batch_size} must be divisible by world size × grad_accum "
                 f"= {self.dist.world} × {self.cfg.grad_accum}"
             )
-        if self.dist.main:
-            for name in (LAST, BEST):  # a crash mid-checkpoint leaves the previous one set aside
-                recover_directory(self.out / name)
-            if not resume:
-                prepare_out_dir(self.out)
+        self._unlock = None
+        if self.dist.main:  # one writer per run: held until close() (or this object or its process dies)
+            lock = open_run_dir(self.out, resume=resume, force=force)
+            self._unlock = weakref.finalize(self, lock.release)  # runs once, whichever comes first
         self.corpus = open_corpus(self.cfg.data)
         self.model_config = run.model_config(vocab_size=len(self.corpus.vocab))
         torch.manual_seed(self.cfg.seed)
@@ -92,6 +90,11 @@ class Trainer:
         self.metric = self.corpus.metric
         if resume:
             restore_checkpoint(self, self.out / LAST)
+
+    def close(self) -> None:
+        """Release the run directory's lock (also released when the trainer or the process goes)."""
+        if self._unlock is not None:
+            self._unlock()
 
     # -- one optimisation step ---------------------------------------------------------------------
     def train_step(self, batch) -> tuple[float, int]:

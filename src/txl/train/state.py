@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,7 @@ from txl.errors import CheckpointError, ConfigError, DataError, OutputError, Usa
 from txl.memory import Memory
 from txl.optim import optimizer_state_join, optimizer_state_split
 from txl.run_config import RunConfig, merge
+from txl.rundir import LOCK_NAME, RunLock, check_utf8_path, refuse_link
 
 if TYPE_CHECKING:
     from txl.evaluate import EvalResult
@@ -41,17 +43,74 @@ OPTIMIZER_STATE_KEYS = {"step", "exp_avg", "exp_avg_sq"}  # per parameter, for a
 STATE_FILE = "trainer_state.json"
 
 
-def prepare_out_dir(out: Path) -> None:
-    """A new run's --out: refuse one that holds a run or is not a directory; check it is writable."""
+# What a run directory holds that txl wrote (its temporaries start with "." and one of these names).
+RUN_ENTRIES = (LAST, BEST, "run.json", "metrics.jsonl", "result.json", "sample.txt", "tensorboard", "curves.png",
+               LOCK_NAME)
+
+
+def _is_txl_entry(name: str) -> bool:
+    return name in RUN_ENTRIES or any(name.startswith(f".{known}.") for known in RUN_ENTRIES)
+
+
+def check_run_entries(out: Path) -> None:
+    """A run directory from a stranger may hold links aimed outside it; every entry txl writes, moves
+    or deletes is refused by name when it is one (the directory itself may be a link the user made)."""
+    if not out.is_dir():
+        return
+    for name in RUN_ENTRIES:
+        refuse_link(out / name, "in a run directory")
+    for entry in out.iterdir():
+        if entry.name.startswith(".") and _is_txl_entry(entry.name):
+            refuse_link(entry, "in a run directory")
+
+
+def open_run_dir(out: Path, *, resume: bool, force: bool = False) -> RunLock:
+    """Check and lock a run directory before anything in it is read, moved or written.
+
+    New run: `out` is created (or must be empty, or an earlier txl run that never checkpointed; any
+    other existing directory is refused unless `force`). Resume: `out` must exist. Either way the
+    directory's lock is taken (a second writer fails at once naming the holder), links among the
+    entries txl touches are refused, and then crash leftovers are recovered.
+    """
+    check_utf8_path(out, "--resume" if resume else "--out")
+    if resume:
+        if not out.is_dir():
+            raise CheckpointError(f"{out} is not a txl training run (no such directory); pass the --out directory "
+                                  "of an earlier `txl train`")
+    else:
+        if out.exists() and not out.is_dir():
+            raise OutputError(f"output directory {out} exists and is not a directory; pick a new --out")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise OutputError(f"cannot write to output directory {out}: {describe_os_error(err)}") from None
+    lock = RunLock.acquire(out)
+    try:
+        check_run_entries(out)
+        for name in (LAST, BEST):  # a crash mid-checkpoint leaves the previous one set aside
+            recover_directory(out / name)
+        if not resume:
+            prepare_out_dir(out, force=force)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def prepare_out_dir(out: Path, *, force: bool = False) -> None:
+    """A new run's --out: refuse one that holds a run or files txl did not write; check it is writable."""
     if (out / LAST).exists():
         raise UsageError(f"{out} already holds a run; continue it with --resume {out} or pick a new --out")
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"output directory {out} exists and is not a directory; pick a new --out")
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
-        probe.write_text("")
-        probe.unlink()
+        names = sorted(e.name for e in out.iterdir() if e.name != LOCK_NAME)
+        foreign = [n for n in names if not _is_txl_entry(n)]
+        if names and not force and (foreign or "run.json" not in names):
+            example = (foreign or names)[0]
+            raise OutputError(f"{out} exists and holds files txl did not write ({example!r}); training would "
+                              "overwrite its metrics.jsonl, run.json, result.json and sample.txt: pick an empty or "
+                              "new --out, or pass --force")
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):  # O_EXCL: never an existing entry
+            pass
     except OSError as err:
         raise OutputError(f"cannot write to output directory {out}: {describe_os_error(err)}") from None
 
@@ -253,7 +312,9 @@ def _same_kind(want, got) -> bool:
 
 
 def resume_config(run_dir: Path, *, max_steps: int | None = None, max_minutes: float | None = None) -> RunConfig:
-    """The configuration saved in RUN/last (after crash recovery), with a new step or time budget."""
+    """The configuration saved in RUN/last (after crash recovery), with a new step or time budget.
+    The caller holds the run's lock (`open_run_dir`): recovery must not race another writer."""
+    check_run_entries(run_dir)
     recover_directory(run_dir / LAST)
     where = run_dir / LAST / STATE_FILE
     if not where.is_file():
