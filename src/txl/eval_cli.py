@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from txl.errors import OutputError, UsageError, describe_os_error
+from txl.rundir import write_text
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -210,8 +211,8 @@ def _run_sweep(args: argparse.Namespace, ckpt, mem_lens: list[int], common: dict
                      title=f"{ckpt.path.parent.name if ckpt.path.name in ('best', 'last') else ckpt.path.name}: "
                            f"{results[0].metric} vs attention length ({args.split})")
     try:
-        prefix.with_suffix(".md").write_text(header + table + f"\n![sweep]({png.name})\n")
-        prefix.with_suffix(".json").write_text(json.dumps([r.to_dict() for r in results], indent=2) + "\n")
+        write_text(prefix.with_suffix(".md"), header + table + f"\n![sweep]({png.name})\n")
+        write_text(prefix.with_suffix(".json"), json.dumps([r.to_dict() for r in results], indent=2) + "\n")
     except OSError as err:
         raise OutputError(f"cannot write {prefix}.md/.json: {describe_os_error(err)}") from None
     if args.json:
@@ -390,8 +391,8 @@ def run_recl(args: argparse.Namespace) -> int:
                   f"(targets {positions[0]:,} … {positions[-1]:,}), contexts {contexts}, threshold "
                   f"{args.threshold:g}\n\n")
         try:
-            prefix.with_suffix(".md").write_text(header + table + f"\n![RECL]({png.name})\n")
-            prefix.with_suffix(".json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+            write_text(prefix.with_suffix(".md"), header + table + f"\n![RECL]({png.name})\n")
+            write_text(prefix.with_suffix(".json"), json.dumps(result.to_dict(), indent=2) + "\n")
         except OSError as err:
             raise OutputError(f"cannot write {prefix}.md/.json: {describe_os_error(err)}") from None
     if args.json:

@@ -196,3 +196,23 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def save_figure(fig, path: str | Path, **kwargs) -> None:
+    """matplotlib's savefig opens the path itself (following links): render into memory, then write."""
+    import io
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=Path(path).suffix.lstrip(".").lower() or "png", **kwargs)
+    write_bytes(path, buffer.getvalue())
+
+
+def save_array(path: str | Path, array) -> None:
+    """np.save without pickles, into memory, then written like any other file here."""
+    import io
+
+    import numpy as np
+
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    write_bytes(path, buffer.getvalue())
