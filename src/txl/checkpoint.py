@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from txl.errors import CheckpointError, ConfigError, DataError, OutputError, describe_os_error
-from txl.rundir import is_real_dir, refuse_link, write_bytes
+from txl.rundir import atomic_file, is_real_dir, refuse_link
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -49,7 +49,9 @@ def fsync_dir(path: Path) -> None:
 def write_json(path: Path, data: Any) -> None:
     """Write JSON through a fresh temporary (O_EXCL | O_NOFOLLOW), fsync, rename: a crash never leaves
     half a file, and a link at `path` is refused instead of written through (txl.rundir)."""
-    write_bytes(Path(path), (json.dumps(data, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+    with atomic_file(Path(path), "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 class DuplicateKeyError(ValueError):
@@ -97,7 +99,7 @@ def atomic_directory(final: str | Path) -> Iterator[Path]:
     """
     final = Path(final)
     parent = final.parent
-    refuse_link(final, "a checkpoint directory")
+    refuse_link(final, "where it writes a checkpoint")
     try:
         parent.mkdir(parents=True, exist_ok=True)
         recover_directory(final)
@@ -134,7 +136,7 @@ def check_replaceable(final: Path) -> None:
     directory (and, run as root, even `/dev/full`) for a checkpoint. A checkpoint is flat: config.json
     plus JSON and safetensors files.
     """
-    refuse_link(final, "a checkpoint directory")
+    refuse_link(final, "where it writes a checkpoint")
     if final.exists() and not final.is_dir():
         raise OutputError(f"{final} exists and is not a directory; choose another location for the checkpoint")
     if not final.exists():
@@ -164,11 +166,11 @@ def recover_directory(final: str | Path) -> None:
     parent = final.parent
     if not is_real_dir(parent) and not parent.is_dir():
         return
-    refuse_link(final, "a checkpoint directory")
+    refuse_link(final, "where it writes a checkpoint")
     leftovers = sorted(parent.glob(f".{final.name}.old-*")) + sorted(parent.glob(f".{final.name}.tmp-*"))
     for entry in leftovers:
-        refuse_link(entry, "a crash-recovery entry")
-        refuse_link(entry / final.name, "a crash-recovery entry")
+        refuse_link(entry, "during crash recovery")
+        refuse_link(entry / final.name, "during crash recovery")
     if not final.exists():
         for old in sorted(parent.glob(f".{final.name}.old-*")):
             candidate = old / final.name

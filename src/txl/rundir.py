@@ -39,11 +39,11 @@ def is_real_dir(path: Path) -> bool:
     return False
 
 
-def refuse_link(path: Path, what: str = "entry") -> None:
-    """One line naming an entry that is a symbolic link where txl would write or move a directory."""
+def refuse_link(path: Path, where: str = "where it writes") -> None:
+    """One line naming an entry that is a symbolic link where txl would write, move or delete."""
     if is_link(path):
-        raise OutputError(f"{path} is a symbolic link ({what}); txl never writes through a link: remove it or "
-                          "use another directory")
+        raise OutputError(f"{path} is a symbolic link; txl does not follow links {where} (it would write or move "
+                          "files outside it): remove the link or use another directory")
 
 
 def check_utf8_path(path: Path, flag: str = "--out") -> None:
@@ -55,11 +55,13 @@ def check_utf8_path(path: Path, flag: str = "--out") -> None:
                          "library cannot open it: choose a name in UTF-8") from None
 
 
-def write_bytes(path: str | Path, data: bytes) -> None:
-    """Create `path` with `data` atomically, without following any link at `path`.
+@contextlib.contextmanager
+def atomic_file(path: str | Path, mode: str = "wb"):
+    """Yield a file to fill; on success it replaces `path` atomically, without following any link there.
 
-    The temporary is created under an unguessable name with O_EXCL | O_NOFOLLOW in the same
-    directory (opened once, then used by descriptor), written, fsynced and renamed into place.
+    The temporary is created under an unguessable name with O_CREAT | O_EXCL | O_NOFOLLOW in the same
+    directory (opened once, then used by descriptor), fsynced and renamed into place. On an exception
+    it is removed and `path` is untouched. OS errors become one `OutputError` naming `path`.
     """
     path = Path(path)
     refuse_link(path)
@@ -69,7 +71,7 @@ def write_bytes(path: str | Path, data: bytes) -> None:
         raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
     tmp = None
     try:
-        for _ in range(100):
+        while tmp is None:
             name = f".{path.name[:100]}.{os.urandom(6).hex()}.tmp"
             try:
                 fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o666,
@@ -77,11 +79,8 @@ def write_bytes(path: str | Path, data: bytes) -> None:
             except FileExistsError:
                 continue
             tmp = name
-            break
-        else:  # pragma: no cover - 100 collisions of 48 random bits
-            raise OSError(errno.EEXIST, "cannot create a temporary file")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
@@ -95,6 +94,12 @@ def write_bytes(path: str | Path, data: bytes) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=dir_fd)
         os.close(dir_fd)
+
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    """Create `path` holding `data`, atomically and without following a link (see `atomic_file`)."""
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def write_text(path: str | Path, text: str) -> None:
@@ -160,7 +165,7 @@ class RunLock:
         except ImportError:  # pragma: no cover - Windows: no advisory locks
             return
         path = self.directory / LOCK_NAME
-        refuse_link(path, "the run's lock file")
+        refuse_link(path, "in a run directory")
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o644)
         except OSError as err:
