@@ -147,6 +147,7 @@ class RunLock:
         self.directory = Path(directory)
         self.fd: int | None = None
         self.count = 0
+        self.created = False  # the lock file is ours to remove if the directory is refused
 
     @classmethod
     def acquire(cls, directory: str | Path) -> RunLock:
@@ -167,7 +168,11 @@ class RunLock:
         path = self.directory / LOCK_NAME
         refuse_link(path, "in a run directory")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o644)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
+                self.created = True
+            except FileExistsError:
+                fd = os.open(path, os.O_RDWR | _NOFOLLOW | _CLOEXEC)
         except OSError as err:
             raise OutputError(f"cannot create the run lock {path}: {describe_os_error(err)}") from None
         try:
@@ -195,6 +200,14 @@ class RunLock:
         if self.fd is not None:
             os.close(self.fd)  # closing the descriptor drops the flock
             self.fd = None
+
+    def discard(self) -> None:
+        """Release after refusing the directory: a lock file this call created is removed again, so a
+        refused directory is left exactly as it was."""
+        if self.count == 1 and self.created and self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.directory / LOCK_NAME)
+        self.release()
 
     def __enter__(self) -> RunLock:
         return self

@@ -92,7 +92,7 @@ def open_run_dir(out: Path, *, resume: bool, force: bool = False) -> RunLock:
         if not resume:
             prepare_out_dir(out, force=force)
     except BaseException:
-        lock.release()
+        lock.discard()
         raise
     return lock
 
