@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import http.server
 import io
 import json
 import math
@@ -26,7 +25,6 @@ import struct
 import subprocess
 import sys
 import tarfile
-import threading
 import time
 import zipfile
 from pathlib import Path
@@ -479,58 +477,9 @@ def test_a_full_disk_while_preparing_a_corpus_is_one_line(tmp_path, monkeypatch)
 # The downloader, against a server on 127.0.0.1
 
 
-class HostileServer:
-    """mode: "bomb" (announces 10 GiB), "endless" (no length, zeros forever), "trickle" (1 byte per
-    50 ms), "file" (serves `self.body` with its length)."""
-
-    def __init__(self):
-        self.mode, self.body, self.sent = "file", b"", 0
-        server = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_GET(self):
-                self.send_response(200)
-                try:
-                    if server.mode == "bomb":
-                        self.send_header("Content-Length", str(10 << 30))
-                        self.end_headers()
-                        while True:
-                            self.wfile.write(b"\0" * 65536)
-                    elif server.mode == "endless":
-                        self.end_headers()
-                        while True:
-                            self.wfile.write(b"\0" * 65536)
-                            server.sent += 65536
-                    elif server.mode == "trickle":
-                        self.send_header("Content-Length", "1000000")
-                        self.end_headers()
-                        while True:
-                            self.wfile.write(b"x")
-                            self.wfile.flush()
-                            time.sleep(0.05)
-                    else:
-                        self.send_header("Content-Length", str(len(server.body)))
-                        self.end_headers()
-                        self.wfile.write(server.body)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/archive"
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 @pytest.fixture
 def hostile():
-    server = HostileServer()
+    server = helpers.HostileServer()
     yield server
     server.close()
 
@@ -558,7 +507,7 @@ def test_download_endless_body_stops_at_the_limit(hostile, tmp_path):
 
 def test_download_trickle_is_abandoned_at_the_minimum_rate(hostile, tmp_path):
     hostile.mode = "trickle"
-    with pytest.raises(DataError, match="below the minimum"):
+    with pytest.raises(DataError, match="slower than the minimum"):
         _download(hostile, tmp_path / "d", min_rate=100, rate_window=1)
     assert list((tmp_path / "d").iterdir()) == []
 

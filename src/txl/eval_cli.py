@@ -25,8 +25,10 @@ def _int_list(text: str, flag: str) -> list[int]:
         raise UsageError(f"{flag} {text!r}: give comma-separated integers, e.g. 0,64,128,256") from None
     if not values:
         raise UsageError(f"{flag} needs at least one value")
-    if any(not 0 <= v <= MAX_LENGTH for v in values):
-        raise UsageError(f"{flag}: memory lengths must be in [0, {MAX_LENGTH:,}], got {_shown(max(values, key=abs))}")
+    if any(v < 0 for v in values):
+        raise UsageError(f"{flag} {text!r}: memory lengths must be >= 0")
+    if max(values) > MAX_LENGTH:
+        raise UsageError(f"{flag}: memory lengths must be <= {MAX_LENGTH:,}, got {_shown(max(values))}")
     return values
 
 
@@ -62,15 +64,19 @@ def _shown(value: int) -> str:
 def _check_nonnegative(args: argparse.Namespace, *names: str, limit: int = MAX_LENGTH) -> None:
     for name in names:
         value = getattr(args, name, None)
-        if value is not None and not 0 <= value <= limit:
-            raise UsageError(f"--{name.replace('_', '-')} must be in [0, {limit:,}], got {_shown(value)}")
+        if value is not None and value < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+        if value is not None and value > limit:
+            raise UsageError(f"--{name.replace('_', '-')} must be <= {limit:,}, got {_shown(value)}")
 
 
 def _check_positive(args: argparse.Namespace, *names: str, limit: int = MAX_LENGTH) -> None:
     for name in names:
         value = getattr(args, name, None)
-        if value is not None and not 1 <= value <= limit:
-            raise UsageError(f"--{name.replace('_', '-')} must be in [1, {limit:,}], got {_shown(value)}")
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if value is not None and value > limit:
+            raise UsageError(f"--{name.replace('_', '-')} must be <= {limit:,}, got {_shown(value)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,9 +169,9 @@ def _check_finite(result, ckpt, args: argparse.Namespace) -> None:
     from txl.errors import CheckpointError
 
     if not math.isfinite(result.loss) and not args.allow_nonfinite:
+        fix = "use another checkpoint" + ("" if args.precision == "fp32" else " or --precision fp32")
         raise CheckpointError(f"{ckpt.path} scored a non-finite loss ({result.loss}) on {args.split}: its weights hold "
-                              f"NaN/Inf or overflow at {args.precision}; use another checkpoint or precision fp32 "
-                              "(--allow-nonfinite reports it anyway)")
+                              f"NaN/Inf or overflow at {args.precision}; {fix} (--allow-nonfinite reports it anyway)")
 
 
 def _cpu_name() -> str | None:

@@ -51,8 +51,10 @@ MAX_NEW_TOKENS = 1 << 24
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
-    if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
-        raise UsageError(f"max_new_tokens must be in [1, {MAX_NEW_TOKENS:,}], got {max_new_tokens}")
+    if max_new_tokens < 1:
+        raise UsageError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if max_new_tokens > MAX_NEW_TOKENS:
+        raise UsageError(f"max_new_tokens must be <= {MAX_NEW_TOKENS:,}, got {max_new_tokens:.3g}")
     if not (temperature == 0 or MIN_TEMPERATURE <= temperature < math.inf):
         raise UsageError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {temperature}")
     if top_k < 0:
@@ -90,11 +92,15 @@ def stream_tokens(
         raise UsageError(f"prompt has token ids outside the model's vocabulary [0, {vocab})")
     device = next(model.parameters()).device
     mem_len = model.mem_len if mem_len is None else mem_len
-    if not 0 <= mem_len <= MAX_LENGTH:
-        raise UsageError(f"mem_len must be in [0, {MAX_LENGTH:,}], got {mem_len}")
+    if mem_len < 0:
+        raise UsageError(f"mem_len must be >= 0, got {mem_len}")
+    if mem_len > MAX_LENGTH:
+        raise UsageError(f"mem_len must be <= {MAX_LENGTH:,}, got {mem_len:.3g}")
     segment_len = segment_len or max(mem_len, 128)
-    if not 1 <= segment_len <= MAX_LENGTH:
-        raise UsageError(f"segment_len must be in [1, {MAX_LENGTH:,}], got {segment_len}")
+    if segment_len < 1:
+        raise UsageError(f"segment_len must be >= 1, got {segment_len}")
+    if segment_len > MAX_LENGTH:
+        raise UsageError(f"segment_len must be <= {MAX_LENGTH:,}, got {segment_len:.3g}")
     was_training = model.training
     model.eval()
     try:

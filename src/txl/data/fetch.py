@@ -210,6 +210,7 @@ class Limits:
     min_rate: float
     window: float
     url: str = ""
+    seconds: float = 0.0  # the deadline, as given (for messages)
 
     def fail(self, part: Path, why: str) -> DataError:
         part.unlink(missing_ok=True)  # nothing is left behind
@@ -273,7 +274,7 @@ def download(
     else:
         archive = part
         limits = Limits(max_bytes=max_bytes or src.max_bytes, deadline=time.monotonic() + deadline,
-                        min_rate=min_rate, window=rate_window)
+                        min_rate=min_rate, window=rate_window, seconds=deadline)
         _fetch_any(
             (url,) if url else src.urls, part, retries=retries, timeout=timeout, backoff=backoff, log=say,
             limits=limits,
@@ -345,7 +346,7 @@ def _fetch(url: str, part: Path, *, retries: int, timeout: float, backoff: float
         try:
             remaining = limits.deadline - time.monotonic()
             if remaining <= 0:
-                raise limits.fail(part, "the overall deadline (--deadline) passed")
+                raise limits.fail(part, f"it was not done within {limits.seconds:g} s (--deadline)")
             with urllib.request.urlopen(
                 urllib.request.Request(url, headers=headers), timeout=min(timeout, remaining)
             ) as resp:
@@ -382,7 +383,7 @@ def _fetch(url: str, part: Path, *, retries: int, timeout: float, backoff: float
             got = part.stat().st_size if part.exists() else 0
             reason = getattr(err, "reason", None) or err
             if time.monotonic() >= limits.deadline:
-                raise limits.fail(part, f"the overall deadline (--deadline) passed ({reason})") from None
+                raise limits.fail(part, f"it was not done within {limits.seconds:g} s (--deadline; {reason})") from None
             if failures > retries:
                 raise DataError(
                     f"download of {url} interrupted after {got:,} bytes ({reason}); run the same command "
@@ -420,13 +421,13 @@ def _stream(resp, part: Path, mode: str, have: int, limits: Limits) -> None:
                                         "(--max-bytes)")
             if now >= limits.deadline:
                 f.close()
-                raise limits.fail(part, f"the overall deadline (--deadline) passed after {size:,} bytes")
+                raise limits.fail(part, f"it was not done within {limits.seconds:g} s (--deadline)")
             if limits.window and now - window_start >= limits.window:
                 rate = (size - window_bytes) / (now - window_start)
                 if rate < limits.min_rate:
                     f.close()
-                    raise limits.fail(part, f"the transfer ran at {rate:,.0f} bytes/s over {now - window_start:.0f} s, "
-                                            f"below the minimum of {limits.min_rate:,.0f} (--min-rate)")
+                    raise limits.fail(part, f"the transfer was slower than the minimum of {limits.min_rate:,.0f} "
+                                            f"bytes/s over {limits.window:g} s (--min-rate)")
                 window_start, window_bytes = now, size
             try:
                 f.write(chunk)
