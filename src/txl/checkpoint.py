@@ -373,6 +373,16 @@ def resolve_checkpoint(path: str | Path) -> Path:
     )
 
 
+def resolve_model_directory(path: str | Path) -> Path:
+    """What `TransformerXL.from_pretrained` loads: a checkpoint directory as is, or a `txl train` run
+    directory's `best`, else `last` (like every CLI command). A directory with a config.json is taken
+    as a checkpoint, so a damaged one reports its own missing or broken files."""
+    path = Path(path).expanduser()
+    if path.is_dir() and not (path / CONFIG_NAME).is_file():
+        return resolve_checkpoint(path)
+    return path
+
+
 def load_config(directory: str | Path):
     from txl.config import TransformerXLConfig
 
@@ -392,7 +402,7 @@ def load_model(directory: str | Path, *, map_location: str | torch.device = "cpu
     model far larger than its weights fails at once instead of exhausting memory."""
     from txl.model import TransformerXL
 
-    directory = Path(directory)
+    directory = resolve_model_directory(directory)
     config = load_config(directory)
     if overrides:
         try:

@@ -148,14 +148,23 @@ class RunLock:
         self.fd: int | None = None
         self.count = 0
         self.created = False  # the lock file is ours to remove if the directory is refused
+        self.created_dir = False  # so is the directory itself
 
     @classmethod
-    def acquire(cls, directory: str | Path) -> RunLock:
+    def acquire(cls, directory: str | Path, *, created_dir: bool = False) -> RunLock:
+        """`created_dir`: the caller just created `directory`; `abandon()` removes it again."""
         key = os.path.realpath(directory)
         lock = cls._held.get(key)
         if lock is None:
             lock = cls(directory)
-            lock._take()
+            lock.created_dir = created_dir
+            try:
+                lock._take()
+            except BaseException:
+                if created_dir:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(directory)
+                raise
             cls._held[key] = lock
         lock.count += 1
         return lock
@@ -208,6 +217,16 @@ class RunLock:
             with contextlib.suppress(OSError):
                 os.unlink(self.directory / LOCK_NAME)
         self.release()
+
+    def abandon(self) -> None:
+        """Release after a failed start: the lock file and a directory created for it (if still empty)
+        go again, so the failed command leaves nothing behind."""
+        last = self.count == 1
+        created_dir = self.created_dir
+        self.discard()
+        if last and created_dir:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.directory)
 
     def __enter__(self) -> RunLock:
         return self

@@ -76,7 +76,7 @@ def _names(text: str) -> tuple[str, ...]:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", type=_names, default=tuple(VARIANTS), metavar="LIST",
                         help=f"variants to train (default all: {','.join(VARIANTS)})")
-    parser.add_argument("--data", default=None, help="data spec (default: the preset's ptb-char:../shared/data/ptb)")
+    parser.add_argument("--data", default=None, help="data spec, e.g. ptb-char:DIR (default: the preset's ptb-char from its download location)")
     parser.add_argument("--minutes", type=float, default=6.0, help="training budget of each run (default 6)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     parser.add_argument("--jobs", type=int, default=2, help="runs side by side (default 2: one per core)")
@@ -266,7 +266,7 @@ def markdown(report: dict) -> str:
         "",
         "## Reproduce",
         "",
-        "Each row alone (from the repository root, with `../shared/data/ptb` present):",
+        "Each row alone (with PTB in its download location, `txl data download ptb`, or add `--data ptb-char:DIR`):",
         "",
         "```",
         *[f"{r['command']}" for r in rows],
@@ -298,7 +298,8 @@ def plot(report: dict, path: Path) -> None:
     ax.set_ylabel(f"train {report['rows'][0]['metric']} (running mean)")
     ax.set_title("arena on PTB-char: same parameters, same CPU budget (final valid in the legend)")
     ends = [r["curve"][-1][1] for r in report["rows"] if r["curve"]]
-    ax.set_ylim(min(ends) - 0.1, max(ends) + 0.5)
+    if ends:  # a run shorter than one log interval has no curve (a smoke run on a busy machine)
+        ax.set_ylim(min(ends) - 0.1, max(ends) + 0.5)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

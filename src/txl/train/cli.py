@@ -10,28 +10,39 @@ from pathlib import Path
 import torch.distributed as dist
 
 from txl.errors import UsageError
-from txl.run_config import build_run_config, preset_names
+from txl.optim import lr_at
+from txl.run_config import apply_sets, build_run_config, preset_names
 from txl.train.distributed import env_int
 from txl.train.finish import finish
 from txl.train.loop import Trainer
-from txl.train.state import open_run_dir, resume_config
+from txl.train.state import LAST, STATE_FILE, open_run_dir, resume_config
 
 
 def configure_cli(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", help=f"one of: {', '.join(preset_names())} (default: tiny)")
-    parser.add_argument("--config", help="a TOML file with [model] and [train] sections")
-    parser.add_argument("--data", help="data spec, e.g. ptb-char:../shared/data/ptb (see `txl data list`)")
-    parser.add_argument("--out", help="run directory (default: runs/PRESET-TIMESTAMP)")
-    parser.add_argument("--max-steps", type=int)
-    parser.add_argument("--max-minutes", type=float)
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--resume", metavar="RUN_DIR", help="continue a run exactly where its last checkpoint left it")
+    parser.add_argument("--config", metavar="FILE", help="a TOML file with [model] and [train] sections")
+    parser.add_argument("--data", metavar="SPEC",
+                        help="data spec, e.g. ptb-char:DIR or text:FILE?tokenizer=chars (see `txl data list`); "
+                             "needed when the preset's corpus is not in its download location")
+    parser.add_argument("--out", metavar="DIR", help="run directory (default: runs/PRESET-TIMESTAMP)")
+    parser.add_argument("--max-steps", type=int, metavar="N",
+                        help="optimiser steps (also the schedule's horizon; with --resume, a new total)")
+    parser.add_argument("--max-minutes", type=float, metavar="M", help="wall-clock budget in minutes (0 = none)")
+    parser.add_argument("--seed", type=int, help="random seed of the model, data order and sample")
+    parser.add_argument("--resume", metavar="RUN_DIR",
+                        help="continue a run exactly where its last checkpoint left it (with --data when the corpus "
+                             "moved; --max-steps/--max-minutes may change)")
+    parser.add_argument("--init-from", metavar="RUN_OR_CKPT",
+                        help="fine-tune: start a new run from these trained weights (the model section comes from "
+                             "the checkpoint; the vocabulary must match; new optimiser and schedule)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override any config key: model.d_model=256, lr=1e-3, precision=bf16 ...")
+                        help="override any config key: model.d_model=256, lr=1e-3, precision=bf16 ... "
+                             "(all --set flags are applied together, then checked)")
     parser.add_argument("--nproc", type=int, default=0,
                         help="launch N processes on this machine (torchrun --nproc-per-node N)")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="where to train (default: auto, a GPU when there is one)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
     parser.add_argument("--force", action="store_true",
                         help="train into an existing --out that holds files txl did not write (txl's own file "
                              "names in it are replaced)")
@@ -47,40 +58,101 @@ def run_cli(args: argparse.Namespace) -> int:
     lock = None
     try:
         if args.resume:
-            if args.preset or args.config or args.set or args.data or args.seed is not None or args.force:
-                raise UsageError("--resume continues the saved configuration; only --max-steps and --max-minutes "
-                                 "may change")
+            if (args.preset or args.config or args.set or args.seed is not None or args.init_from
+                    or args.force):
+                raise UsageError("--resume continues the saved configuration; only --max-steps, --max-minutes and "
+                                 "--data (the same corpus, moved) may change; to start a new run from its weights "
+                                 "use --init-from RUN --out NEW")
+            if args.out:
+                raise UsageError(f"--resume continues the run in its own directory {args.resume}; drop --out (to "
+                                 f"start a new run from its weights, use --init-from {args.resume} --out {args.out})")
             out = Path(args.resume)
-            if main:  # locked before crash recovery reads or moves anything in the run
+            if main:  # one writer: locked before crash recovery reads or moves anything in the run
                 lock = open_run_dir(out, resume=True)
+            before = resume_config(out)
             run = resume_config(out, max_steps=args.max_steps, max_minutes=args.max_minutes)
+            if args.data:
+                run.train.data = args.data  # the fingerprints are compared when the checkpoint is restored
+            note = schedule_note(before.train, run.train, saved_step(out))
+            if note:
+                print(f"note: {note}", file=sys.stderr)
         else:
             preset = args.preset or (None if args.config else "tiny")
-            run = build_run_config(preset=preset, config_file=args.config, sets=args.set, flags=flags)
-            out = Path(args.out) if args.out else Path("runs") / f"{preset or Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+            run = build_run_config(preset=preset, config_file=args.config, flags=flags)
+            if args.init_from:
+                run.model = init_model_section(args.init_from)
+                if args.preset or args.config:
+                    print(f"note: --init-from: the model section is {args.init_from}'s; the [model] of "
+                          f"{args.preset or args.config} is not used (--set model.KEY=VALUE still applies)",
+                          file=sys.stderr)
+            apply_sets(run, args.set)
+            name = preset or Path(args.config).stem
+            if args.init_from:
+                name += "-finetune"
+            out = Path(args.out) if args.out else Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
             if main:
                 lock = open_run_dir(out, resume=False, force=args.force)
-        return _train(args, run, out)
+        trainer = Trainer(run, out, device=args.device, resume=bool(args.resume), quiet=args.quiet,
+                          init_from=args.init_from, force=args.force)
+    except BaseException:
+        if lock is not None:
+            lock.abandon()  # a failed start leaves the directory as it was
+        raise
+    try:
+        return _train(trainer, run, out)
     finally:
+        trainer.close()
         if lock is not None:
             lock.release()
 
 
-def _train(args: argparse.Namespace, run, out: Path) -> int:
-    trainer = Trainer(run, out, device=args.device, resume=bool(args.resume), quiet=args.quiet, force=args.force)
+def _train(trainer: Trainer, run, out: Path) -> int:
     if trainer.dist.main:
+        start = f", weights from {trainer.init_from}" if trainer.init_from else ""
         print(f"txl train: {trainer.model.num_parameters():,} parameters, data {run.train.data} "
               f"({len(trainer.corpus.vocab):,} tokens in the vocabulary, metric {trainer.metric}), "
-              f"out {out}, world size {trainer.dist.world}", file=sys.stderr)
+              f"out {out}, world size {trainer.dist.world}{start}", file=sys.stderr)
     summary = trainer.fit()
     if summary["stopped_by"] != "signal":
         finish(trainer, summary)
     elif trainer.dist.main:
         print(f"txl train: stopped by signal at step {summary['steps']}; resume with --resume {out}", file=sys.stderr)
-    trainer.close()
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def init_model_section(source: str) -> dict:
+    """`--init-from`: the model section is the checkpoint's (its vocabulary size comes from the data)."""
+    from txl.checkpoint import load_config, resolve_checkpoint
+
+    config = load_config(resolve_checkpoint(source)).to_dict()
+    config.pop("vocab_size", None)
+    return config
+
+
+def saved_step(run_dir: Path) -> int:
+    from txl.checkpoint import read_json
+
+    return int(read_json(run_dir / LAST / STATE_FILE, "training state")["step"])
+
+
+def schedule_note(before, after, step: int) -> str:
+    """What a new step budget does to a resumed run's learning-rate schedule, in one line."""
+    if after.max_steps == before.max_steps:
+        return ""
+    if after.max_steps <= step:
+        raise UsageError(f"--max-steps {after.max_steps} is not beyond the run's step {step}; give a larger total")
+    if after.schedule == "constant" or (after.schedule == "inv_sqrt" and step >= after.warmup_steps):
+        return f"max_steps {before.max_steps} -> {after.max_steps}; the {after.schedule} schedule does not depend on it"
+
+    def lr(cfg, at):
+        return lr_at(at, schedule=cfg.schedule, lr=cfg.lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
+                     eta_min=cfg.eta_min)
+
+    return (f"max_steps {before.max_steps} -> {after.max_steps}: the {after.schedule} schedule now ends at step "
+            f"{after.max_steps}, so the learning rate at step {step} is {lr(after, step):.3g} instead of "
+            f"{lr(before, step):.3g} and decays more slowly from here")
 
 
 def launch(nproc: int) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
+import sys
 import time
 import weakref
 from pathlib import Path
@@ -28,10 +29,15 @@ from txl.model import TransformerXL
 from txl.optim import build_optimizer, lr_at, set_lr
 from txl.run_config import RunConfig
 from txl.train.distributed import init_distributed
+from txl.train.finish import sample_prompt_ids
 from txl.train.progress import MetricsLog, Progress
 from txl.train.state import (
     LAST,
+    create_out_dir,
+    load_initial_weights,
     open_run_dir,
+    previous_run_record,
+    resolve_data,
     restore_checkpoint,
     save_best,
     save_checkpoint,
@@ -41,9 +47,11 @@ from txl.train.state import (
 
 class Trainer:
     def __init__(self, run: RunConfig, out_dir: str | Path, *, device: str = "auto", resume: bool = False,
-                 quiet: bool = False, force: bool = False):
-        from txl.data import StreamIterator, open_corpus
-
+                 quiet: bool = False, init_from: str | Path | None = None, force: bool = False):
+        """Everything a run needs at its end is checked here, before the first step: the data (and a
+        preset's corpus being where it is expected), the sample prompt, the validation split and the
+        output directory, which is locked first (one writer per run, txl.train.state.open_run_dir) and
+        removed again when the start fails, so a failed start leaves nothing behind."""
         self.run = run
         self.cfg = run.train
         self.out = Path(out_dir)
@@ -55,13 +63,36 @@ class Trainer:
                 f"= {self.dist.world} × {self.cfg.grad_accum}"
             )
         self._unlock = None
-        if self.dist.main:  # one writer per run: held until close() (or this object or its process dies)
-            lock = open_run_dir(self.out, resume=resume, force=force)
+        lock = open_run_dir(self.out, resume=resume, force=force) if self.dist.main else None
+        try:
+            self._build(run, resume=resume, init_from=init_from)
+        except BaseException:
+            if lock is not None:
+                lock.abandon()  # our hold only; a failed new run leaves its directory as it was
+            raise
+        if lock is not None:  # one writer per run: held until close() (or this object or its process dies)
             self._unlock = weakref.finalize(self, lock.release)  # runs once, whichever comes first
+
+    def _build(self, run: RunConfig, *, resume: bool, init_from) -> None:
+        from txl.data import StreamIterator, open_corpus
+
+        self.data_as_typed = self.cfg.data
+        self.cfg.data = resolve_data(self.cfg.data)  # absolute: the run works from any directory
         self.corpus = open_corpus(self.cfg.data)
+        self.metric = self.corpus.metric
+        self.validates = "valid" in self.corpus.splits
+        if not self.validates and self.dist.main and not resume:
+            print(f"note: {self.cfg.data} has no valid split: validation is off, so there is no `best` checkpoint "
+                  "and no final score (add a valid.txt to the corpus directory to get them)", file=sys.stderr)
+        self.sample_prompt = sample_prompt_ids(self.corpus, self.cfg)
         self.model_config = run.model_config(vocab_size=len(self.corpus.vocab))
         torch.manual_seed(self.cfg.seed)
         self.model = TransformerXL(self.model_config).to(self.dist.device)
+        self.init_from = None
+        if init_from is not None and not resume:
+            self.init_from = str(load_initial_weights(self.model, init_from, self.corpus.vocab))
+        elif resume:  # keep the record of where a fine-tuned run started
+            self.init_from = previous_run_record(self.out).get("init_from")
         torch.manual_seed(self.cfg.seed + self.dist.rank)  # distinct dropout streams per rank
         self.ddp = self.model
         if self.dist.world > 1:
@@ -87,9 +118,10 @@ class Trainer:
         self.nonfinite_streak = 0
         self.stop_requested = False
         self._checked_splits: set[str] = set()
-        self.metric = self.corpus.metric
         if resume:
             restore_checkpoint(self, self.out / LAST)
+        elif self.dist.main:
+            create_out_dir(self.out)  # (created with its lock; this proves it is writable)
 
     def close(self) -> None:
         """Release the run directory's lock (also released when the trainer or the process goes)."""
@@ -192,7 +224,7 @@ class Trainer:
                 bar.advance(self.step)
                 time_up = cfg.max_minutes > 0 and self.elapsed >= cfg.max_minutes * 60
                 stopping = stop > 0 or time_up or self.step == cfg.max_steps
-                if self.step % cfg.eval_interval == 0 or time_up or self.step == cfg.max_steps:
+                if self.validates and (self.step % cfg.eval_interval == 0 or time_up or self.step == cfg.max_steps):
                     self.validate(log, bar)  # (not on a signal: save and leave quickly)
                 due = (cfg.save_interval and self.step % cfg.save_interval == 0) or (
                     not cfg.save_interval and self.step % cfg.eval_interval == 0

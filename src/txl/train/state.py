@@ -8,7 +8,9 @@ checkpoint or one from another run is one `CheckpointError`, never a crash at th
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -43,6 +45,34 @@ OPTIMIZER_STATE_KEYS = {"step", "exp_avg", "exp_avg_sq"}  # per parameter, for a
 STATE_FILE = "trainer_state.json"
 
 
+def check_out_dir(out: Path) -> None:
+    """A new run's --out, before anything is created: refuse one that holds a run or is not a
+    directory, and one whose nearest existing parent cannot be written."""
+    if (out / LAST).exists():
+        raise UsageError(f"{out} already holds a run; continue it with --resume {out} or pick a new --out")
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"output directory {out} exists and is not a directory; pick a new --out")
+    parent = out.absolute()
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise OutputError(f"cannot write to output directory {out}: {parent} is a file, not a directory; "
+                          "pick a new --out")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write to output directory {out}: {parent} is not writable (permission denied); "
+                          "pick a new --out")
+
+
+def create_out_dir(out: Path) -> None:
+    """Create a new run's --out (the last step before training) and prove it is writable."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):  # O_EXCL: never an existing entry
+            pass
+    except OSError as err:
+        raise OutputError(f"cannot write to output directory {out}: {describe_os_error(err)}") from None
+
+
 # What a run directory holds that txl wrote (its temporaries start with "." and one of these names).
 RUN_ENTRIES = (LAST, BEST, "run.json", "metrics.jsonl", "result.json", "sample.txt", "tensorboard", "curves.png",
                LOCK_NAME)
@@ -64,61 +94,123 @@ def check_run_entries(out: Path) -> None:
             refuse_link(entry, "in a run directory")
 
 
+def check_foreign_files(out: Path, *, force: bool) -> None:
+    """Refuse a new run's --out that holds files txl did not write (unless `force`): training would
+    overwrite a user's own metrics.jsonl, run.json, result.json or sample.txt."""
+    if not out.is_dir():
+        return
+    names = sorted(e.name for e in out.iterdir() if e.name != LOCK_NAME)
+    foreign = [n for n in names if not _is_txl_entry(n)]
+    if names and not force and (foreign or "run.json" not in names):
+        example = (foreign or names)[0]
+        raise OutputError(f"{out} exists and holds files txl did not write ({example!r}); training would overwrite "
+                          "its metrics.jsonl, run.json, result.json and sample.txt: pick an empty or new --out, or "
+                          "pass --force")
+
+
 def open_run_dir(out: Path, *, resume: bool, force: bool = False) -> RunLock:
     """Check and lock a run directory before anything in it is read, moved or written.
 
-    New run: `out` is created (or must be empty, or an earlier txl run that never checkpointed; any
-    other existing directory is refused unless `force`). Resume: `out` must exist. Either way the
-    directory's lock is taken (a second writer fails at once naming the holder), links among the
-    entries txl touches are refused, and then crash leftovers are recovered.
+    The lock comes first (a second writer fails at once naming the holder); a new run's directory is
+    created for it and `RunLock.abandon` removes it again (and the lock file) if the start fails, so a
+    failed start leaves nothing behind. Then links among the entries txl touches are refused, crash
+    leftovers are recovered, and a new run's --out is checked (`check_out_dir`; no files txl did not
+    write unless `force`). Resume: the run must exist.
     """
     check_utf8_path(out, "--resume" if resume else "--out")
     if resume:
         if not out.is_dir():
             raise CheckpointError(f"{out} is not a txl training run (no such directory); pass the --out directory "
                                   "of an earlier `txl train`")
-    else:
-        if out.exists() and not out.is_dir():
-            raise OutputError(f"output directory {out} exists and is not a directory; pick a new --out")
+    elif out.exists() and not out.is_dir():
+        raise OutputError(f"output directory {out} exists and is not a directory; pick a new --out")
+    created = not out.exists()
+    if created:
         try:
-            out.mkdir(parents=True, exist_ok=True)
+            out.mkdir(parents=True)
         except OSError as err:
             raise OutputError(f"cannot write to output directory {out}: {describe_os_error(err)}") from None
-    lock = RunLock.acquire(out)
+    lock = RunLock.acquire(out, created_dir=created)
     try:
         check_run_entries(out)
         for name in (LAST, BEST):  # a crash mid-checkpoint leaves the previous one set aside
             recover_directory(out / name)
-        if not resume:
-            prepare_out_dir(out, force=force)
+        if not resume:  # checked under the lock: no other txl can be writing it now
+            check_out_dir(out)
+            check_foreign_files(out, force=force)
     except BaseException:
-        lock.discard()
+        lock.abandon()
         raise
     return lock
 
 
-def prepare_out_dir(out: Path, *, force: bool = False) -> None:
-    """A new run's --out: refuse one that holds a run or files txl did not write; check it is writable."""
-    if (out / LAST).exists():
-        raise UsageError(f"{out} already holds a run; continue it with --resume {out} or pick a new --out")
+def resolve_data(spec_text: str) -> str:
+    """The data spec with an absolute path (stored in the run, so eval/generate/resume work from any
+    directory). A spec without a path (a preset names corpora, not paths) means the default download
+    location; when the corpus is not there, one line says how to get it or point at it."""
+    from txl.data import parse_spec
+
+    spec = parse_spec(spec_text)
+    body = spec.text.partition("?")[0] if "?" in spec.text else spec.text
+    implicit = ":" not in body
+    if spec.path is not None and spec.name != "builtin":
+        spec = dataclasses.replace(spec, path=os.path.abspath(spec.path))  # normalised: no "work/../data"
+    if implicit and spec.info.download and spec.path is not None and not Path(spec.path).exists():
+        raise DataError(f"corpus {spec.name} not found in its download location {spec.path}; fetch it with "
+                        f"`txl data download {spec.info.download}` or point at your copy with --data "
+                        f"{spec.name}:DIR")
+    return spec.canonical()
+
+
+def load_initial_weights(model, source: str | Path, vocab) -> Path:
+    """Fine-tuning (`--init-from`): copy trained weights into a new run's model. The vocabulary must be
+    the same one (ids mean the same symbols); the error says how the two differ."""
+    from txl.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(source)
+    if ckpt.vocab is not None and ckpt.vocab.fingerprint != vocab.fingerprint:
+        raise DataError(f"--init-from {source}: {vocab_difference(ckpt.vocab, vocab)}; fine-tune on data with the "
+                        "checkpoint's vocabulary (same tokenizer and symbols)")
+    if ckpt.vocab is None and ckpt.model.config.vocab_size != vocab.size:
+        raise DataError(f"--init-from {source}: the checkpoint has {ckpt.model.config.vocab_size} ids but the data has "
+                        f"{vocab.size}")
+    weights = ckpt.model.state_dict()
+    check_state_dict(model.state_dict(), weights, ckpt.path)
+    model.load_state_dict(weights)
+    return ckpt.path
+
+
+def vocab_difference(old, new) -> str:
+    """How two vocabularies differ, in words (kind, size, the first symbols only one of them has)."""
+    if old.kind != new.kind:
+        return f"the checkpoint has a {old.kind} vocabulary, the data a {new.kind} vocabulary"
+    text = f"the checkpoint's {old.kind} vocabulary has {old.size} ids, the data's {new.size}"
+    if old.symbols is not None and new.symbols is not None:
+        missing = [s for s in new.symbols if s not in set(old.symbols)][:5]
+        extra = [s for s in old.symbols if s not in set(new.symbols)][:5]
+        if missing:
+            text += f"; the data has symbols the checkpoint lacks ({', '.join(map(repr, missing))})"
+        if extra:
+            text += f"; the checkpoint has symbols the data lacks ({', '.join(map(repr, extra))})"
+        if not missing and not extra:
+            text += "; the same symbols in a different order"
+    return text
+
+
+def previous_run_record(out: Path) -> dict:
+    """run.json of an existing run ({} when absent or unreadable: it is a record, not state)."""
     try:
-        names = sorted(e.name for e in out.iterdir() if e.name != LOCK_NAME)
-        foreign = [n for n in names if not _is_txl_entry(n)]
-        if names and not force and (foreign or "run.json" not in names):
-            example = (foreign or names)[0]
-            raise OutputError(f"{out} exists and holds files txl did not write ({example!r}); training would "
-                              "overwrite its metrics.jsonl, run.json, result.json and sample.txt: pick an empty or "
-                              "new --out, or pass --force")
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):  # O_EXCL: never an existing entry
-            pass
-    except OSError as err:
-        raise OutputError(f"cannot write to output directory {out}: {describe_os_error(err)}") from None
+        data = read_json(out / "run.json", "run record")
+    except CheckpointError:
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def write_run_file(trainer: Trainer) -> None:
     data = {"config": trainer.run.to_dict(), "model": trainer.model_config.to_dict(), "world_size": trainer.dist.world,
-            "data": trainer.cfg.data, "metric": trainer.metric, "parameters": trainer.model.num_parameters(),
-            "torch": torch.__version__}
+            "data": trainer.cfg.data, "data_as_typed": trainer.data_as_typed, "metric": trainer.metric,
+            "parameters": trainer.model.num_parameters(), "torch": torch.__version__,
+            "init_from": trainer.init_from, "validation": trainer.validates}
     write_json(trainer.out / "run.json", data)
 
 
@@ -128,7 +220,8 @@ def trainer_state(trainer: Trainer) -> dict:
             "best_valid": trainer.best_valid if math.isfinite(trainer.best_valid) else None,
             "nonfinite_streak": trainer.nonfinite_streak, "world_size": trainer.dist.world,
             "grad_accum": trainer.cfg.grad_accum, "data": trainer.cfg.data,
-            "vocab_fingerprint": trainer.corpus.vocab.fingerprint, "iterator": trainer.train_iter.state_dict(),
+            "vocab_fingerprint": trainer.corpus.vocab.fingerprint, "corpus_fingerprint": trainer.corpus.fingerprint,
+            "iterator": trainer.train_iter.state_dict(),
             "scaler": trainer.scaler.state_dict(), "metric": trainer.metric, "run": trainer.run.to_dict()}
 
 
@@ -177,6 +270,11 @@ def restore_checkpoint(trainer: Trainer, path: Path) -> None:
     if state["vocab_fingerprint"] != trainer.corpus.vocab.fingerprint:
         raise CheckpointError(f"{path} was trained on a different vocabulary than {trainer.cfg.data!r} has now "
                               "(the corpus files changed); restore them or start a new run")
+    saved_corpus = state.get("corpus_fingerprint")  # absent in runs saved before it was recorded
+    if isinstance(saved_corpus, str) and saved_corpus != trainer.corpus.fingerprint:
+        raise CheckpointError(f"{path} was trained on other text than {trainer.cfg.data!r} holds now (same vocabulary, "
+                              "different content); resume with the corpus the run trained on, or start a new run "
+                              "with --init-from")
     saved_config = load_config(path)
     if saved_config.to_dict() != trainer.model_config.to_dict():
         raise CheckpointError(f"{path}/config.json does not match this run's model config; resume with the "
