@@ -8,7 +8,8 @@ never writes through it). An entry that is already a link is refused by name ins
 txl never renames or deletes anything outside the directory it was given (SECURITY.md).
 
 `RunLock` is the one-writer rule: an advisory `fcntl.flock` on `RUN/.txl-lock`, held for the whole run.
-The kernel drops it when its process dies (even by SIGKILL), so a stale lock file never blocks.
+The kernel drops it when its process dies (even by SIGKILL), so a stale lock file never blocks; a
+holder that finishes removes the file.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -122,6 +124,19 @@ def open_append(path: str | Path):
     return os.fdopen(fd, "a", encoding="utf-8")
 
 
+TEMPORARY = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$")  # the names `atomic_file` gives its temporaries
+
+
+def remove_stale_temporaries(directory: Path, names: tuple[str, ...]) -> None:
+    """Delete what a killed writer left of `atomic_file` temporaries for these names (regular files
+    only; call with the directory's lock held, so none of them is being written)."""
+    for entry in directory.iterdir():
+        ours = TEMPORARY.match(entry.name) and any(entry.name.startswith(f".{n}.") for n in names)
+        if ours and stat.S_ISREG(os.lstat(entry).st_mode):
+            with contextlib.suppress(OSError):
+                entry.unlink()
+
+
 def read_text_nofollow(path: str | Path) -> str | None:
     """The text of a regular file in a run (None when absent); a link is refused."""
     path = Path(path)
@@ -147,8 +162,7 @@ class RunLock:
         self.directory = Path(directory)
         self.fd: int | None = None
         self.count = 0
-        self.created = False  # the lock file is ours to remove if the directory is refused
-        self.created_dir = False  # so is the directory itself
+        self.created_dir = False  # the directory was created for this lock: removed again by abandon()
 
     @classmethod
     def acquire(cls, directory: str | Path, *, created_dir: bool = False) -> RunLock:
@@ -175,55 +189,60 @@ class RunLock:
         except ImportError:  # pragma: no cover - Windows: no advisory locks
             return
         path = self.directory / LOCK_NAME
-        refuse_link(path, "in a run directory")
-        try:
+        for _ in range(100):
+            refuse_link(path, "in a run directory")
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
-                self.created = True
-            except FileExistsError:
-                fd = os.open(path, os.O_RDWR | _NOFOLLOW | _CLOEXEC)
-        except OSError as err:
-            raise OutputError(f"cannot create the run lock {path}: {describe_os_error(err)}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            holder = ""
-            with contextlib.suppress(OSError, ValueError):
-                text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-                holder = f" (pid {int(text)})" if text.isdigit() else ""
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o644)
+            except OSError as err:
+                raise OutputError(f"cannot create the run lock {path}: {describe_os_error(err)}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as err:
+                holder = ""
+                with contextlib.suppress(OSError, ValueError):
+                    text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+                    holder = f" (pid {int(text)})" if text.isdigit() else ""
+                os.close(fd)
+                if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise UsageError(f"{self.directory} is in use by another txl process{holder}; wait for it to "
+                                     "finish (or stop it), or pick another --out") from None
+                raise OutputError(f"cannot lock {path}: {describe_os_error(err)}") from None
+            # The holder removes the file when it finishes; a lock taken on a file that was removed (or
+            # replaced) meanwhile guards nothing: try again with the file now at `path`.
+            mine = os.fstat(fd)
+            try:
+                now = os.stat(path, follow_symlinks=False)
+            except FileNotFoundError:
+                now = None
+            if now is not None and (now.st_ino, now.st_dev) == (mine.st_ino, mine.st_dev):
+                break
             os.close(fd)
-            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise UsageError(f"{self.directory} is in use by another txl process{holder}; wait for it to "
-                                 "finish (or stop it), or pick another --out") from None
-            raise OutputError(f"cannot lock {path}: {describe_os_error(err)}") from None
+        else:  # pragma: no cover - the file changed under us a hundred times
+            raise OutputError(f"cannot lock {path}: it keeps changing; is another program deleting it?")
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd = fd
 
     def release(self) -> None:
+        """Drop one hold; the last one removes the lock file (while still holding it, so no one else can
+        hold a lock on the removed file: see `_take`) and closes it, which drops the flock."""
         self.count -= 1
         if self.count > 0:
             return
         RunLock._held.pop(os.path.realpath(self.directory), None)
         if self.fd is not None:
-            os.close(self.fd)  # closing the descriptor drops the flock
-            self.fd = None
-
-    def discard(self) -> None:
-        """Release after refusing the directory: a lock file this call created is removed again, so a
-        refused directory is left exactly as it was."""
-        if self.count == 1 and self.created and self.fd is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self.directory / LOCK_NAME)
-        self.release()
+            os.close(self.fd)
+            self.fd = None
 
     def abandon(self) -> None:
-        """Release after a failed start: the lock file and a directory created for it (if still empty)
-        go again, so the failed command leaves nothing behind."""
+        """Release after a failed start: the directory created for the lock (if still empty) goes again,
+        so the failed command leaves nothing behind."""
         last = self.count == 1
         created_dir = self.created_dir
-        self.discard()
+        self.release()
         if last and created_dir:
             with contextlib.suppress(OSError):
                 os.rmdir(self.directory)

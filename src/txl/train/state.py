@@ -34,7 +34,7 @@ from txl.errors import CheckpointError, ConfigError, DataError, OutputError, Usa
 from txl.memory import Memory
 from txl.optim import optimizer_state_join, optimizer_state_split
 from txl.run_config import RunConfig, merge
-from txl.rundir import LOCK_NAME, RunLock, check_utf8_path, refuse_link
+from txl.rundir import LOCK_NAME, RunLock, check_utf8_path, refuse_link, remove_stale_temporaries
 
 if TYPE_CHECKING:
     from txl.evaluate import EvalResult
@@ -133,6 +133,7 @@ def open_run_dir(out: Path, *, resume: bool, force: bool = False) -> RunLock:
     lock = RunLock.acquire(out, created_dir=created)
     try:
         check_run_entries(out)
+        remove_stale_temporaries(out, RUN_ENTRIES)  # what a killed session left half-written
         for name in (LAST, BEST):  # a crash mid-checkpoint leaves the previous one set aside
             recover_directory(out / name)
         if not resume:  # checked under the lock: no other txl can be writing it now
