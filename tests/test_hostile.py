@@ -25,7 +25,6 @@ import struct
 import subprocess
 import sys
 import tarfile
-import time
 import zipfile
 from pathlib import Path
 
@@ -277,14 +276,25 @@ def _checkpoint(trained: Path, tmp_path: Path, **config_changes) -> Path:
     return ckpt
 
 
+# Started from a small launcher: Linux counts a child's RSS before exec (a fork of this large pytest
+# process) into its peak, so the child must be forked from something small to measure txl alone.
+LAUNCHER = r"""
+import json, os, subprocess, sys, time
+start = time.monotonic()
+proc = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+err = proc.stderr.read().decode()
+_, status, usage = os.wait4(proc.pid, 0)
+print(json.dumps({"code": os.waitstatus_to_exitcode(status), "err": err, "seconds": time.monotonic() - start,
+                  "rss_mb": usage.ru_maxrss / 1024}))
+"""
+
+
 def _run_measured(*args: str) -> tuple[int, str, float, float]:
-    """A `python -m txl` subprocess: (exit code, stderr, seconds, peak RSS in MB) of that process alone."""
-    start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "txl", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    err = proc.stderr.read().decode()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, err, time.monotonic() - start, usage.ru_maxrss / 1024
+    """A `python -m txl` process: (exit code, stderr, seconds, peak RSS in MB) of that process alone."""
+    out = subprocess.run([sys.executable, "-c", LAUNCHER, sys.executable, "-m", "txl", *args], capture_output=True,
+                         text=True, timeout=600, check=True).stdout
+    got = json.loads(out)
+    return got["code"], got["err"], got["seconds"], got["rss_mb"]
 
 
 @pytest.mark.parametrize("changes", [{"n_layer": 1_000_000_000}, {"n_layer": 1024, "d_model": 4096, "d_head": 512,

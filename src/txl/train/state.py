@@ -75,7 +75,10 @@ def create_out_dir(out: Path) -> None:
 
 # What a run directory holds that txl wrote (its temporaries start with "." and one of these names).
 RUN_ENTRIES = (LAST, BEST, "run.json", "metrics.jsonl", "result.json", "sample.txt", "tensorboard", "curves.png",
-               LOCK_NAME)
+               "arena.json", LOCK_NAME)  # arena.json: `txl bench arena` records the command before training
+
+
+_OVERWRITTEN = ("run.json", "metrics.jsonl", "result.json", "sample.txt", "curves.png")  # what a new run replaces
 
 
 def _is_txl_entry(name: str) -> bool:
@@ -101,8 +104,10 @@ def check_foreign_files(out: Path, *, force: bool) -> None:
         return
     names = sorted(e.name for e in out.iterdir() if e.name != LOCK_NAME)
     foreign = [n for n in names if not _is_txl_entry(n)]
-    if names and not force and (foreign or "run.json" not in names):
-        example = (foreign or names)[0]
+    # txl's names without a run.json (e.g. a metrics.jsonl alone) are not proof that txl wrote them
+    unproven = [] if "run.json" in names else [n for n in names if n in _OVERWRITTEN]
+    if (foreign or unproven) and not force:
+        example = (foreign or unproven)[0]
         raise OutputError(f"{out} exists and holds files txl did not write ({example!r}); training would overwrite "
                           "its metrics.jsonl, run.json, result.json and sample.txt: pick an empty or new --out, or "
                           "pass --force")
@@ -122,7 +127,9 @@ def open_run_dir(out: Path, *, resume: bool, force: bool = False) -> RunLock:
         if not out.is_dir():
             raise CheckpointError(f"{out} is not a txl training run (no such directory); pass the --out directory "
                                   "of an earlier `txl train`")
-    elif out.exists() and not out.is_dir():
+    elif not out.exists():
+        check_out_dir(out)  # the parent: a file, or not writable
+    elif not out.is_dir():
         raise OutputError(f"output directory {out} exists and is not a directory; pick a new --out")
     created = not out.exists()
     if created:
