@@ -7,10 +7,13 @@ directory on sys.path); the fixtures here are used by importing them into a test
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -97,3 +100,52 @@ def saved_step(run_dir: Path) -> int:
         return json.loads((run_dir / LAST / "trainer_state.json").read_text())["step"]
     except (FileNotFoundError, json.JSONDecodeError, KeyError):
         return -1
+
+
+class HostileServer:
+    """mode: "bomb" (announces 10 GiB), "endless" (no length, zeros forever), "trickle" (1 byte per
+    50 ms), "file" (serves `self.body` with its length)."""
+
+    def __init__(self):
+        self.mode, self.body, self.sent = "file", b"", 0
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                self.send_response(200)
+                try:
+                    if server.mode == "bomb":
+                        self.send_header("Content-Length", str(10 << 30))
+                        self.end_headers()
+                        while True:
+                            self.wfile.write(b"\0" * 65536)
+                    elif server.mode == "endless":
+                        self.end_headers()
+                        while True:
+                            self.wfile.write(b"\0" * 65536)
+                            server.sent += 65536
+                    elif server.mode == "trickle":
+                        self.send_header("Content-Length", "1000000")
+                        self.end_headers()
+                        while True:
+                            self.wfile.write(b"x")
+                            self.wfile.flush()
+                            time.sleep(0.05)
+                    else:
+                        self.send_header("Content-Length", str(len(server.body)))
+                        self.end_headers()
+                        self.wfile.write(server.body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/archive"
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()

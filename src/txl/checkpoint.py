@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor
 
 from txl.errors import CheckpointError, ConfigError, DataError, OutputError, describe_os_error
+from txl.rundir import atomic_file, is_real_dir, refuse_link
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -45,19 +47,31 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_json(path: Path, data: Any) -> None:
-    """Write JSON through a temporary sibling, fsync, rename: a crash never leaves half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as err:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
+    """Write JSON through a fresh temporary (O_EXCL | O_NOFOLLOW), fsync, rename: a crash never leaves
+    half a file, and a link at `path` is refused instead of written through (txl.rundir)."""
+    with atomic_file(Path(path), "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+class DuplicateKeyError(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    """json object_pairs_hook: `{"n_layer": 4, "n_layer": 1e9}` is an error, not "the last one wins"
+    (two readers could otherwise disagree on what a file says)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKeyError(f"key {key!r} appears twice")
+        out[key] = value
+    return out
+
+
+def parse_json(text: str | bytes) -> Any:
+    """json.loads that rejects duplicate keys (DuplicateKeyError, a ValueError)."""
+    return json.loads(text, object_pairs_hook=_no_duplicates)
 
 
 def read_json(path: Path, what: str) -> Any:
@@ -70,7 +84,9 @@ def read_json(path: Path, what: str) -> Any:
     except UnicodeDecodeError as err:
         raise CheckpointError(f"{what} {path} is not UTF-8 text (byte {err.start}); the file is corrupt") from None
     try:
-        return json.loads(text)
+        return parse_json(text)
+    except DuplicateKeyError as err:
+        raise CheckpointError(f"{what} {path} is ambiguous: {err}; the file is corrupt or was edited") from None
     except (ValueError, RecursionError) as err:  # JSONDecodeError, a 5000-digit number, [[[[...
         raise CheckpointError(f"{what} {path} is not valid JSON ({err}); the file is corrupt") from None
 
@@ -83,6 +99,7 @@ def atomic_directory(final: str | Path) -> Iterator[Path]:
     """
     final = Path(final)
     parent = final.parent
+    refuse_link(final, "where it writes a checkpoint")
     try:
         parent.mkdir(parents=True, exist_ok=True)
         recover_directory(final)
@@ -119,7 +136,8 @@ def check_replaceable(final: Path) -> None:
     directory (and, run as root, even `/dev/full`) for a checkpoint. A checkpoint is flat: config.json
     plus JSON and safetensors files.
     """
-    if final.is_symlink() or (final.exists() and not final.is_dir()):
+    refuse_link(final, "where it writes a checkpoint")
+    if final.exists() and not final.is_dir():
         raise OutputError(f"{final} exists and is not a directory; choose another location for the checkpoint")
     if not final.exists():
         return
@@ -139,19 +157,29 @@ def recover_directory(final: str | Path) -> None:
     The swap renames `final` aside (`.NAME.old-*/NAME`) and then renames the new directory in; a kill
     between the two renames leaves no `final`, so the set-aside copy (complete by construction) is
     moved back. Unfinished temporary directories are deleted.
+
+    Only real directories inside `final`'s parent are ever moved or deleted: a leftover that is a
+    symbolic link (a run directory from a stranger can hold `.best.old-x -> /home/you/work`) is
+    refused by name, so recovery never pulls a directory from elsewhere into the run.
     """
     final = Path(final)
     parent = final.parent
-    if not parent.is_dir():
+    if not is_real_dir(parent) and not parent.is_dir():
         return
+    refuse_link(final, "where it writes a checkpoint")
+    leftovers = sorted(parent.glob(f".{final.name}.old-*")) + sorted(parent.glob(f".{final.name}.tmp-*"))
+    for entry in leftovers:
+        refuse_link(entry, "during crash recovery")
+        refuse_link(entry / final.name, "during crash recovery")
     if not final.exists():
         for old in sorted(parent.glob(f".{final.name}.old-*")):
             candidate = old / final.name
-            if candidate.is_dir():
+            if is_real_dir(old) and is_real_dir(candidate):
                 os.rename(candidate, final)
                 break
-    for junk in list(parent.glob(f".{final.name}.tmp-*")) + list(parent.glob(f".{final.name}.old-*")):
-        shutil.rmtree(junk, ignore_errors=True)
+    for junk in leftovers:
+        if is_real_dir(junk):
+            shutil.rmtree(junk, ignore_errors=True)
 
 
 def _default_permissions(directory: Path) -> None:
@@ -183,16 +211,25 @@ def tensors_digest(tensors: dict[str, Tensor]) -> str:
 
 
 def save_tensors(path: str | Path, tensors: dict[str, Tensor], metadata: dict[str, str] | None = None) -> None:
-    """Write a safetensors file with a digest of its contents in the metadata (fsynced)."""
+    """Write a safetensors file with a digest of its contents in the metadata (fsynced).
+
+    The file is written under a fresh name created with O_EXCL | O_NOFOLLOW and renamed over `path`,
+    so a link at `path` is refused and never written through."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
+    path = Path(path)
+    refuse_link(path)
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     meta = {"format": "pt", **(metadata or {}), DIGEST_KEY: tensors_digest(tensors)}
+    tmp = None
     try:
-        save_file(tensors, str(path), metadata=meta)
-        with open(path, "rb+") as f:
+        tmp = _exclusive_temporary(path)
+        save_file(tensors, str(tmp), metadata=meta)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        os.replace(tmp, path)
+        tmp = None
     except OSError as err:
         raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
     except SafetensorError as err:  # the Rust writer reports I/O failures as "... (os error 28)"
@@ -201,6 +238,70 @@ def save_tensors(path: str | Path, tensors: dict[str, Tensor], metadata: dict[st
             raise
         number = int(code.group(1))
         raise OutputError(f"cannot write {path}: {describe_os_error(OSError(number, os.strerror(number)))}") from None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def _exclusive_temporary(path: Path) -> Path:
+    """A new empty regular file next to `path`, created by us (O_EXCL | O_NOFOLLOW)."""
+    while True:
+        tmp = path.with_name(f".{path.name[:100]}.{os.urandom(6).hex()}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666))
+            return tmp
+        except FileExistsError:
+            continue
+
+
+# safetensors dtype codes -> torch dtypes (the ones torch can hold)
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
+
+
+def read_header(path: str | Path, what: str = "tensor file") -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], dict[str, str]]:
+    """The name -> (dtype, shape) table and metadata of a safetensors file, read from its header
+    only (no tensor is allocated). Duplicate names, malformed entries and a header larger than the
+    file are `CheckpointError`s."""
+    path = Path(path)
+    corrupt = f"{what} {path} is corrupt or truncated"
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{corrupt} (no safetensors header)")
+            length = int.from_bytes(head, "little")
+            if length > MAX_HEADER_BYTES or length > size - 8:
+                raise CheckpointError(f"{corrupt} (its header claims {length:,} bytes; the file has {size - 8:,})")
+            text = f.read(length)
+    except FileNotFoundError:
+        raise CheckpointError(f"{what} not found: {path}") from None
+    except OSError as err:
+        raise CheckpointError(f"cannot read {what} {path}: {describe_os_error(err, reading=True)}") from None
+    try:
+        header = parse_json(text)
+    except DuplicateKeyError as err:
+        raise CheckpointError(f"{what} {path} is ambiguous: in its header, {err}; the file is corrupt or was edited") from None
+    except (ValueError, RecursionError) as err:
+        raise CheckpointError(f"{corrupt} (header: {str(err)[:80]})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{corrupt} (its header is not a JSON object)")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{corrupt} (its metadata is not a table of strings)")
+    table = {}
+    for name, entry in header.items():
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        dtype = _ST_DTYPES.get(entry.get("dtype")) if isinstance(entry, dict) and isinstance(entry.get("dtype"), str) else None
+        if dtype is None or not isinstance(shape, list) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63 for d in shape):
+            raise CheckpointError(f"{corrupt} (tensor {name[:80]!r} has no valid dtype and shape)")
+        table[name] = (dtype, tuple(shape))
+    return table, metadata
 
 
 def load_tensors(path: str | Path, what: str = "tensor file") -> tuple[dict[str, Tensor], dict[str, str]]:
@@ -210,6 +311,7 @@ def load_tensors(path: str | Path, what: str = "tensor file") -> tuple[dict[str,
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{what} not found: {path}")
+    read_header(path, what)  # duplicate names are refused before the library picks one
     try:
         tensors = {}
         with safe_open(str(path), framework="pt") as f:
@@ -295,6 +397,9 @@ def load_config(directory: str | Path):
 
 
 def load_model(directory: str | Path, *, map_location: str | torch.device = "cpu", **overrides):
+    """Build a model from config.json and model.safetensors. The weights' header is checked against the
+    shapes and dtypes the config implies *before* anything is allocated: a config.json that declares a
+    model far larger than its weights fails at once instead of exhausting memory."""
     from txl.model import TransformerXL
 
     directory = resolve_model_directory(directory)
@@ -304,7 +409,20 @@ def load_model(directory: str | Path, *, map_location: str | torch.device = "cpu
             config = config.replace(**overrides)
         except (ConfigError, TypeError) as err:
             raise CheckpointError(f"cannot apply {sorted(overrides)} to {directory}: {err}") from None
-    tensors, _ = load_tensors(directory / WEIGHTS_NAME, "checkpoint weights")
+    weights = directory / WEIGHTS_NAME
+    if not weights.is_file():
+        raise CheckpointError(f"checkpoint weights not found: {weights}")
+    header, _ = read_header(weights, "checkpoint weights")
+    held = sum(math.prod(shape) for _, shape in header.values())
+    # the estimate is a lower bound of the model's size: far above what the file holds, the config is a
+    # bomb and not worth building even on the meta device (a thousand layers take seconds); nearer, the
+    # per-tensor comparison below names the first tensor that differs
+    if config.num_parameters_estimate() > 8 * held:
+        raise CheckpointError(f"{directory}: config.json describes a model of at least "
+                              f"{config.num_parameters_estimate():,} parameters but {WEIGHTS_NAME} holds "
+                              f"{held:,}; the weights and config.json disagree")
+    check_header(expected_tensors(config), header, directory)
+    tensors, _ = load_tensors(weights, "checkpoint weights")
     model = TransformerXL(config)
     state = model.state_dict()
     check_state_dict(state, tensors, directory)
@@ -312,7 +430,29 @@ def load_model(directory: str | Path, *, map_location: str | torch.device = "cpu
     return model.to(map_location).eval()
 
 
+def expected_tensors(config) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """name -> (dtype, shape) of a model's state dict, from a model built on the meta device (no memory)."""
+    from txl.model import TransformerXL
+
+    with torch.device("meta"):
+        model = TransformerXL(config)
+    return {k: (v.dtype, tuple(v.shape)) for k, v in model.state_dict().items()}
+
+
+def check_header(expected: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                 found: dict[str, tuple[torch.dtype, tuple[int, ...]]], where: str | Path) -> None:
+    """The tensors a safetensors header lists against those a config implies: names, shapes, float dtypes."""
+    _compare({k: s for k, (_, s) in expected.items()}, {k: (d.is_floating_point, d, s) for k, (d, s) in found.items()},
+             where)
+
+
 def check_state_dict(expected: dict[str, Tensor], found: dict[str, Tensor], where: str | Path) -> None:
+    _compare({k: tuple(v.shape) for k, v in expected.items()},
+             {k: (v.dtype.is_floating_point, v.dtype, tuple(v.shape)) for k, v in found.items()}, where)
+
+
+def _compare(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[bool, torch.dtype, tuple[int, ...]]],
+             where: str | Path) -> None:
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
     if missing:
@@ -322,18 +462,18 @@ def check_state_dict(expected: dict[str, Tensor], found: dict[str, Tensor], wher
         )
     if unexpected:
         raise CheckpointError(
-            f"{where}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} unexpected); "
+            f"{where}: unexpected tensor {unexpected[0][:200]!r} ({len(unexpected)} unexpected); "
             "the weights do not match config.json"
         )
     for name, want in expected.items():
-        got = found[name]
-        if tuple(got.shape) != tuple(want.shape):
+        is_float, dtype, shape = found[name]
+        if shape != tuple(want):
             raise CheckpointError(
-                f"{where}: tensor {name!r} has shape {tuple(got.shape)} but config.json implies "
-                f"{tuple(want.shape)}; the weights and config.json disagree"
+                f"{where}: tensor {name!r} has shape {shape} but config.json implies "
+                f"{tuple(want)}; the weights and config.json disagree"
             )
-        if not got.dtype.is_floating_point:
-            raise CheckpointError(f"{where}: tensor {name!r} has dtype {got.dtype}, expected a float dtype")
+        if not is_float:
+            raise CheckpointError(f"{where}: tensor {name!r} has dtype {dtype}, expected a float dtype")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,8 +507,8 @@ def _read_optional_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = parse_json(path.read_text())
+    except (OSError, ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
 

@@ -105,7 +105,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit codes: 0 done, 2 a user error (one line on stderr), 1 an internal error (a bug: the
     traceback is kept), 130 interrupted, 141 stdout closed early (`txl data list | head -1`)."""
-    from txl.errors import TxlError, describe_out_of_memory, is_out_of_memory
+    from txl.errors import TxlError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
@@ -138,15 +138,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:
         if args.debug:
             raise
-        if is_out_of_memory(err):  # a resource limit, not a bug: the cause and the fix are known
-            fix = _MEMORY_FIX.get(args.command, _MEMORY_FIX[""])
-            print(f"{prefix}: error: {describe_out_of_memory(err)}; {fix}", file=sys.stderr)
+        if _report_out_of_memory(err, prefix, args.command):  # a resource limit, not a bug
             return 2
         traceback.print_exc()
         print(f"{prefix}: internal error: this {type(err).__name__} is a bug in txl, not in your input; please report "
               "it with the traceback above (see SECURITY.md)", file=sys.stderr)
         return 1
 
+
+def _report_out_of_memory(err: BaseException, prefix: str, command: str) -> bool:
+    """Print the out-of-memory line; True when `err` was one. This must not raise itself: the memory
+    may still be exhausted (e.g. by a MemoryError's own traceback), so every step is guarded and the
+    last resort is a fixed line written straight to the stderr descriptor."""
+    from txl.errors import describe_out_of_memory, is_out_of_memory
+
+    try:
+        if not is_out_of_memory(err):
+            return False
+    except BaseException:  # noqa: BLE001 - classifying failed: treat as out of memory (MemoryError)
+        if not isinstance(err, MemoryError):
+            return False
+    try:
+        err.__traceback__ = None  # drop the frames (and the tensors they hold) before building the line
+        fix = _MEMORY_FIX.get(command, _MEMORY_FIX[""])
+        print(f"{prefix}: error: {describe_out_of_memory(err)}; {fix}", file=sys.stderr)
+    except BaseException:  # noqa: BLE001
+        with contextlib.suppress(BaseException):
+            os.write(2, _OOM_LINE)
+    return True
+
+
+_OOM_LINE = b"txl: error: out of memory; use a smaller model, batch or segment length\n"
 
 _MEMORY_FIX = {
     "train": "use a smaller model (n_layer, d_model, d_inner), a smaller batch_size or tgt_len, or grad_accum",

@@ -34,6 +34,23 @@ ATTENTION_NAMES: tuple[str, ...] = get_args(AttentionName)
 ATTENTION_IMPLS: tuple[str, ...] = get_args(AttentionImpl)
 REGISTRY_FIELDS = ("attention", "pos_encoding")  # Literal fields that also accept registered names
 
+# Upper bounds, checked at validation: far above any published model (enwik8-large: 24 layers,
+# d_model 1024, d_inner 3072; lm1b: vocabulary 793k), low enough that a config.json from a stranger
+# cannot make txl compute sizes that overflow or allocate before its weights are checked.
+MAX_LAYERS = 1024
+MAX_WIDTH = 65536  # d_model, d_embed, n_head × d_head
+MAX_INNER = 1 << 20  # d_inner
+MAX_VOCAB = 1 << 24
+MAX_LENGTH = 1 << 24  # mem_len, clamp_len, cmem_len, windows, max_positions, ... (tokens)
+UPPER_BOUNDS: dict[str, int] = {
+    "vocab_size": MAX_VOCAB, "n_layer": MAX_LAYERS, "d_model": MAX_WIDTH, "n_head": 4096, "d_head": MAX_WIDTH,
+    "d_inner": MAX_INNER, "d_embed": MAX_WIDTH, "div_val": 1 << 10, "mem_len": MAX_LENGTH, "clamp_len": MAX_LENGTH,
+    "max_relative_distance": MAX_LENGTH, "max_positions": MAX_LENGTH, "sliding_window": MAX_LENGTH,
+    "global_tokens": MAX_LENGTH, "sparse_stride": MAX_LENGTH, "performer_features": MAX_WIDTH,
+    "performer_redraw_interval": 1 << 40, "linformer_k": MAX_LENGTH, "linformer_max_len": MAX_LENGTH,
+    "cmem_len": MAX_LENGTH, "cmem_ratio": MAX_LENGTH,
+}
+
 
 @dataclass
 class TransformerXLConfig:
@@ -118,6 +135,16 @@ class TransformerXLConfig:
         return (False,) + (True,) * len(self.cutoffs)
 
     def _validate(self) -> None:
+        for name, limit in UPPER_BOUNDS.items():
+            value = getattr(self, name)
+            if value is not None and value > limit:
+                value = f"{value:,}" if value < 10**15 else f"{value:.3g}"
+                raise ConfigError(f"config.{name} must be <= {limit:,}, got {value}; no model txl can build "
+                                  "has that size (is the config damaged?)")
+        if self.n_head * self.d_head > MAX_WIDTH:
+            raise ConfigError(f"config.n_head × d_head must be <= {MAX_WIDTH:,}, got {self.n_head * self.d_head:,}")
+        if any(v > MAX_LENGTH for v in (*self.cutoffs, *self.sliding_dilation)):
+            raise ConfigError(f"config.cutoffs and sliding_dilation values must be <= {MAX_LENGTH:,}")
         positive = ["vocab_size", "n_layer", "d_model", "n_head", "d_head", "d_inner", "div_val"]
         for name in positive:
             if getattr(self, name) < 1:

@@ -108,7 +108,10 @@ def is_out_of_memory(err: BaseException) -> bool:
 
 def describe_out_of_memory(err: BaseException) -> str:
     """'out of memory (could not allocate 95.4 GiB)' from torch's CPU or CUDA allocator message."""
-    text = str(err)
+    try:
+        text = str(err)[:2000]
+    except BaseException:  # noqa: BLE001 - str() itself can fail when memory is exhausted
+        return "out of memory"
     found = re.search(r"allocate (\d+) bytes", text)  # CPU: "you tried to allocate 102400000000 bytes"
     if found:
         return f"out of memory (could not allocate {int(found.group(1)) / 2**30:.1f} GiB)"

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from txl.errors import OutputError, UsageError, describe_os_error
+from txl.rundir import write_text as write_file
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -26,6 +27,8 @@ def _int_list(text: str, flag: str) -> list[int]:
         raise UsageError(f"{flag} needs at least one value")
     if any(v < 0 for v in values):
         raise UsageError(f"{flag} {text!r}: memory lengths must be >= 0")
+    if max(values) > MAX_LENGTH:
+        raise UsageError(f"{flag}: memory lengths must be <= {MAX_LENGTH:,}, got {_shown(max(values))}")
     return values
 
 
@@ -48,18 +51,32 @@ def _add_checkpoint(parser: argparse.ArgumentParser, nargs: str | None = None) -
                              "`txl train` run directory (uses RUN/best, else RUN/last)")
 
 
-def _check_nonnegative(args: argparse.Namespace, *names: str) -> None:
+# Lengths (tokens) and counts a command takes are bounded where they are parsed: an int of 30 digits
+# would otherwise overflow deep inside torch (OverflowError) instead of being named here.
+MAX_LENGTH = 1 << 24
+MAX_COUNT = 1 << 62  # --max-tokens, --positions
+
+
+def _shown(value: int) -> str:
+    return f"{value:.3g}" if abs(value) >= 10**15 else str(value)
+
+
+def _check_nonnegative(args: argparse.Namespace, *names: str, limit: int = MAX_LENGTH) -> None:
     for name in names:
         value = getattr(args, name, None)
         if value is not None and value < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+        if value is not None and value > limit:
+            raise UsageError(f"--{name.replace('_', '-')} must be <= {limit:,}, got {_shown(value)}")
 
 
-def _check_positive(args: argparse.Namespace, *names: str) -> None:
+def _check_positive(args: argparse.Namespace, *names: str, limit: int = MAX_LENGTH) -> None:
     for name in names:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if value is not None and value > limit:
+            raise UsageError(f"--{name.replace('_', '-')} must be <= {limit:,}, got {_shown(value)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,6 +112,8 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--per-token", metavar="FILE",
                         help="write each target's NLL (nats) in corpus order to FILE (.npy or .txt)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--allow-nonfinite", action="store_true",
+                        help="report a NaN/Inf loss as a result (exit 0) instead of an error")
     vanilla = parser.add_argument_group("vanilla baseline (Al-Rfou et al. 2018)")
     vanilla.add_argument("--vanilla", action="store_true",
                          help="score every token with a fresh window of --attn-len tokens and no memory")
@@ -110,7 +129,8 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    _check_nonnegative(args, "mem_len", "clamp_len", "max_tokens", "batch_size")
+    _check_nonnegative(args, "mem_len", "clamp_len", "batch_size")
+    _check_nonnegative(args, "max_tokens", limit=MAX_COUNT)
     _check_positive(args, "tgt_len", "attn_len", "stride")
     if not args.vanilla and args.batch_size == 0:
         raise UsageError("--batch-size must be >= 1 (0 = automatic applies to --vanilla only)")
@@ -138,6 +158,7 @@ def run_eval(args: argparse.Namespace) -> int:
         return _run_sweep(args, ckpt, sweep, common)
     result, nll = evaluate_checkpoint(ckpt, mem_len=args.mem_len, vanilla=args.vanilla, attn_len=args.attn_len,
                                       stride=args.stride, per_token=bool(args.per_token), **common)
+    _check_finite(result, ckpt, args)
     out = result.to_dict()
     out["checkpoint"] = str(ckpt.path)
     out["data"] = f"text:{Path(args.text).absolute()} (the checkpoint's vocabulary)" if args.text else (
@@ -152,6 +173,17 @@ def run_eval(args: argparse.Namespace) -> int:
         if args.per_token:
             print(f"per-token NLL (nats, corpus order) -> {out['per_token']}")
     return 0
+
+
+def _check_finite(result, ckpt, args: argparse.Namespace) -> None:
+    import math
+
+    from txl.errors import CheckpointError
+
+    if not math.isfinite(result.loss) and not args.allow_nonfinite:
+        fix = "use another checkpoint" + ("" if args.precision == "fp32" else " or --precision fp32")
+        raise CheckpointError(f"{ckpt.path} scored a non-finite loss ({result.loss}) on {args.split}: its weights hold "
+                              f"NaN/Inf or overflow at {args.precision}; {fix} (--allow-nonfinite reports it anyway)")
 
 
 def _cpu_name() -> str | None:
@@ -172,6 +204,7 @@ def _run_sweep(args: argparse.Namespace, ckpt, mem_lens: list[int], common: dict
     results = []
     for mem_len in mem_lens:
         result, _ = evaluate_checkpoint(ckpt, mem_len=mem_len, **common)
+        _check_finite(result, ckpt, args)
         results.append(result)
         if not args.json:
             print(f"mem_len {mem_len}: {result.metric} {result.value:.4f} ({result.tokens:,} tokens, "
@@ -196,8 +229,8 @@ def _run_sweep(args: argparse.Namespace, ckpt, mem_lens: list[int], common: dict
                      title=f"{ckpt.path.parent.name if ckpt.path.name in ('best', 'last') else ckpt.path.name}: "
                            f"{results[0].metric} vs attention length ({args.split})")
     try:
-        prefix.with_suffix(".md").write_text(header + table + f"\n![sweep]({png.name})\n")
-        prefix.with_suffix(".json").write_text(json.dumps([r.to_dict() for r in results], indent=2) + "\n")
+        write_file(prefix.with_suffix(".md"), header + table + f"\n![sweep]({png.name})\n")
+        write_file(prefix.with_suffix(".json"), json.dumps([r.to_dict() for r in results], indent=2) + "\n")
     except OSError as err:
         raise OutputError(f"cannot write {prefix}.md/.json: {describe_os_error(err)}") from None
     if args.json:
@@ -290,11 +323,12 @@ def write_text(text: str) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from txl.generate import check_sampling
+    from txl.generate import check_sampling, check_seed
 
     prompts = read_prompts(args)
     temperature, top_k, top_p = _sampling_settings(args)
     check_sampling(args.max_new_tokens, temperature, top_k, top_p)
+    check_seed(args.seed)
     _check_nonnegative(args, "mem_len")
     _check_positive(args, "num_samples")
     stops = [_unescape(s) for s in args.stop]
@@ -385,7 +419,8 @@ def run_recl(args: argparse.Namespace) -> int:
 
     contexts = parse_contexts(args.contexts)
     rs = parse_rs(args.r)
-    _check_nonnegative(args, "positions", "max_tokens", "batch_size")
+    _check_nonnegative(args, "batch_size")
+    _check_nonnegative(args, "positions", "max_tokens", limit=MAX_COUNT)
     _check_positive(args, "tgt_len")
     if not 0 < args.threshold < 1:
         raise UsageError(f"--threshold must be in (0, 1), got {args.threshold}")
@@ -440,8 +475,8 @@ def run_recl(args: argparse.Namespace) -> int:
                   f"(targets {positions[0]:,} … {positions[-1]:,}), contexts {contexts}, threshold "
                   f"{args.threshold:g}\n\n")
         try:
-            prefix.with_suffix(".md").write_text(header + table + f"\n![RECL]({png.name})\n")
-            prefix.with_suffix(".json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+            write_file(prefix.with_suffix(".md"), header + table + f"\n![RECL]({png.name})\n")
+            write_file(prefix.with_suffix(".json"), json.dumps(result.to_dict(), indent=2) + "\n")
         except OSError as err:
             raise OutputError(f"cannot write {prefix}.md/.json: {describe_os_error(err)}") from None
     if args.json:

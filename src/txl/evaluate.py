@@ -33,6 +33,7 @@ import torch
 
 from txl.checkpoint import LoadedCheckpoint, load_checkpoint
 from txl.errors import CheckpointError, DataError, OutputError, UsageError, describe_os_error
+from txl.rundir import save_array, save_figure, write_text
 
 
 @dataclass
@@ -451,7 +452,7 @@ def plot_sweep(results: Sequence[EvalResult], path: str | Path, *, title: str = 
     fig.tight_layout()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
+        save_figure(fig, path, dpi=120)
     except OSError as err:
         raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
     finally:
@@ -660,9 +661,9 @@ def save_per_token(values: np.ndarray, path: str | Path) -> Path:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.suffix == ".npy":
-            np.save(path, np.asarray(values, dtype=np.float32), allow_pickle=False)
+            save_array(path, np.asarray(values, dtype=np.float32))
         elif path.suffix == ".txt":
-            np.savetxt(path, np.asarray(values, dtype=np.float64), fmt="%.8g")
+            write_text(path, "".join(f"{v:.8g}\n" for v in np.asarray(values, dtype=np.float64).tolist()))
         else:
             raise UsageError(f"--per-token {path}: use a .npy or .txt file name")
     except OSError as err:

@@ -17,13 +17,15 @@ checkpoint's vocabulary and the continuation is decoded and written as it is pro
 from __future__ import annotations
 
 import codecs
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from txl.errors import DataError, UsageError
+from txl.config import MAX_LENGTH
+from txl.errors import CheckpointError, DataError, UsageError
 from txl.memory import Memory
 
 
@@ -42,15 +44,34 @@ def filter_logits(logits: Tensor, *, top_k: int = 0, top_p: float = 1.0) -> Tens
     return logits
 
 
+# Below these, logits / temperature overflows float32 and the nucleus test underflows: both would turn
+# the probabilities into NaN. A temperature this small is greedy decoding in all but name.
+MIN_TEMPERATURE = 1e-3
+MIN_TOP_P = 1e-6
+MAX_NEW_TOKENS = 1 << 24
+
+
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
     if max_new_tokens < 1:
         raise UsageError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if max_new_tokens > MAX_NEW_TOKENS:
+        raise UsageError(f"max_new_tokens must be <= {MAX_NEW_TOKENS:,}, got {max_new_tokens:.3g}")
     if temperature < 0:
         raise UsageError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not (temperature == 0 or MIN_TEMPERATURE <= temperature < math.inf):  # also NaN
+        raise UsageError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {temperature}")
     if top_k < 0:
         raise UsageError(f"top_k must be >= 0 (0 = off), got {top_k}")
-    if not 0.0 < top_p <= 1.0:
+    if not 0.0 < top_p <= 1.0:  # also rejects NaN
         raise UsageError(f"top_p must be in (0, 1], got {top_p}")
+    if top_p < MIN_TOP_P:
+        raise UsageError(f"top_p must be >= {MIN_TOP_P} (a smaller nucleus underflows; use --greedy), got {top_p}")
+
+
+def check_seed(seed: int | None) -> None:
+    if seed is not None and not 0 <= seed < 2**63:
+        raise UsageError(f"seed must be in [0, 2**63), got {seed:.3g}" if seed >= 10**15 else
+                         f"seed must be in [0, 2**63), got {seed}")
 
 
 @torch.no_grad()
@@ -78,9 +99,13 @@ def stream_tokens(
     mem_len = model.mem_len if mem_len is None else mem_len
     if mem_len < 0:
         raise UsageError(f"mem_len must be >= 0, got {mem_len}")
+    if mem_len > MAX_LENGTH:
+        raise UsageError(f"mem_len must be <= {MAX_LENGTH:,}, got {mem_len:.3g}")
     segment_len = segment_len or max(mem_len, 128)
     if segment_len < 1:
         raise UsageError(f"segment_len must be >= 1, got {segment_len}")
+    if segment_len > MAX_LENGTH:
+        raise UsageError(f"segment_len must be <= {MAX_LENGTH:,}, got {segment_len:.3g}")
     was_training = model.training
     model.eval()
     try:
@@ -113,7 +138,15 @@ def _stream_window(model, prompt: Tensor, *, max_new_tokens: int, window: int, t
         context = torch.cat([context, context.new_tensor([[token]])], dim=1)[:, -window:]
 
 
+def _check_finite_scores(logits: Tensor) -> None:
+    """Sampling from NaN probabilities is a torch error deep inside multinomial; say what it means."""
+    if not bool(torch.isfinite(logits).all()):
+        raise CheckpointError("the model's scores for the next token are not finite (NaN or Inf): its weights are "
+                              "damaged or were trained into overflow; use another checkpoint")
+
+
 def _pick(logits: Tensor, temperature: float, top_k: int, top_p: float, generator) -> int:
+    _check_finite_scores(logits)
     if temperature == 0:
         return int(logits.argmax())
     logits = filter_logits(logits / temperature, top_k=top_k, top_p=top_p)
@@ -298,6 +331,7 @@ def sample(
 def pick_tokens(logits: Tensor, temperature: float, top_k: int, top_p: float, generator) -> Tensor:
     """One token per row of `logits` (rows, vocab): the argmax at temperature 0, else a draw from the
     top-k / top-p filtered distribution (the random draws `sample` makes, for callers that must match it)."""
+    _check_finite_scores(logits)
     if temperature == 0:
         return logits.argmax(-1).cpu()
     probs = filter_logits(logits / temperature, top_k=top_k, top_p=top_p).softmax(-1).cpu()

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from txl.errors import OutputError, UsageError, describe_os_error
+from txl.rundir import save_figure
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -127,7 +128,7 @@ def _save(fig, out: Path) -> Path:
         raise UsageError(f"--out {out}: unknown image format {out.suffix!r}; end the name with .png, .pdf or .svg")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=120)
+        save_figure(fig, out, dpi=120)
     except OSError as err:
         raise OutputError(f"cannot write {out}: {describe_os_error(err)}") from None
     finally:

@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from txl.errors import DataError, OutputError, UsageError, describe_os_error
+from txl.rundir import save_array, save_figure
 
 THRESHOLD = 0.01  # the paper's gain threshold (appendix C)
 MODES = ("window", "memory")
@@ -228,9 +229,7 @@ def context_losses(
         if path is not None:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_name(path.stem + ".tmp.npy")
-                np.save(tmp, out[c], allow_pickle=False)
-                tmp.replace(path)
+                save_array(path, out[c])
             except OSError as err:
                 raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
     return out
@@ -327,7 +326,7 @@ def plot_recl(result: ReclResult, path: str | Path, *, metric: str = "ppl") -> P
     fig.tight_layout()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120)
+        save_figure(fig, path, dpi=120)
     except OSError as err:
         raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
     finally:

@@ -26,6 +26,16 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+# Upper bounds of the integer settings (far above any real run; they keep sizes computed from them finite).
+_LENGTH, _STEPS = 1 << 24, 1 << 40
+TRAIN_UPPER_BOUNDS = {
+    "tgt_len": _LENGTH, "batch_size": _LENGTH, "grad_accum": _LENGTH, "eval_tgt_len": _LENGTH,
+    "eval_mem_len": _LENGTH, "eval_batch_size": _LENGTH, "sample_tokens": _LENGTH, "max_steps": _STEPS,
+    "warmup_steps": _STEPS, "log_interval": _STEPS, "eval_interval": _STEPS, "save_interval": _STEPS,
+    "eval_max_tokens": 1 << 62, "max_nonfinite": _STEPS,
+}
+
+
 @dataclass
 class TrainConfig:
     data: str = "builtin:python-stdlib"  # a data spec, see `txl data list`
@@ -72,6 +82,11 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if self.eval_mem_len is not None and self.eval_mem_len < 0:
             raise ConfigError(f"train.eval_mem_len must be >= 0, got {self.eval_mem_len}")
+        for name, limit in TRAIN_UPPER_BOUNDS.items():
+            value = getattr(self, name)
+            if value is not None and value > limit:
+                shown = f"{value:,}" if value < 10**15 else f"{value:.3g}"
+                raise ConfigError(f"train.{name} must be <= {limit:,}, got {shown}")
         for name in ("lr", "weight_decay", "eta_min", "clip", "max_minutes"):
             if not 0 <= getattr(self, name) < math.inf:  # also rejects NaN (JSON and TOML allow nan/inf)
                 raise ConfigError(f"train.{name} must be a finite number >= 0, got {getattr(self, name)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import http.server
 import threading
@@ -167,10 +168,15 @@ def test_corrupted_archive_is_a_checksum_error_and_leaves_nothing(tmp_path, serv
     assert files_in(dest) == set()  # no .part, no archive, no extracted file
 
 
-def test_pinned_member_checksums_are_enforced_without_override(tmp_path, server):
+def test_pinned_member_checksums_are_enforced_without_override(tmp_path, server, monkeypatch):
     archive = ptb_archive(tmp_path)  # generated files: they cannot match the real PTB pins
     server.files["/simple-examples.tgz"] = archive
     dest = tmp_path / "ptb"
+    with pytest.raises(DataError, match="checksum mismatch for simple-examples.tgz: expected md5"):
+        download("ptb", dest, url=server.url("/simple-examples.tgz"), backoff=0)
+    assert files_in(dest) == set()
+    # past the archive pin (as if this were the published archive), each file's own pin still holds
+    monkeypatch.setitem(SOURCES, "ptb", dataclasses.replace(SOURCES["ptb"], md5=hashlib.md5(archive).hexdigest()))
     with pytest.raises(DataError, match="simple-examples/data/ptb.train.txt"):
         download("ptb", dest, url=server.url("/simple-examples.tgz"), backoff=0)
     assert files_in(dest) == set()

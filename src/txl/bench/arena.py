@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from txl.errors import UsageError
+from txl.rundir import write_text
 
 PRESET = "arena-ptb-char"
 
@@ -164,7 +165,7 @@ def train_variants(plan: list[dict], args: argparse.Namespace) -> None:
                 run_dir = Path(item["run_dir"])
                 clear_for_training(run_dir)
                 run_dir.mkdir(parents=True, exist_ok=True)
-                (run_dir / "arena.json").write_text(json.dumps({"command": item["command"]}, indent=2) + "\n")
+                write_text(run_dir / "arena.json", json.dumps({"command": item["command"]}, indent=2) + "\n")
                 log = open(run_dir.parent / f"{run_dir.name}.log", "w")  # noqa: SIM115 (closed on exit)
                 argv = [sys.executable, "-m", "txl", *item["argv"][1:]]
                 proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -181,7 +182,7 @@ def train_variants(plan: list[dict], args: argparse.Namespace) -> None:
                 raise UsageError(f"arena run {item['name']} failed (exit {proc.returncode}): "
                                  f"{tail[0] if tail else 'no output'}; log {log.name}")
             item["peak_rss_mb"] = usage.ru_maxrss / 1024  # KiB on Linux
-            (Path(item["run_dir"]) / "arena.json").write_text(json.dumps(
+            write_text(Path(item["run_dir"]) / "arena.json", json.dumps(
                 {"command": item["command"], "peak_rss_mb": item["peak_rss_mb"]}, indent=2) + "\n")
             bar.update(1)
             bar.write(f"finished {item['name']}")

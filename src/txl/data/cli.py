@@ -32,6 +32,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--sha256", help="expect this archive sha256 instead of the pinned one")
     p.add_argument("--retries", type=int, default=3, help="resume attempts after a dropped connection")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds without data before retrying")
+    p.add_argument("--max-bytes", type=int, help="stop (and delete) a download larger than this (default: the "
+                                                 "corpus's own limit, a little above its published size)")
+    p.add_argument("--deadline", type=float, default=6 * 3600.0, help="seconds for the whole download (default 6 h)")
+    p.add_argument("--min-rate", type=float, default=1024.0,
+                   help="abandon a transfer slower than this many bytes/s over a minute (default 1024)")
     p.add_argument("--keep-archive", action="store_true", help="keep the verified archive next to the files")
     p.add_argument("--force", action="store_true", help="download again even if the files are present")
 
@@ -73,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
 
         if args.retries < 0:
             raise DataError(f"--retries must be >= 0, got {args.retries}")
+        if not 0 < args.timeout < float("inf"):
+            raise DataError(f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
         download(
             args.name,
             args.dest,
@@ -83,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
             keep_archive=args.keep_archive,
             force=args.force,
             log=_log,
+            max_bytes=args.max_bytes,
+            deadline=args.deadline,
+            min_rate=args.min_rate,
         )
         return 0
     from txl.data.corpus import open_corpus

@@ -49,7 +49,7 @@ from txl.data.cache import (
 from txl.data.readers import READER_VERSION, Log, Plan, build, make_plan
 from txl.data.spec import DataSpec, parse_spec
 from txl.data.vocab import Vocab
-from txl.errors import DataError
+from txl.errors import DataError, describe_os_error
 
 META_FORMAT = "txl-prepared-corpus"
 META_VERSION = 1
@@ -290,7 +290,11 @@ def _prepare(plan: Plan, directory: Path, log: Log | None) -> dict[str, Any]:
     for entry, path in zip(sources, plan.sources):
         entry["sha256"] = sha256_file(path)
     tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}-{os.urandom(3).hex()}")
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as err:
+        raise DataError(f"cannot write the prepared cache of {plan.spec.name} in {directory.parent}: "
+                        f"{describe_os_error(err)} (or set TXL_CACHE_DIR)") from None
     started = time.time()
     try:
         built = build(plan, tmp, log)
@@ -318,6 +322,10 @@ def _prepare(plan: Plan, directory: Path, log: Log | None) -> dict[str, Any]:
         atomic_write_json(tmp / "meta.json", meta)  # written last: its presence marks a complete cache
         fsync_dir(tmp)
         replace_dir(tmp, directory)
+    except OSError as err:  # the cache's disk (full, quota, read-only); the unfinished cache is removed
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DataError(f"cannot write the prepared cache of {plan.spec.name} in {directory.parent}: "
+                        f"{describe_os_error(err)} (or set TXL_CACHE_DIR)") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

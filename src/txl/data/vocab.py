@@ -322,7 +322,7 @@ class Vocab:
     def from_json(cls, text: str | bytes, *, source: str = "vocabulary JSON") -> Vocab:
         """Build a vocabulary from JSON, checking every field (safe on untrusted input)."""
         try:
-            d = json.loads(text)
+            d = json.loads(text, object_pairs_hook=_unique_keys)
         except (ValueError, RecursionError) as err:  # also bad UTF-8, 5000-digit numbers, [[[[...
             raise DataError(f"{source} is not valid JSON ({err}); it must be a txl vocab.json") from None
         return cls.from_dict(d, source=source)
@@ -354,6 +354,11 @@ class Vocab:
                 raise bad("too many symbols")
         if kind == "bpe" and not isinstance(d.get("bpe"), str):
             raise bad("bpe must hold the tokenizer JSON as a string")
+        if kind == "bpe":
+            why = bpe_json_problem(d["bpe"])
+            if why:
+                raise bad(f"its BPE tokenizer is not one txl writes ({why}); txl only loads byte-level BPE "
+                          "without a normalizer, so no regex or normalizer from a file runs")
         try:
             vocab = cls(kind, symbols, eos=d.get("eos"), bos=d.get("bos"), unk=d.get("unk"), bpe=d.get("bpe"),
                         text=d.get("text"))
@@ -376,3 +381,73 @@ class Vocab:
         except OSError as err:
             raise DataError(f"cannot read vocabulary file {path}: {describe_os_error(err, reading=True)}") from None
         return cls.from_json(data, source=str(path))
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key[:80]!r} appears twice")
+        out[key] = value
+    return out
+
+
+# What `txl data prepare` writes for a BPE vocabulary (readers._bpe_vocab): a byte-level BPE model with
+# the ByteLevel pre-tokenizer (its regex is the built-in GPT-2 one; a `Split` pre-tokenizer from a file
+# would carry its own regex, which the Rust library compiles and can panic on) and no normalizer,
+# post-processor, truncation or padding (a normalizer from a file can expand text without bound).
+_BPE_TOP = {"version", "truncation", "padding", "added_tokens", "normalizer", "pre_tokenizer", "post_processor",
+            "decoder", "model"}
+_BYTE_LEVEL = {"type", "add_prefix_space", "trim_offsets", "use_regex"}
+_BPE_MODEL = {"type", "dropout", "unk_token", "continuing_subword_prefix", "end_of_word_suffix", "fuse_unk",
+              "byte_fallback", "ignore_merges", "vocab", "merges"}
+_ADDED_TOKEN = {"id", "content", "single_word", "lstrip", "rstrip", "normalized", "special"}
+
+
+def bpe_json_problem(text: str) -> str | None:
+    """Why a tokenizer JSON is not the byte-level BPE txl writes, or None when it is."""
+    try:
+        d = json.loads(text, object_pairs_hook=_unique_keys)
+    except (ValueError, RecursionError) as err:
+        return f"invalid JSON: {str(err)[:80]}"
+    if not isinstance(d, dict):
+        return "not a JSON object"
+    extra = sorted(set(d) - _BPE_TOP)
+    if extra:
+        return f"unknown key {extra[0][:40]!r}"
+    for key in ("truncation", "padding", "normalizer", "post_processor"):
+        if d.get(key) is not None:
+            kind = d[key].get("type") if isinstance(d[key], dict) else None
+            return f"it has a {key}" + (f" ({str(kind)[:40]})" if kind else "")
+    for key in ("pre_tokenizer", "decoder"):
+        part = d.get(key)
+        if key == "decoder" and part is None:
+            continue
+        if not (isinstance(part, dict) and part.get("type") == "ByteLevel" and set(part) <= _BYTE_LEVEL
+                and all(isinstance(part.get(k, True), bool) for k in _BYTE_LEVEL - {"type"})):
+            kind = part.get("type") if isinstance(part, dict) else part
+            return f"its {key} is {str(kind)[:40]!r}, not ByteLevel"
+    model = d.get("model")
+    if not (isinstance(model, dict) and model.get("type") == "BPE" and set(model) <= _BPE_MODEL):
+        return "its model is not BPE"
+    for key in ("continuing_subword_prefix", "end_of_word_suffix", "unk_token"):
+        if model.get(key) is not None and not isinstance(model[key], str):
+            return f"model.{key} is not a string"
+    dropout = model.get("dropout")
+    if dropout is not None and not (isinstance(dropout, int | float) and 0 <= dropout <= 1):
+        return "model.dropout is not in [0, 1]"
+    vocab, merges = model.get("vocab"), model.get("merges")
+    if not isinstance(vocab, dict) or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_SYMBOLS
+                                              for v in vocab.values()):
+        return "model.vocab is not a table of ids"
+    if len(vocab) > MAX_SYMBOLS or not isinstance(merges, list) or len(merges) > MAX_SYMBOLS:
+        return "model.vocab or model.merges is missing or too large"
+    if not all(isinstance(m, str) or (isinstance(m, list) and len(m) == 2 and all(isinstance(x, str) for x in m))
+               for m in merges):
+        return "model.merges is not a list of pairs"
+    added = d.get("added_tokens", [])
+    if not isinstance(added, list) or len(added) > 1024 or not all(
+            isinstance(t, dict) and set(t) <= _ADDED_TOKEN and isinstance(t.get("content"), str)
+            and len(t["content"]) <= 1024 and isinstance(t.get("id"), int) for t in added):
+        return "added_tokens are malformed"
+    return None

@@ -15,7 +15,7 @@ from txl.run_config import apply_sets, build_run_config, preset_names
 from txl.train.distributed import env_int
 from txl.train.finish import finish
 from txl.train.loop import Trainer
-from txl.train.state import LAST, STATE_FILE, resume_config
+from txl.train.state import LAST, STATE_FILE, open_run_dir, resume_config
 
 
 def configure_cli(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +43,9 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="where to train (default: auto, a GPU when there is one)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
+    parser.add_argument("--force", action="store_true",
+                        help="train into an existing --out that holds files txl did not write (txl's own file "
+                             "names in it are replaced)")
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -51,37 +54,59 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.nproc and env_int("WORLD_SIZE", 1) == 1:
         return launch(args.nproc)
     flags = {"data": args.data, "max_steps": args.max_steps, "max_minutes": args.max_minutes, "seed": args.seed}
-    if args.resume:
-        if args.preset or args.config or args.set or args.seed is not None or args.init_from:
-            raise UsageError("--resume continues the saved configuration; only --max-steps, --max-minutes and --data "
-                             "(the same corpus, moved) may change; to start a new run from its weights use "
-                             "--init-from RUN --out NEW")
-        if args.out:
-            raise UsageError(f"--resume continues the run in its own directory {args.resume}; drop --out (to start a "
-                             f"new run from its weights, use --init-from {args.resume} --out {args.out})")
-        out = Path(args.resume)
-        before = resume_config(out)
-        run = resume_config(out, max_steps=args.max_steps, max_minutes=args.max_minutes)
-        if args.data:
-            run.train.data = args.data  # the fingerprints are compared when the checkpoint is restored
-        note = schedule_note(before.train, run.train, saved_step(out))
-        if note:
-            print(f"note: {note}", file=sys.stderr)
-    else:
-        preset = args.preset or (None if args.config else "tiny")
-        run = build_run_config(preset=preset, config_file=args.config, flags=flags)
-        if args.init_from:
-            run.model = init_model_section(args.init_from)
-            if args.preset or args.config:
-                print(f"note: --init-from: the model section is {args.init_from}'s; the [model] of "
-                      f"{args.preset or args.config} is not used (--set model.KEY=VALUE still applies)", file=sys.stderr)
-        apply_sets(run, args.set)
-        name = preset or Path(args.config).stem
-        if args.init_from:
-            name += "-finetune"
-        out = Path(args.out) if args.out else Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    trainer = Trainer(run, out, device=args.device, resume=bool(args.resume), quiet=args.quiet,
-                      init_from=args.init_from)
+    main = env_int("RANK", 0) == 0
+    lock = None
+    try:
+        if args.resume:
+            if (args.preset or args.config or args.set or args.seed is not None or args.init_from
+                    or args.force):
+                raise UsageError("--resume continues the saved configuration; only --max-steps, --max-minutes and "
+                                 "--data (the same corpus, moved) may change; to start a new run from its weights "
+                                 "use --init-from RUN --out NEW")
+            if args.out:
+                raise UsageError(f"--resume continues the run in its own directory {args.resume}; drop --out (to "
+                                 f"start a new run from its weights, use --init-from {args.resume} --out {args.out})")
+            out = Path(args.resume)
+            if main:  # one writer: locked before crash recovery reads or moves anything in the run
+                lock = open_run_dir(out, resume=True)
+            before = resume_config(out)
+            run = resume_config(out, max_steps=args.max_steps, max_minutes=args.max_minutes)
+            if args.data:
+                run.train.data = args.data  # the fingerprints are compared when the checkpoint is restored
+            note = schedule_note(before.train, run.train, saved_step(out))
+            if note:
+                print(f"note: {note}", file=sys.stderr)
+        else:
+            preset = args.preset or (None if args.config else "tiny")
+            run = build_run_config(preset=preset, config_file=args.config, flags=flags)
+            if args.init_from:
+                run.model = init_model_section(args.init_from)
+                if args.preset or args.config:
+                    print(f"note: --init-from: the model section is {args.init_from}'s; the [model] of "
+                          f"{args.preset or args.config} is not used (--set model.KEY=VALUE still applies)",
+                          file=sys.stderr)
+            apply_sets(run, args.set)
+            name = preset or Path(args.config).stem
+            if args.init_from:
+                name += "-finetune"
+            out = Path(args.out) if args.out else Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+            if main:
+                lock = open_run_dir(out, resume=False, force=args.force)
+        trainer = Trainer(run, out, device=args.device, resume=bool(args.resume), quiet=args.quiet,
+                          init_from=args.init_from, force=args.force)
+    except BaseException:
+        if lock is not None:
+            lock.abandon()  # a failed start leaves the directory as it was
+        raise
+    try:
+        return _train(trainer, run, out)
+    finally:
+        trainer.close()
+        if lock is not None:
+            lock.release()
+
+
+def _train(trainer: Trainer, run, out: Path) -> int:
     if trainer.dist.main:
         start = f", weights from {trainer.init_from}" if trainer.init_from else ""
         print(f"txl train: {trainer.model.num_parameters():,} parameters, data {run.train.data} "

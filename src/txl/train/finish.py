@@ -12,9 +12,10 @@ import torch.distributed as dist
 
 from txl.checkpoint import write_json
 from txl.display import for_stream, json_text
-from txl.errors import ConfigError, DataError, OutputError, describe_os_error
+from txl.errors import ConfigError, DataError
 from txl.evaluate import metric_value
 from txl.model import TransformerXL
+from txl.rundir import write_text
 from txl.train.state import BEST, LAST
 
 if TYPE_CHECKING:
@@ -109,10 +110,7 @@ def write_sample(trainer: Trainer) -> tuple[str, list[int]]:
     tokens = list(stream_tokens(trainer.model, prompt, max_new_tokens=trainer.cfg.sample_tokens,
                                 temperature=0.8, top_k=40, generator=generator))
     text = vocab.decode(prompt + tokens)
-    try:
-        (trainer.out / "sample.txt").write_text(text, encoding="utf-8", errors="surrogateescape")
-    except OSError as err:
-        raise OutputError(f"cannot write {trainer.out / 'sample.txt'}: {describe_os_error(err)}") from None
+    write_text(trainer.out / "sample.txt", text)  # atomic, and never through a link (txl.rundir)
     return text, prompt + tokens
 
 

@@ -17,11 +17,11 @@ import math
 import signal
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
 
-from txl.checkpoint import recover_directory
 from txl.errors import ConfigError, DataError, TrainingError
 from txl.evaluate import EvalResult, autocast, evaluate, metric_value
 from txl.memory import Memory
@@ -32,11 +32,10 @@ from txl.train.distributed import init_distributed
 from txl.train.finish import sample_prompt_ids
 from txl.train.progress import MetricsLog, Progress
 from txl.train.state import (
-    BEST,
     LAST,
-    check_out_dir,
     create_out_dir,
     load_initial_weights,
+    open_run_dir,
     previous_run_record,
     resolve_data,
     restore_checkpoint,
@@ -48,12 +47,11 @@ from txl.train.state import (
 
 class Trainer:
     def __init__(self, run: RunConfig, out_dir: str | Path, *, device: str = "auto", resume: bool = False,
-                 quiet: bool = False, init_from: str | Path | None = None):
+                 quiet: bool = False, init_from: str | Path | None = None, force: bool = False):
         """Everything a run needs at its end is checked here, before the first step: the data (and a
         preset's corpus being where it is expected), the sample prompt, the validation split and the
-        output directory, which is created last, so a failed start leaves nothing behind."""
-        from txl.data import StreamIterator, open_corpus
-
+        output directory, which is locked first (one writer per run, txl.train.state.open_run_dir) and
+        removed again when the start fails, so a failed start leaves nothing behind."""
         self.run = run
         self.cfg = run.train
         self.out = Path(out_dir)
@@ -64,11 +62,20 @@ class Trainer:
                 f"train.batch_size={self.cfg.batch_size} must be divisible by world size × grad_accum "
                 f"= {self.dist.world} × {self.cfg.grad_accum}"
             )
-        if self.dist.main:
-            for name in (LAST, BEST):  # a crash mid-checkpoint leaves the previous one set aside
-                recover_directory(self.out / name)
-            if not resume:
-                check_out_dir(self.out)
+        self._unlock = None
+        lock = open_run_dir(self.out, resume=resume, force=force) if self.dist.main else None
+        try:
+            self._build(run, resume=resume, init_from=init_from)
+        except BaseException:
+            if lock is not None:
+                lock.abandon()  # our hold only; a failed new run leaves its directory as it was
+            raise
+        if lock is not None:  # one writer per run: held until close() (or this object or its process dies)
+            self._unlock = weakref.finalize(self, lock.release)  # runs once, whichever comes first
+
+    def _build(self, run: RunConfig, *, resume: bool, init_from) -> None:
+        from txl.data import StreamIterator, open_corpus
+
         self.data_as_typed = self.cfg.data
         self.cfg.data = resolve_data(self.cfg.data)  # absolute: the run works from any directory
         self.corpus = open_corpus(self.cfg.data)
@@ -114,7 +121,12 @@ class Trainer:
         if resume:
             restore_checkpoint(self, self.out / LAST)
         elif self.dist.main:
-            create_out_dir(self.out)
+            create_out_dir(self.out)  # (created with its lock; this proves it is writable)
+
+    def close(self) -> None:
+        """Release the run directory's lock (also released when the trainer or the process goes)."""
+        if self._unlock is not None:
+            self._unlock()
 
     # -- one optimisation step ---------------------------------------------------------------------
     def train_step(self, batch) -> tuple[float, int]:

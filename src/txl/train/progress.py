@@ -4,12 +4,12 @@ progress display (a tqdm bar on a terminal, plain log lines otherwise)."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 from txl.errors import OutputError, describe_os_error
 from txl.evaluate import metric_value
+from txl.rundir import open_append, read_text_nofollow, write_text
 
 
 class MetricsLog:
@@ -20,16 +20,15 @@ class MetricsLog:
         self.tb = None
         if not enabled:
             return
+        # never through a link: the run directory may come from someone else (txl.rundir)
         try:
-            if self.path.exists():  # a resumed run: drop records the crashed session wrote after the checkpoint
-                text = self.path.read_bytes().decode("utf-8", "replace")  # a damaged line is dropped below
-                keep = [line for line in text.splitlines() if line.strip() and _record_step(line) <= truncate_after]
-                tmp = self.path.with_suffix(".tmp")
-                tmp.write_text("".join(line + "\n" for line in keep))
-                os.replace(tmp, self.path)
-            self.file = open(self.path, "a")  # noqa: SIM115 (closed in close())
+            text = read_text_nofollow(self.path)  # a damaged line is dropped below
         except OSError as err:
-            raise OutputError(f"cannot write {self.path}: {describe_os_error(err)}") from None
+            raise OutputError(f"cannot read {self.path}: {describe_os_error(err, reading=True)}") from None
+        if text is not None:  # a resumed run: drop records the crashed session wrote after the checkpoint
+            keep = [line for line in text.splitlines() if line.strip() and _record_step(line) <= truncate_after]
+            write_text(self.path, "".join(line + "\n" for line in keep))
+        self.file = open_append(self.path)
         try:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -12,6 +12,7 @@ import dataclasses
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,7 @@ from txl.errors import CheckpointError, ConfigError, DataError, OutputError, Usa
 from txl.memory import Memory
 from txl.optim import optimizer_state_join, optimizer_state_split
 from txl.run_config import RunConfig, merge
+from txl.rundir import LOCK_NAME, RunLock, check_utf8_path, refuse_link, remove_stale_temporaries
 
 if TYPE_CHECKING:
     from txl.evaluate import EvalResult
@@ -65,11 +67,89 @@ def create_out_dir(out: Path) -> None:
     """Create a new run's --out (the last step before training) and prove it is writable."""
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
-        probe.write_text("")
-        probe.unlink()
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):  # O_EXCL: never an existing entry
+            pass
     except OSError as err:
         raise OutputError(f"cannot write to output directory {out}: {describe_os_error(err)}") from None
+
+
+# What a run directory holds that txl wrote (its temporaries start with "." and one of these names).
+RUN_ENTRIES = (LAST, BEST, "run.json", "metrics.jsonl", "result.json", "sample.txt", "tensorboard", "curves.png",
+               "arena.json", LOCK_NAME)  # arena.json: `txl bench arena` records the command before training
+
+
+_OVERWRITTEN = ("run.json", "metrics.jsonl", "result.json", "sample.txt", "curves.png")  # what a new run replaces
+
+
+def _is_txl_entry(name: str) -> bool:
+    return name in RUN_ENTRIES or any(name.startswith(f".{known}.") for known in RUN_ENTRIES)
+
+
+def check_run_entries(out: Path) -> None:
+    """A run directory from a stranger may hold links aimed outside it; every entry txl writes, moves
+    or deletes is refused by name when it is one (the directory itself may be a link the user made)."""
+    if not out.is_dir():
+        return
+    for name in RUN_ENTRIES:
+        refuse_link(out / name, "in a run directory")
+    for entry in out.iterdir():
+        if entry.name.startswith(".") and _is_txl_entry(entry.name):
+            refuse_link(entry, "in a run directory")
+
+
+def check_foreign_files(out: Path, *, force: bool) -> None:
+    """Refuse a new run's --out that holds files txl did not write (unless `force`): training would
+    overwrite a user's own metrics.jsonl, run.json, result.json or sample.txt."""
+    if not out.is_dir():
+        return
+    names = sorted(e.name for e in out.iterdir() if e.name != LOCK_NAME)
+    foreign = [n for n in names if not _is_txl_entry(n)]
+    # txl's names without a run.json (e.g. a metrics.jsonl alone) are not proof that txl wrote them
+    unproven = [] if "run.json" in names else [n for n in names if n in _OVERWRITTEN]
+    if (foreign or unproven) and not force:
+        example = (foreign or unproven)[0]
+        raise OutputError(f"{out} exists and holds files txl did not write ({example!r}); training would overwrite "
+                          "its metrics.jsonl, run.json, result.json and sample.txt: pick an empty or new --out, or "
+                          "pass --force")
+
+
+def open_run_dir(out: Path, *, resume: bool, force: bool = False) -> RunLock:
+    """Check and lock a run directory before anything in it is read, moved or written.
+
+    The lock comes first (a second writer fails at once naming the holder); a new run's directory is
+    created for it and `RunLock.abandon` removes it again (and the lock file) if the start fails, so a
+    failed start leaves nothing behind. Then links among the entries txl touches are refused, crash
+    leftovers are recovered, and a new run's --out is checked (`check_out_dir`; no files txl did not
+    write unless `force`). Resume: the run must exist.
+    """
+    check_utf8_path(out, "--resume" if resume else "--out")
+    if resume:
+        if not out.is_dir():
+            raise CheckpointError(f"{out} is not a txl training run (no such directory); pass the --out directory "
+                                  "of an earlier `txl train`")
+    elif not out.exists():
+        check_out_dir(out)  # the parent: a file, or not writable
+    elif not out.is_dir():
+        raise OutputError(f"output directory {out} exists and is not a directory; pick a new --out")
+    created = not out.exists()
+    if created:
+        try:
+            out.mkdir(parents=True)
+        except OSError as err:
+            raise OutputError(f"cannot write to output directory {out}: {describe_os_error(err)}") from None
+    lock = RunLock.acquire(out, created_dir=created)
+    try:
+        check_run_entries(out)
+        remove_stale_temporaries(out, RUN_ENTRIES)  # what a killed session left half-written
+        for name in (LAST, BEST):  # a crash mid-checkpoint leaves the previous one set aside
+            recover_directory(out / name)
+        if not resume:  # checked under the lock: no other txl can be writing it now
+            check_out_dir(out)
+            check_foreign_files(out, force=force)
+    except BaseException:
+        lock.abandon()
+        raise
+    return lock
 
 
 def resolve_data(spec_text: str) -> str:
@@ -338,7 +418,9 @@ def _same_kind(want, got) -> bool:
 
 
 def resume_config(run_dir: Path, *, max_steps: int | None = None, max_minutes: float | None = None) -> RunConfig:
-    """The configuration saved in RUN/last (after crash recovery), with a new step or time budget."""
+    """The configuration saved in RUN/last (after crash recovery), with a new step or time budget.
+    The caller holds the run's lock (`open_run_dir`): recovery must not race another writer."""
+    check_run_entries(run_dir)
     recover_directory(run_dir / LAST)
     where = run_dir / LAST / STATE_FILE
     if not where.is_file():

@@ -1,0 +1,274 @@
+"""Writing into a directory that may come from a stranger, and one writer per run.
+
+A run directory is shared like a file: a colleague's run, one downloaded next to a paper. Its entries
+may be symbolic links aimed anywhere (`sample.txt -> ~/.bashrc`), so every file txl writes into it is
+created here: a fresh temporary name opened with `O_CREAT | O_EXCL | O_NOFOLLOW` relative to the
+directory's own descriptor, fsynced, then renamed over the final name (a rename replaces a link, it
+never writes through it). An entry that is already a link is refused by name instead of replaced:
+txl never renames or deletes anything outside the directory it was given (SECURITY.md).
+
+`RunLock` is the one-writer rule: an advisory `fcntl.flock` on `RUN/.txl-lock`, held for the whole run.
+The kernel drops it when its process dies (even by SIGKILL), so a stale lock file never blocks; a
+holder that finishes removes the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import stat
+from pathlib import Path
+
+from txl.errors import OutputError, UsageError, describe_os_error
+
+LOCK_NAME = ".txl-lock"
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def is_link(path: Path) -> bool:
+    with contextlib.suppress(OSError, ValueError):
+        return stat.S_ISLNK(os.lstat(path).st_mode)
+    return False
+
+
+def is_real_dir(path: Path) -> bool:
+    """A directory itself, not a link to one."""
+    with contextlib.suppress(OSError, ValueError):
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    return False
+
+
+def refuse_link(path: Path, where: str = "where it writes") -> None:
+    """One line naming an entry that is a symbolic link where txl would write, move or delete."""
+    if is_link(path):
+        raise OutputError(f"{path} is a symbolic link; txl does not follow links {where} (it would write or move "
+                          "files outside it): remove the link or use another directory")
+
+
+def check_utf8_path(path: Path, flag: str = "--out") -> None:
+    """safetensors (Rust) takes UTF-8 paths only: refuse others before anything is written."""
+    try:
+        os.fsencode(path).decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"{flag} {os.fsdecode(os.fsencode(path))!r} is not a UTF-8 path; txl's checkpoint "
+                         "library cannot open it: choose a name in UTF-8") from None
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | Path, mode: str = "wb"):
+    """Yield a file to fill; on success it replaces `path` atomically, without following any link there.
+
+    The temporary is created under an unguessable name with O_CREAT | O_EXCL | O_NOFOLLOW in the same
+    directory (opened once, then used by descriptor), fsynced and renamed into place. On an exception
+    it is removed and `path` is untouched. OS errors become one `OutputError` naming `path`.
+    """
+    path = Path(path)
+    refuse_link(path)
+    try:
+        dir_fd = os.open(path.parent, os.O_RDONLY | _CLOEXEC | getattr(os, "O_DIRECTORY", 0))
+    except OSError as err:
+        raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
+    tmp = None
+    try:
+        while tmp is None:
+            name = f".{path.name[:100]}.{os.urandom(6).hex()}.tmp"
+            try:
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o666,
+                             dir_fd=dir_fd)
+            except FileExistsError:
+                continue
+            tmp = name
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        tmp = None
+        with contextlib.suppress(OSError):
+            os.fsync(dir_fd)
+    except OSError as err:
+        raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dir_fd)
+        os.close(dir_fd)
+
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    """Create `path` holding `data`, atomically and without following a link (see `atomic_file`)."""
+    with atomic_file(path) as f:
+        f.write(data)
+
+
+def write_text(path: str | Path, text: str) -> None:
+    write_bytes(path, text.encode("utf-8", "surrogateescape"))
+
+
+def open_append(path: str | Path):
+    """Open `path` for appending text, refusing a link (O_NOFOLLOW): the metrics log of a run."""
+    path = Path(path)
+    refuse_link(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o666)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise OutputError(f"{path} is a symbolic link; txl never writes through a link: remove it") from None
+        raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OutputError(f"{path} is not a regular file; remove it or use another directory")
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
+TEMPORARY = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$")  # the names `atomic_file` gives its temporaries
+
+
+def remove_stale_temporaries(directory: Path, names: tuple[str, ...]) -> None:
+    """Delete what a killed writer left of `atomic_file` temporaries for these names (regular files
+    only; call with the directory's lock held, so none of them is being written)."""
+    for entry in directory.iterdir():
+        ours = TEMPORARY.match(entry.name) and any(entry.name.startswith(f".{n}.") for n in names)
+        if ours and stat.S_ISREG(os.lstat(entry).st_mode):
+            with contextlib.suppress(OSError):
+                entry.unlink()
+
+
+def read_text_nofollow(path: str | Path) -> str | None:
+    """The text of a regular file in a run (None when absent); a link is refused."""
+    path = Path(path)
+    refuse_link(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        return f.read().decode("utf-8", "replace")
+
+
+class RunLock:
+    """An exclusive advisory lock on a run directory, held until `release()` or the process ends.
+
+    A second holder (another `txl train` on the same --out or --resume) fails at once with a
+    `UsageError` naming the holder's pid. Locks taken twice by one process are shared (counted).
+    """
+
+    _held: dict[str, RunLock] = {}
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self.fd: int | None = None
+        self.count = 0
+        self.created_dir = False  # the directory was created for this lock: removed again by abandon()
+
+    @classmethod
+    def acquire(cls, directory: str | Path, *, created_dir: bool = False) -> RunLock:
+        """`created_dir`: the caller just created `directory`; `abandon()` removes it again."""
+        key = os.path.realpath(directory)
+        lock = cls._held.get(key)
+        if lock is None:
+            lock = cls(directory)
+            lock.created_dir = created_dir
+            try:
+                lock._take()
+            except BaseException:
+                if created_dir:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(directory)
+                raise
+            cls._held[key] = lock
+        lock.count += 1
+        return lock
+
+    def _take(self) -> None:
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows: no advisory locks
+            return
+        path = self.directory / LOCK_NAME
+        for _ in range(100):
+            refuse_link(path, "in a run directory")
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o644)
+            except OSError as err:
+                raise OutputError(f"cannot create the run lock {path}: {describe_os_error(err)}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as err:
+                holder = ""
+                with contextlib.suppress(OSError, ValueError):
+                    text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+                    holder = f" (pid {int(text)})" if text.isdigit() else ""
+                os.close(fd)
+                if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise UsageError(f"{self.directory} is in use by another txl process{holder}; wait for it to "
+                                     "finish (or stop it), or pick another --out") from None
+                raise OutputError(f"cannot lock {path}: {describe_os_error(err)}") from None
+            # The holder removes the file when it finishes; a lock taken on a file that was removed (or
+            # replaced) meanwhile guards nothing: try again with the file now at `path`.
+            mine = os.fstat(fd)
+            try:
+                now = os.stat(path, follow_symlinks=False)
+            except FileNotFoundError:
+                now = None
+            if now is not None and (now.st_ino, now.st_dev) == (mine.st_ino, mine.st_dev):
+                break
+            os.close(fd)
+        else:  # pragma: no cover - the file changed under us a hundred times
+            raise OutputError(f"cannot lock {path}: it keeps changing; is another program deleting it?")
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        """Drop one hold; the last one removes the lock file (while still holding it, so no one else can
+        hold a lock on the removed file: see `_take`) and closes it, which drops the flock."""
+        self.count -= 1
+        if self.count > 0:
+            return
+        RunLock._held.pop(os.path.realpath(self.directory), None)
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.directory / LOCK_NAME)
+            os.close(self.fd)
+            self.fd = None
+
+    def abandon(self) -> None:
+        """Release after a failed start: the directory created for the lock (if still empty) goes again,
+        so the failed command leaves nothing behind."""
+        last = self.count == 1
+        created_dir = self.created_dir
+        self.release()
+        if last and created_dir:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.directory)
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def save_figure(fig, path: str | Path, **kwargs) -> None:
+    """matplotlib's savefig opens the path itself (following links): render into memory, then write."""
+    import io
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=Path(path).suffix.lstrip(".").lower() or "png", **kwargs)
+    write_bytes(path, buffer.getvalue())
+
+
+def save_array(path: str | Path, array) -> None:
+    """np.save without pickles, into memory, then written like any other file here."""
+    import io
+
+    import numpy as np
+
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    write_bytes(path, buffer.getvalue())
