@@ -289,6 +289,13 @@ class TransformerXLConfig:
     def replace(self, **changes: Any) -> TransformerXLConfig:
         return dataclasses.replace(self, **changes)
 
+    def num_parameters_estimate(self) -> int:
+        """A lower bound of the non-embedding parameter count (attention and feed-forward weights), in
+        Python integers: a checkpoint loader compares it with the weights on disk before building
+        anything (an absurd config.json is refused without allocating)."""
+        per_layer = 4 * self.d_model * self.n_head * self.d_head + 2 * self.d_model * self.d_inner
+        return self.n_layer * per_layer
+
 
 # ---------------------------------------------------------------------------------------------
 # A small runtime type check for dataclass fields (JSON and TOML give us untyped values).
