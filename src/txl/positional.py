@@ -25,15 +25,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from txl.attention.masks import distances
-from txl.config import TransformerXLConfig
 from txl.errors import UsageError
+
+if TYPE_CHECKING:  # annotations only: the config module imports the registries
+    from txl.config import TransformerXLConfig
 
 RelShift = Callable[[Tensor], Tensor]
 

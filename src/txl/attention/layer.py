@@ -10,13 +10,16 @@ kind of memory it runs on. Cross-attention (an encoder–decoder) takes keys and
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
 
 from txl.attention.masks import AttentionMask
 from txl.attention.registry import resolve_kernel
-from txl.config import TransformerXLConfig
 from txl.positional import CONTENT_ONLY, LayerPositions
+
+if TYPE_CHECKING:  # annotations only: the config module imports the registries
+    from txl.config import TransformerXLConfig
 
 
 class Attention(nn.Module):

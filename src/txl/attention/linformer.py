@@ -21,15 +21,19 @@ projection and are rejected by the config.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from txl.attention.masks import AttentionMask
 from txl.attention.registry import register
-from txl.config import TransformerXLConfig
 from txl.errors import ConfigError, UsageError
 from txl.positional import LayerPositions
+
+if TYPE_CHECKING:  # annotations only: the config module imports the registries
+    from txl.config import TransformerXLConfig
 
 
 def check_linformer(config: TransformerXLConfig) -> None:

@@ -39,14 +39,18 @@ the chunked prefix sums are tested against.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
 from txl.attention.masks import AttentionMask
 from txl.attention.registry import register
-from txl.config import TransformerXLConfig
 from txl.errors import ConfigError, UsageError
 from txl.positional import LayerPositions
+
+if TYPE_CHECKING:  # annotations only: the config module imports the registries
+    from txl.config import TransformerXLConfig
 
 FEATURE_EPS = 1e-6  # google-research/performer fast_attention: numerical_stabilizer
 

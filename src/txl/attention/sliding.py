@@ -38,6 +38,7 @@ and is the ground truth the fast kernel is tested against.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -46,9 +47,11 @@ from torch import Tensor, nn
 from txl.attention.eager import eager_attention
 from txl.attention.masks import AttentionMask, additive_mask, distances
 from txl.attention.registry import register
-from txl.config import TransformerXLConfig
 from txl.errors import ConfigError, UsageError
 from txl.positional import LayerPositions
+
+if TYPE_CHECKING:  # annotations only: the config module imports the registries
+    from txl.config import TransformerXLConfig
 
 UNBOUNDED = 2**31  # a window longer than any sequence (strided heads of the sparse kernel)
 

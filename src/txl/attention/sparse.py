@@ -19,12 +19,16 @@ its terms at distances that are multiples of l). `attention_impl="eager"` is the
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
 from txl.attention.registry import register
 from txl.attention.sliding import UNBOUNDED, SlidingWindowAttention, SlidingWindowReference
-from txl.config import TransformerXLConfig
 from txl.errors import ConfigError
+
+if TYPE_CHECKING:  # annotations only: the config module imports the registries
+    from txl.config import TransformerXLConfig
 
 
 def sparse_head_windows(config: TransformerXLConfig) -> list[tuple[int, int]]:
