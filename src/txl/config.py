@@ -24,10 +24,15 @@ from txl.errors import ConfigError, did_you_mean
 # `txl.attention.register`); a name registered from user code is accepted too.
 PositionalName = Literal["xl", "shaw", "sinusoidal", "learned", "rope", "alibi"]
 # The long-text arena (README "The arena"): every kernel takes the same inputs, see txl/attention/.
-AttentionName = Literal["full", "sliding", "sparse", "performer", "linformer"]
+AttentionName = Literal[
+    "full", "sliding", "sparse", "performer", "linformer", "linear", "bigbird", "lsh", "routing", "sinkhorn",
+    "compressed", "synthesizer",
+]
 AttentionImpl = Literal["auto", "eager", "fast"]
 Backend = Literal["auto", "reference"]
 CompressionName = Literal["conv", "mean", "max"]
+LinearFeature = Literal["elu", "relu"]
+SynthesizerMode = Literal["dense", "random"]
 
 POSITIONAL_NAMES: tuple[str, ...] = get_args(PositionalName)
 ATTENTION_NAMES: tuple[str, ...] = get_args(AttentionName)
@@ -77,6 +82,29 @@ class TransformerXLConfig:
     # linformer: keys/values projected along the sequence to linformer_k rows (bidirectional only)
     linformer_k: int = 256
     linformer_max_len: int = 512  # longest input the projections cover (their number of columns)
+    # linear (Katharopoulos et al. 2020): φ(q)·φ(k) by prefix sums, O(n·d²)
+    linear_feature: LinearFeature = "elu"  # elu = elu+1 (Katharopoulos); relu = Performer's generalised kernel
+    # bigbird (Zaheer et al. 2020): blocks of bigbird_block; each query block sees its window, global, random blocks
+    bigbird_block: int = 64  # tokens per block: the unit of the pattern
+    bigbird_window: int = 1  # blocks on each side of a query block (causal: before it) it sees
+    bigbird_global: int = 1  # the first g blocks of the keys see and are seen by all
+    bigbird_random: int = 2  # r random (earlier, when causal) blocks per query block, a fixed hash pattern
+    # lsh (Kitaev et al. 2020) / routing (Roy et al. 2021): shared-QK, each query sees the bucket_window
+    # most recent keys of its hash bucket (lsh) or k-means cluster (routing); O(n·bucket_window)
+    bucket_window: int = 64  # keys per query within its bucket (the sorted chunk length)
+    lsh_buckets: int = 32  # hash buckets per round (even: random rotations ±)
+    lsh_hashes: int = 2  # hash rounds: a query sees the union of its buckets over the rounds
+    routing_clusters: int = 16  # k-means centroids per layer
+    routing_decay: float = 0.999  # EMA decay of the centroids (updated in training)
+    # sinkhorn (Tay et al. 2020): each block sees itself and one learned-sorted mix of (earlier) blocks
+    sinkhorn_block: int = 64
+    sinkhorn_iters: int = 8  # Sinkhorn balancing steps (bidirectional; causal normalises rows only)
+    sinkhorn_temperature: float = 0.75
+    # compressed (Liu et al. 2018): keys/values compressed compress_ratio:1 by a strided convolution
+    compress_ratio: int = 4
+    # synthesizer (Tay et al. 2021): scores synthesised per query (dense) or learned (random) by distance
+    synthesizer_mode: SynthesizerMode = "dense"
+    synthesizer_max_len: int = 256  # distances a query can see (its window, itself included)
     # compressive memory (Rae et al. 2020): states leaving mem_len are compressed cmem_ratio:1
     cmem_len: int = 0  # compressed states kept per layer; 0 = off (plain Transformer-XL memory)
     cmem_ratio: int = 4  # c: states per compressed state
@@ -177,6 +205,19 @@ class TransformerXLConfig:
                      "linformer_max_len", "cmem_ratio"]:
             if getattr(self, name) < 1:
                 raise ConfigError(f"config.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ["bigbird_block", "bigbird_window", "bucket_window", "lsh_buckets", "lsh_hashes",
+                     "routing_clusters", "sinkhorn_block", "sinkhorn_iters", "compress_ratio", "synthesizer_max_len"]:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"config.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ["bigbird_global", "bigbird_random"]:
+            if getattr(self, name) < 0:
+                raise ConfigError(f"config.{name} must be >= 0, got {getattr(self, name)}")
+        if self.lsh_buckets % 2:
+            raise ConfigError(f"config.lsh_buckets must be even (random rotations ±), got {self.lsh_buckets}")
+        if not 0.0 <= self.routing_decay < 1.0:
+            raise ConfigError(f"config.routing_decay must be in [0, 1), got {self.routing_decay}")
+        if not 0.0 < self.sinkhorn_temperature < math.inf:
+            raise ConfigError(f"config.sinkhorn_temperature must be > 0, got {self.sinkhorn_temperature}")
         for name in ["global_tokens", "performer_redraw_interval", "cmem_len"]:
             if getattr(self, name) < 0:
                 raise ConfigError(f"config.{name} must be >= 0, got {getattr(self, name)}")

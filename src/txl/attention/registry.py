@@ -52,7 +52,10 @@ class KernelSpec:
 SPECS: dict[str, KernelSpec] = {}
 
 # The kernels that ship with txl (each module registers its own).
-BUILTIN_MODULES = ("eager", "xl_fast", "sliding", "sparse", "performer", "linformer")
+BUILTIN_MODULES = (
+    "eager", "xl_fast", "sliding", "sparse", "performer", "linformer", "linear", "bigbird", "lsh", "routing",
+    "sinkhorn", "compressed", "synthesizer",
+)
 
 
 def register(

@@ -1,0 +1,141 @@
+"""BigBird (Zaheer et al. 2020, "Big Bird: Transformers for Longer Sequences", arXiv 2007.14062, §2 and
+appendix D "block sparsity"): keys and queries in blocks of B (`bigbird_block`); query block t sees
+
+- **window**: blocks t-w … t+w (`bigbird_window` = w; causal: t-w … t, keys after the query hidden),
+- **global**: the first g blocks (`bigbird_global`), which also see every key themselves (ITC),
+- **random**: r blocks (`bigbird_random`) chosen by a fixed hash of (t, slot) — causal: among the
+  blocks before t — so the pattern is the same at training and evaluation and for every length
+  (a memory extends it without changing it: segment invariance holds).
+
+Blocks count from key position 0 of [memory ; segment], so the memory is part of the pattern (its
+first blocks are the global ones until it fills). Cost O(n·(2w+1+g+r)·B) time and memory, and the
+g·B global rows O(g·B·n). A block listed twice (random hitting the window) is counted once.
+
+`attention_impl="eager"` builds the same pattern as a dense (i, n) mask: the reference. Positions:
+`rope`, `xpos`, `sinusoidal`, `learned` (no score terms).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from txl.attention.masks import AttentionMask
+from txl.attention.pattern import dense_masked_attention, gathered_attention, pad_to
+from txl.attention.registry import register
+from txl.config import TransformerXLConfig
+from txl.positional import LayerPositions
+
+HASH_A, HASH_B, HASH_SEED = 2654435761, 40503, 97  # Knuth's multiplicative hash constants
+
+
+def random_blocks(query_blocks: Tensor, r: int, n_blocks: int, *, causal: bool, seed: int = 0) -> Tensor:
+    """(len(query_blocks), r) block ids: a fixed pseudo-random pattern, -1 = none (block 0 when causal
+    has no earlier block). Causal picks among blocks < t; bidirectional among all `n_blocks`."""
+    t = query_blocks[:, None].to(torch.int64)
+    slot = torch.arange(r, device=t.device)[None, :]
+    h = ((t + 1) * HASH_A + (slot + 1) * HASH_B + seed * HASH_SEED) % (2**31 - 1)
+    if causal:
+        return torch.where(t > 0, h % t.clamp(min=1), torch.full_like(h, -1))
+    return h % n_blocks
+
+
+def check_bigbird(config: TransformerXLConfig) -> None:
+    pass  # every combination of the options is valid (the ranges are checked by the config)
+
+
+@register("bigbird", "fast", bidirectional=True, score_terms=False, check=check_bigbird)
+class BigBirdAttention(nn.Module):
+    """`attention="bigbird"`: window + global + random blocks, gathered per query block."""
+
+    def __init__(self, config: TransformerXLConfig):
+        super().__init__()
+        self.block, self.window = config.bigbird_block, config.bigbird_window
+        self.global_blocks, self.random = config.bigbird_global, config.bigbird_random
+        self.seed = 0
+
+    def random_table(self, query_blocks: Tensor, n_blocks: int, causal: bool) -> Tensor:
+        return random_blocks(query_blocks, self.random, n_blocks, causal=causal, seed=self.seed)
+
+    def block_lists(self, query_blocks: Tensor, n_blocks: int, causal: bool) -> tuple[Tensor, Tensor]:
+        """(nq, K) key block ids per query block and whether each slot counts (in range, not a repeat)."""
+        t = query_blocks[:, None]
+        after = 0 if causal else self.window
+        window = t + torch.arange(-self.window, after + 1, device=t.device)[None, :]
+        glob = torch.arange(self.global_blocks, device=t.device)[None, :].expand(len(query_blocks), -1)
+        ids = torch.cat([window, glob, self.random_table(query_blocks, n_blocks, causal)], dim=1)
+        valid = (ids >= 0) & (ids < n_blocks)
+        if causal:
+            valid &= ids <= t
+        repeat = (ids[:, :, None] == ids[:, None, :]).tril(diagonal=-1).any(-1)  # same id in an earlier slot
+        return ids, valid & ~repeat
+
+    def pattern(self, q_len: int, k_len: int, causal: bool, device: torch.device) -> Tensor:
+        """(i, n) bool: which keys each query's block pattern holds (before causal/window/padding)."""
+        B, n_blocks = self.block, -(-k_len // self.block)
+        q_blocks = (torch.arange(q_len, device=device) + k_len - q_len) // B
+        k_blocks = torch.arange(k_len, device=device) // B
+        ids, valid = self.block_lists(torch.arange(n_blocks, device=device), n_blocks, causal)
+        listed = torch.zeros(n_blocks, n_blocks, dtype=torch.bool, device=device)
+        listed[torch.arange(n_blocks, device=device)[:, None].expand_as(ids)[valid], ids[valid]] = True
+        listed |= (torch.arange(n_blocks, device=device) < self.global_blocks)[:, None]  # global rows see all
+        return listed[q_blocks][:, k_blocks]
+
+    def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
+                need_weights: bool = False):
+        if need_weights:
+            return BigBirdReference.forward(self, q, k, v, positions=positions, mask=mask, dropatt=dropatt,
+                                            training=training, need_weights=True)
+        q, k = positions.content(q, k)
+        b, h, i, d = q.shape
+        n, B = k.shape[-2], self.block
+        memory_len, n_blocks = n - i, -(-n // B)
+        lead = memory_len % B  # queries padded on the left so their blocks align with the key blocks
+        q_pad = pad_to(torch.nn.functional.pad(q, (0, 0, lead, 0)), 2, B)
+        n_qb = q_pad.shape[2] // B
+        query_blocks = memory_len // B + torch.arange(n_qb, device=q.device)
+        ids, valid = self.block_lists(query_blocks, n_blocks, mask.causal)  # (nq, K)
+        K = ids.shape[1]
+        safe = ids.clamp(0, n_blocks - 1)
+        k_blocks = pad_to(k, 2, B).view(b, h, n_blocks, B, d)
+        v_blocks = pad_to(v, 2, B).view(b, h, n_blocks, B, d)
+        keys = k_blocks[:, :, safe].reshape(b, h, n_qb, K * B, d)  # (b, h, nq, K·B, d)
+        values = v_blocks[:, :, safe].reshape(b, h, n_qb, K * B, d)
+        key_pos = (safe[:, :, None] * B + torch.arange(B, device=q.device)).reshape(n_qb, K * B)
+        query_pos = query_blocks[:, None] * B + torch.arange(B, device=q.device)  # (nq, B)
+        visible = (valid[:, :, None].expand(-1, -1, B).reshape(n_qb, K * B) & (key_pos < n))[:, None, :]
+        if mask.causal:
+            dist = query_pos[:, :, None] - key_pos[:, None, :]
+            visible = visible & (dist >= 0)
+            if mask.window is not None:
+                visible = visible & (dist < mask.window)
+        visible = visible.expand(n_qb, B, K * B)[None, None]
+        if mask.key_padding is not None:
+            real = mask.key_padding.to(q.device)
+            real = pad_to(real, 1, B)[:, safe].reshape(b, n_qb, K * B)  # (b, nq, K·B)
+            visible = visible & real[:, None, :, None, :]
+        out, _ = gathered_attention(q_pad.view(b, h, n_qb, B, d), keys, values, visible, dropatt=dropatt,
+                                    training=training)
+        out = out.reshape(b, h, n_qb * B, d)[:, :, lead:lead + i]
+        g_rows = min(max(self.global_blocks * B - memory_len, 0), i)  # global queries in this segment
+        if g_rows:  # they see every (earlier) key: dense rows
+            rows = mask.visible(i, n, q.device)[:, :, :g_rows]
+            out_g, _ = dense_masked_attention(q[:, :, :g_rows], k, v, rows, dropatt=dropatt, training=training)
+            out = torch.cat([out_g, out[:, :, g_rows:]], dim=2)
+        return out, None
+
+    def extra_repr(self) -> str:
+        return f"block={self.block}, window={self.window}, global={self.global_blocks}, random={self.random}"
+
+
+@register("bigbird", "eager", bidirectional=True, score_terms=False, check=check_bigbird)
+class BigBirdReference(BigBirdAttention):
+    """The same block pattern as a dense (i, n) mask, O(n²): the ground truth for `BigBirdAttention`."""
+
+    def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
+                need_weights: bool = False):
+        q, k = positions.content(q, k)
+        i, n = q.shape[-2], k.shape[-2]
+        visible = mask.visible(i, n, q.device) & self.pattern(i, n, mask.causal, q.device)
+        out, probs = dense_masked_attention(q, k, v, visible, dropatt=dropatt, training=training)
+        return out, probs if need_weights else None

@@ -1,0 +1,96 @@
+"""Shared pieces of the pattern kernels (bigbird, lsh, routing, sinkhorn, compressed, synthesizer).
+
+Each of those kernels lets a query see a *set* of keys chosen by a rule (blocks, hash buckets,
+clusters, a sorting). Its dense reference builds that set as a (b|1, h|1, i, n) bool mask and calls
+`dense_masked_attention`; its fast version gathers only the chosen keys per block of queries and
+calls `gathered_attention`, which returns the log-sum-exp too so that several key sets (global
+columns, hash rounds) can be merged exactly (`merge_by_lse`).
+
+None of these kernels forms the Transformer-XL/Shaw/ALiBi score terms (their keys are not a
+contiguous band of distances), so they register with `score_terms=False`: positions come from RoPE
+(rotated q and k, via `positions.content`) or from an absolute encoding in the input.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from txl.attention.masks import NEG, AttentionMask
+from txl.errors import UsageError
+from txl.positional import LayerPositions
+
+
+def dense_masked_attention(
+    q: Tensor, k: Tensor, v: Tensor, visible: Tensor, *, dropatt: float, training: bool,
+    score_offset: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """softmax(q·k/sqrt(d) + score_offset, over `visible` keys) · v, and the probabilities.
+
+    q (b, h, i, d), k and v (b, h, n, d) (already through `positions.content`); visible broadcastable
+    to (b, h, i, n). A row that sees no key gets output 0. `score_offset`: added after scaling (e.g. a
+    synthetic score), broadcastable to (b, h, i, n)."""
+    scores = torch.einsum("bhid,bhjd->bhij", q, k).float() * q.shape[-1] ** -0.5
+    if score_offset is not None:
+        scores = scores + score_offset
+    probs = scores.masked_fill(~visible, NEG).softmax(dim=-1) * visible.any(-1, keepdim=True)
+    probs = probs.to(v.dtype)
+    out = torch.einsum("bhij,bhjd->bhid", F.dropout(probs, p=dropatt, training=training), v)
+    return out, probs
+
+
+def gathered_attention(
+    q: Tensor, k: Tensor, v: Tensor, visible: Tensor, *, dropatt: float, training: bool,
+    score_offset: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Attention of query blocks over their own gathered keys: q (.., c, d), k and v (.., m, d),
+    visible broadcastable to (.., c, m). Returns out (.., c, d) and the log-sum-exp (.., c) of the
+    visible scaled scores (NEG for a row that sees nothing, whose output is 0)."""
+    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+    if score_offset is not None:
+        scores = scores + score_offset
+    scores = scores.masked_fill(~visible, NEG)
+    lse = scores.logsumexp(-1)
+    any_visible = visible.any(-1)
+    probs = (scores - lse[..., None]).exp() * any_visible[..., None]
+    out = F.dropout(probs.to(v.dtype), p=dropatt, training=training) @ v
+    return out, lse.masked_fill(~any_visible, NEG)
+
+
+def merge_by_lse(outs: list[Tensor], lses: list[Tensor]) -> Tensor:
+    """Softmax attention over the union of disjoint key sets from each set's output and log-sum-exp."""
+    total = torch.stack(lses).logsumexp(0)
+    return sum(out * (lse - total).exp()[..., None].to(out.dtype) for out, lse in zip(outs, lses))
+
+
+def position_ids(q_len: int, k_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Key positions 0 … n-1 over [memory ; segment] and the queries' positions (the last q_len)."""
+    keys = torch.arange(k_len, device=device)
+    return keys[k_len - q_len:], keys
+
+
+def base_visible(mask: AttentionMask, q_len: int, k_len: int, device: torch.device) -> Tensor:
+    """The (b|1, 1, i, n) visibility every pattern is intersected with: causal + window + padding."""
+    return mask.visible(q_len, k_len, device)
+
+
+def content(positions: LayerPositions, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+    """q and k as the content score sees them (RoPE rotates here; xl's u is never used: the config
+    rejects score-term encodings for these kernels)."""
+    return positions.content(q, k)
+
+
+def no_weights(name: str, need_weights: bool) -> None:
+    if need_weights:
+        raise UsageError(f"output_attentions is not available with attention={name!r} (attention_impl='fast'); "
+                         "use attention_impl='eager' for the dense reference's probabilities")
+
+
+def pad_to(x: Tensor, dim: int, multiple: int, value: float = 0.0) -> Tensor:
+    """x padded at the end of `dim` to a multiple of `multiple`."""
+    extra = -x.shape[dim] % multiple
+    if not extra:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, extra]
+    return F.pad(x, pad, value=value)
