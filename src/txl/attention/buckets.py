@@ -36,6 +36,7 @@ from txl.attention.masks import NEG, AttentionMask
 from txl.attention.pattern import dense_masked_attention, gathered_attention, merge_by_lse, pad_to
 from txl.positional import LayerPositions
 
+
 def bucket_ranks(buckets: Tensor) -> tuple[Tensor, Tensor]:
     """buckets (.., n) -> (order, rank): the positions sorted by (bucket, position), and each
     position's rank among the positions of its bucket."""
@@ -102,7 +103,7 @@ def bucketed_attention(
         pad_row = torch.arange(idx.shape[-1], device=k.device) >= n  # (N,)
         n_chunks = idx.shape[-1] // c
 
-        def sort(x: Tensor) -> Tensor:  # (b, h, n, d) -> (b, h, N, d) in this round's order
+        def sort(x: Tensor, idx: Tensor = idx) -> Tensor:  # (b, h, n, d) -> (b, h, N, d) in this round's order
             return x.gather(2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))
 
         def around(x: Tensor) -> Tensor:  # (b, h, nc, c, ...) -> (b, h, nc, (2+ahead)·c, ...): prev, own, next

@@ -23,16 +23,16 @@ from txl.positional import LayerPositions
 
 
 def dense_masked_attention(
-    q: Tensor, k: Tensor, v: Tensor, visible: Tensor, *, dropatt: float, training: bool,
+    q: Tensor | None, k: Tensor | None, v: Tensor, visible: Tensor, *, dropatt: float, training: bool,
     score_offset: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """softmax(q·k/sqrt(d) + score_offset, over `visible` keys) · v, and the probabilities.
 
     q (b, h, i, d), k and v (b, h, n, d) (already through `positions.content`); visible broadcastable
-    to (b, h, i, n). A row that sees no key gets output 0. `score_offset`: added after scaling (e.g. a
-    synthetic score), broadcastable to (b, h, i, n)."""
-    scores = torch.einsum("bhid,bhjd->bhij", q, k).float() * q.shape[-1] ** -0.5
-    if score_offset is not None:
+    to (b, h, i, n). A row that sees no key gets output 0. `score_offset`: added after scaling,
+    broadcastable to (b, h, i, n); with q and k None it is the whole score (a synthetic score)."""
+    scores = score_offset.float() if q is None else torch.einsum("bhid,bhjd->bhij", q, k).float() * q.shape[-1] ** -0.5
+    if score_offset is not None and q is not None:
         scores = scores + score_offset
     probs = scores.masked_fill(~visible, NEG).softmax(dim=-1) * visible.any(-1, keepdim=True)
     probs = probs.to(v.dtype)
@@ -41,14 +41,15 @@ def dense_masked_attention(
 
 
 def gathered_attention(
-    q: Tensor, k: Tensor, v: Tensor, visible: Tensor, *, dropatt: float, training: bool,
+    q: Tensor | None, k: Tensor | None, v: Tensor, visible: Tensor, *, dropatt: float, training: bool,
     score_offset: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of query blocks over their own gathered keys: q (.., c, d), k and v (.., m, d),
     visible broadcastable to (.., c, m). Returns out (.., c, d) and the log-sum-exp (.., c) of the
-    visible scaled scores (NEG for a row that sees nothing, whose output is 0)."""
-    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
-    if score_offset is not None:
+    visible scaled scores (NEG for a row that sees nothing, whose output is 0). With q and k None,
+    `score_offset` is the whole score."""
+    scores = score_offset.float() if q is None else (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+    if score_offset is not None and q is not None:
         scores = scores + score_offset
     scores = scores.masked_fill(~visible, NEG)
     lse = scores.logsumexp(-1)
