@@ -18,6 +18,7 @@ from txl.attention.compressed import CompressedAttention
 from txl.attention.eager import eager_attention
 from txl.attention.linear import LinearAttention
 from txl.attention.lsh import LSHAttention, LSHReference
+from txl.attention.masks import CAUSAL as CAUSAL_MASK
 from txl.attention.masks import AttentionMask
 from txl.attention.registry import KERNELS, SPECS, kernel_names
 from txl.attention.routing import RoutingAttention
@@ -79,7 +80,7 @@ def kernel_pair(config: TransformerXLConfig):
     return fast, eager
 
 
-def attend(kernel, q, k, v, mask=AttentionMask(), positions=CONTENT_ONLY, **kwargs):
+def attend(kernel, q, k, v, mask=CAUSAL_MASK, positions=CONTENT_ONLY, **kwargs):
     return kernel(q, k, v, positions=positions, mask=mask, dropatt=0.0, training=False, **kwargs)[0]
 
 
