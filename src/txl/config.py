@@ -22,7 +22,7 @@ from txl.errors import ConfigError, did_you_mean
 # Names, not integer codes (the reference's `attn_type` 0..3 maps to xl, shaw, sinusoidal, learned).
 # These are the built-in entries of the registries (`txl.positional.register_encoding`,
 # `txl.attention.register`); a name registered from user code is accepted too.
-PositionalName = Literal["xl", "shaw", "sinusoidal", "learned", "rope", "alibi"]
+PositionalName = Literal["xl", "shaw", "sinusoidal", "learned", "rope", "alibi", "t5", "xpos"]
 # The long-text arena (README "The arena"): every kernel takes the same inputs, see txl/attention/.
 AttentionName = Literal[
     "full", "sliding", "sparse", "performer", "linformer", "linear", "bigbird", "lsh", "routing", "sinkhorn",
@@ -33,6 +33,7 @@ Backend = Literal["auto", "reference"]
 CompressionName = Literal["conv", "mean", "max"]
 LinearFeature = Literal["elu", "relu"]
 SynthesizerMode = Literal["dense", "random"]
+PositionMerge = Literal["add", "mul", "concat"]
 
 POSITIONAL_NAMES: tuple[str, ...] = get_args(PositionalName)
 ATTENTION_NAMES: tuple[str, ...] = get_args(AttentionName)
@@ -65,6 +66,11 @@ class TransformerXLConfig:
     max_relative_distance: int = 64  # shaw: distances beyond this share one embedding
     shaw_values: bool = False  # shaw: also add the distance embedding on the value side
     max_positions: int = 1024  # learned: rows of the absolute table (inputs longer than this fail)
+    hierarchical: float = 0.0  # learned: α of Su's decomposition, reaching max_positions²; 0 = off
+    position_merge: PositionMerge = "add"  # learned: add | mul (x·(e+1)) | concat (projected back to d_model)
+    t5_buckets: int = 32  # t5: relative-position buckets (half exact, half log-spaced)
+    t5_max_distance: int = 128  # t5: distances beyond this share the last bucket
+    xpos_scale_base: int = 512  # xpos: B in the decay ζ^(distance/B); larger = slower decay
     # --- attention kernel ---------------------------------------------------------------------
     attention: AttentionName = "full"
     attention_impl: AttentionImpl = "auto"  # the kernel: eager = the reference einsum; fast = fused/strided; auto = fast if any
@@ -192,6 +198,21 @@ class TransformerXLConfig:
             raise ConfigError("config.d_model must be even for pos_encoding='sinusoidal'")
         if self.pos_encoding == "rope" and self.d_head % 2:
             raise ConfigError("config.d_head must be even for pos_encoding='rope'")
+        if self.pos_encoding == "xpos" and self.d_head % 2:
+            raise ConfigError("config.d_head must be even for pos_encoding='xpos'")
+        if not 0.0 <= self.hierarchical < 1.0:
+            raise ConfigError(f"config.hierarchical must be in [0, 1) (α; 0 = off), got {self.hierarchical}")
+        for name, default in (("hierarchical", 0.0), ("position_merge", "add")):
+            if getattr(self, name) != default and self.pos_encoding != "learned":
+                raise ConfigError(f"config.{name} only applies to pos_encoding='learned'")
+        for name in ("t5_buckets", "t5_max_distance", "xpos_scale_base"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"config.{name} must be >= 1, got {getattr(self, name)}")
+        if self.pos_encoding == "t5" and (self.t5_buckets < 4 or self.t5_max_distance <= self.t5_buckets // 2):
+            raise ConfigError(
+                f"config.t5_buckets must be >= 4 and t5_max_distance > t5_buckets/2 (got {self.t5_buckets}, "
+                f"{self.t5_max_distance}): half the buckets are exact distances, the rest log-spaced beyond"
+            )
         if self.shaw_values and self.pos_encoding != "shaw":
             raise ConfigError("config.shaw_values only applies to pos_encoding='shaw'")
         if self.untie_r and self.pos_encoding != "xl":

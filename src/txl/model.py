@@ -163,6 +163,8 @@ class TransformerXL(nn.Module):
                 nn.init.normal_(param, 0.0, std)
             elif name in ("head.bias", "head.cluster_bias"):
                 nn.init.zeros_(param)
+        if hasattr(self.pos, "reset_parameters"):  # an encoding's own init (learned concat: [I | I])
+            self.pos.reset_parameters()
 
     def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
         params = {id(p): p for p in self.parameters()}
