@@ -95,6 +95,9 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--per-token", metavar="FILE",
                         help="write each target's NLL (nats) in corpus order to FILE (.npy or .txt)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    mlm = parser.add_argument_group("masked LM (a bidirectional checkpoint, trained with --objective mlm)")
+    mlm.add_argument("--mask-prob", type=float, help="share of positions masked (default: the run's mask_prob)")
+    mlm.add_argument("--mask-seed", type=int, default=0, help="which positions are masked (default 0)")
     vanilla = parser.add_argument_group("vanilla baseline (Al-Rfou et al. 2018)")
     vanilla.add_argument("--vanilla", action="store_true",
                          help="score every token with a fresh window of --attn-len tokens and no memory")
@@ -136,8 +139,13 @@ def run_eval(args: argparse.Namespace) -> int:
                   precision=args.precision, max_tokens=args.max_tokens, device=device, progress=progress)
     if sweep:
         return _run_sweep(args, ckpt, sweep, common)
+    if args.mask_prob is not None and not 0 < args.mask_prob < 1:
+        raise UsageError(f"--mask-prob must be in (0, 1), got {args.mask_prob}")
+    if ckpt.model.config.causal and (args.mask_prob is not None or args.mask_seed):
+        raise UsageError(f"--mask-prob and --mask-seed apply to masked-LM checkpoints; {ckpt.path} is a causal LM")
     result, nll = evaluate_checkpoint(ckpt, mem_len=args.mem_len, vanilla=args.vanilla, attn_len=args.attn_len,
-                                      stride=args.stride, per_token=bool(args.per_token), **common)
+                                      stride=args.stride, per_token=bool(args.per_token), mask_prob=args.mask_prob,
+                                      seed=args.mask_seed, **common)
     out = result.to_dict()
     out["checkpoint"] = str(ckpt.path)
     out["data"] = f"text:{Path(args.text).absolute()} (the checkpoint's vocabulary)" if args.text else (

@@ -37,6 +37,8 @@ def lsh_buckets(x: Tensor, rotations: Tensor) -> Tensor:
 class LSHAttention(nn.Module):
     """`attention="lsh"`: shared-QK attention within angular-LSH buckets, n_hashes rounds."""
 
+    unused_query_projection = True  # shared QK: the layer's q_proj gets no gradient (DDP must know)
+
     def __init__(self, config: TransformerXLConfig):
         super().__init__()
         self.window = config.bucket_window

@@ -38,6 +38,8 @@ def nearest_centroid(x: Tensor, centroids: Tensor) -> Tensor:
 class RoutingAttention(nn.Module):
     """`attention="routing"`: shared-QK attention within online k-means clusters."""
 
+    unused_query_projection = True  # shared QK: the layer's q_proj gets no gradient (DDP must know)
+
     def __init__(self, config: TransformerXLConfig):
         super().__init__()
         self.window, self.decay = config.bucket_window, config.routing_decay
