@@ -97,6 +97,9 @@ def test_train_mlm_from_the_cli_then_eval_reports_masked_accuracy(tmp_path, corp
                           "tokens_per_second": results[0]["tokens_per_second"]}  # the same positions masked
     code, out = finish(txl("eval", str(tmp_path / "run"), "--vanilla"))
     assert code != 0 and "bidirectional (masked-LM) model" in out and "Traceback" not in out
+    proc = txl("generate", str(tmp_path / "run"), "--prompt", "the", "--max-new-tokens", "3")
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and stdout == "" and "cannot generate text" in stderr
 
 
 @pytest.mark.slow

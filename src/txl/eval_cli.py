@@ -311,10 +311,11 @@ def run_generate(args: argparse.Namespace) -> int:
     import torch
 
     from txl.checkpoint import load_checkpoint
-    from txl.generate import encode_prompt, sample_text
+    from txl.generate import check_causal, encode_prompt, sample_text
 
     device = _device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device=device, require_vocab=True)
+    check_causal(ckpt.model)  # before anything is printed
     for prompt in prompts:  # every prompt is checked before anything is printed
         encode_prompt(ckpt.vocab, prompt)
     if args.stop_at_eos and ckpt.vocab.eos_id is None:
