@@ -16,6 +16,7 @@ from txl.attention.bigbird import BigBirdAttention, BigBirdReference
 from txl.attention.buckets import bucket_ranks
 from txl.attention.compressed import CompressedAttention
 from txl.attention.eager import eager_attention
+from txl.attention.inducing import InducingPointAttention
 from txl.attention.linear import LinearAttention
 from txl.attention.lsh import LSHAttention, LSHReference
 from txl.attention.masks import CAUSAL as CAUSAL_MASK
@@ -43,6 +44,7 @@ OPTIONS = {
     "sinkhorn": dict(sinkhorn_block=3),
     "compressed": dict(compress_ratio=3),
     "synthesizer": dict(synthesizer_max_len=6),
+    "inducing": dict(inducing_points=5),
 }
 NAMES = kernel_names()
 CAUSAL = [name for name in NAMES if SPECS[name].causal]
@@ -460,3 +462,31 @@ def test_kernels_that_cannot_pad_or_give_probabilities_say_so(name):
         model(x, attention_mask=torch.ones_like(x))
     with pytest.raises(UsageError, match="output_attentions"):
         model(x, output_attentions=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# inducing points (Set Transformer ISAB)
+
+
+def test_inducing_points_that_each_pick_one_key_give_full_bidirectional_attention():
+    kernel = InducingPointAttention(config_for("inducing", causal=False, inducing_points=12))
+    perm = torch.randperm(12)
+    kernel.summary_weights = lambda k, padding: torch.eye(12)[perm].expand(k.shape[0], k.shape[1], -1, -1)
+    q, k, v = qkv(12, 12)
+    torch.testing.assert_close(attend(kernel, q, k, v, AttentionMask(causal=False)),
+                               full_attention(q, k, v, causal=False), atol=1e-5, rtol=1e-5)
+
+
+def test_inducing_points_summarise_keys_and_ignore_padding():
+    kernel = InducingPointAttention(config_for("inducing", causal=False, inducing_points=3))
+    q, k, v = qkv(10, 10)
+    a = torch.einsum("hmd,bhjd->bhmj", kernel.points, k).mul(8**-0.5).softmax(-1)
+    expected = ((q @ (a @ k).transpose(-1, -2)) * 8**-0.5).softmax(-1) @ (a @ v)
+    torch.testing.assert_close(attend(kernel, q, k, v, AttentionMask(causal=False)), expected, atol=1e-5, rtol=1e-5)
+    padding = torch.ones(2, 10, dtype=torch.bool)
+    padding[0, 7:] = False
+    padded = attend(kernel, q, k, v, AttentionMask(causal=False, key_padding=padding))
+    alone = attend(kernel, q[:1], k[:1, :, :7], v[:1, :, :7], AttentionMask(causal=False))
+    torch.testing.assert_close(padded[:1], alone, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ConfigError, match="inducing.*cannot be causal"):
+        config_for("inducing")

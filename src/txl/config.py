@@ -26,7 +26,7 @@ PositionalName = Literal["xl", "shaw", "sinusoidal", "learned", "rope", "alibi",
 # The long-text arena (README "The arena"): every kernel takes the same inputs, see txl/attention/.
 AttentionName = Literal[
     "full", "sliding", "sparse", "performer", "linformer", "linear", "bigbird", "lsh", "routing", "sinkhorn",
-    "compressed", "synthesizer",
+    "compressed", "synthesizer", "inducing",
 ]
 AttentionImpl = Literal["auto", "eager", "fast"]
 Backend = Literal["auto", "reference"]
@@ -111,6 +111,8 @@ class TransformerXLConfig:
     # synthesizer (Tay et al. 2021): scores synthesised per query (dense) or learned (random) by distance
     synthesizer_mode: SynthesizerMode = "dense"
     synthesizer_max_len: int = 256  # distances a query can see (its window, itself included)
+    # inducing (Set Transformer ISAB, Lee et al. 2019): queries attend to m learned summaries (bidirectional)
+    inducing_points: int = 32
     # compressive memory (Rae et al. 2020): states leaving mem_len are compressed cmem_ratio:1
     cmem_len: int = 0  # compressed states kept per layer; 0 = off (plain Transformer-XL memory)
     cmem_ratio: int = 4  # c: states per compressed state
@@ -227,7 +229,8 @@ class TransformerXLConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"config.{name} must be >= 1, got {getattr(self, name)}")
         for name in ["bigbird_block", "bigbird_window", "bucket_window", "lsh_buckets", "lsh_hashes",
-                     "routing_clusters", "sinkhorn_block", "sinkhorn_iters", "compress_ratio", "synthesizer_max_len"]:
+                     "routing_clusters", "sinkhorn_block", "sinkhorn_iters", "compress_ratio", "synthesizer_max_len",
+                     "inducing_points"]:
             if getattr(self, name) < 1:
                 raise ConfigError(f"config.{name} must be >= 1, got {getattr(self, name)}")
         for name in ["bigbird_global", "bigbird_random"]:

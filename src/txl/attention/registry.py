@@ -54,7 +54,7 @@ SPECS: dict[str, KernelSpec] = {}
 # The kernels that ship with txl (each module registers its own).
 BUILTIN_MODULES = (
     "eager", "xl_fast", "sliding", "sparse", "performer", "linformer", "linear", "bigbird", "lsh", "routing",
-    "sinkhorn", "compressed", "synthesizer",
+    "sinkhorn", "compressed", "synthesizer", "inducing",
 )
 
 
