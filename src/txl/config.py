@@ -117,6 +117,10 @@ class TransformerXLConfig:
     cmem_len: int = 0  # compressed states kept per layer; 0 = off (plain Transformer-XL memory)
     cmem_ratio: int = 4  # c: states per compressed state
     cmem_fn: CompressionName = "conv"  # conv (learned, with the attention-reconstruction loss) | mean | max
+    # universal transformer (Dehghani et al. 2019): one shared block, up to n_layer steps, ACT halting
+    universal: bool = False  # n_layer becomes the maximum depth (max_depth) of the shared block
+    act_threshold: float = 0.99  # a position halts once its summed halting probability reaches this
+    ponder_cost: float = 0.01  # τ: weight of the ponder cost (steps + remainder) in the training loss
     # --- adaptive input / softmax (Baevski & Auli 2019; Grave et al. 2017) ---------------------
     cutoffs: tuple[int, ...] = ()  # empty = one full softmax; e.g. (20000, 40000, 200000) for wt103
     div_val: int = 1  # cluster i has d_embed // div_val**i dims
@@ -219,6 +223,14 @@ class TransformerXLConfig:
             raise ConfigError("config.shaw_values only applies to pos_encoding='shaw'")
         if self.untie_r and self.pos_encoding != "xl":
             raise ConfigError("config.untie_r only applies to pos_encoding='xl' (the u, v biases)")
+        if not 0.0 < self.act_threshold <= 1.0:
+            raise ConfigError(f"config.act_threshold must be in (0, 1], got {self.act_threshold}")
+        if not 0.0 <= self.ponder_cost < math.inf:
+            raise ConfigError(f"config.ponder_cost must be >= 0, got {self.ponder_cost}")
+        if self.universal and self.d_model % 2:
+            raise ConfigError("config.d_model must be even with universal=true (the sinusoidal step signal)")
+        if self.universal and self.cmem_len:
+            raise ConfigError("config.cmem_len (compressive memory) is not available with universal=true")
         self._validate_arena()
 
     def _validate_arena(self) -> None:

@@ -109,6 +109,7 @@ class Trainer:
         self.elapsed = 0.0  # training seconds over all sessions of this run
         self.best_valid = math.inf
         self.nonfinite_streak = 0
+        self.ponder_depth = None  # universal: the last micro-batch's average depth (ACT)
         self.stop_requested = False
         self._checked_splits: set[str] = set()
         if resume:
@@ -144,6 +145,7 @@ class Trainer:
                 loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss  # compressive memory
                 self.scaler.scale(loss / self.cfg.grad_accum).backward()
             self.memories[j] = out.memory
+            self.ponder_depth = None if out.ponder_depth is None else out.ponder_depth.detach()  # universal
             # the loss, not the per-token NLL, decides finiteness (a caller may poison either)
             nll_sum += out.nll.detach().double().sum() + out.loss.detach().double() * 0
         return float(nll_sum), inputs.shape[0] * inputs.shape[1] if scored is None else scored
@@ -216,9 +218,12 @@ class Trainer:
                     now = time.perf_counter()
                     loss = window_nll / max(window_scored, 1)
                     speed = window_tokens / max(now - window_start, 1e-9)
-                    log.write({"split": "train", "step": self.step, "loss": loss, self.metric:
-                               metric_value(loss, self.metric), "lr": lr, "tokens_per_second": speed,
-                               "tokens": self.tokens_seen, "elapsed": self.elapsed})
+                    record = {"split": "train", "step": self.step, "loss": loss, self.metric:
+                              metric_value(loss, self.metric), "lr": lr, "tokens_per_second": speed,
+                              "tokens": self.tokens_seen, "elapsed": self.elapsed}
+                    if self.ponder_depth is not None:  # universal: average depth used (steps + remainder)
+                        record["ponder_depth"] = float(self.ponder_depth)
+                    log.write(record)
                     bar.show(step=self.step, loss=loss, lr=lr, speed=speed)
                     window_nll, window_scored, window_tokens, window_start = 0.0, 0, 0, now
                 bar.advance(self.step)
