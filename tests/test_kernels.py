@@ -490,3 +490,95 @@ def test_inducing_points_summarise_keys_and_ignore_padding():
     torch.testing.assert_close(padded[:1], alone, atol=1e-5, rtol=1e-5)
     with pytest.raises(ConfigError, match="inducing.*cannot be causal"):
         config_for("inducing")
+
+
+# ---------------------------------------------------------------------------------------------
+# global attention on chosen tokens (global_mask)
+
+
+def chosen_tokens(i: int) -> torch.Tensor:
+    chosen = torch.zeros(2, i, dtype=torch.bool)
+    chosen[0, [0, 5]] = True  # e.g. a [CLS] and a question token
+    chosen[1, [i - 3]] = True
+    return chosen
+
+
+@pytest.mark.parametrize(("causal", "n", "i"), [(True, 23, 23), (True, 31, 17), (False, 22, 22)])
+def test_bigbird_global_mask_equals_its_dense_reference_and_a_hand_built_mask(causal, n, i):
+    config = config_for("bigbird", causal=causal, bigbird_block=3, bigbird_window=0, bigbird_global=0,
+                        bigbird_random=0)  # own block only, so the chosen tokens are all that reaches further
+    fast, eager = kernel_pair(config)
+    chosen = chosen_tokens(i)
+    mask = AttentionMask(causal=causal, global_mask=chosen)
+    q, k, v = qkv(n, i)
+    got = attend(fast, q, k, v, mask)
+    torch.testing.assert_close(got, attend(eager, q, k, v, mask), atol=1e-5, rtol=1e-5)
+    offset = n - i
+    key_chosen = torch.nn.functional.pad(chosen, (offset, 0))
+    visible = torch.zeros(2, 1, i, n, dtype=torch.bool)
+    for b in range(2):
+        for p in range(i):
+            for j in range(n):
+                sees = (p + offset) // 3 == j // 3 or key_chosen[b, j] or chosen[b, p]
+                visible[b, 0, p, j] = sees and (j <= p + offset or not causal)
+    scores = (q @ k.transpose(-1, -2)) * 8**-0.5
+    expected = scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_global_mask_in_a_model_reaches_far_and_stays_causal():
+    model = build(config_for("bigbird", bigbird_block=2, bigbird_window=0, bigbird_global=0, bigbird_random=0,
+                             n_layer=1))
+    x = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(4))
+    chosen = torch.zeros(2, 16, dtype=torch.long)
+    chosen[:, 1] = 1
+    y = x.clone()
+    y[:, 1] = (y[:, 1] + 5) % 61
+    with torch.no_grad():
+        plain = model(x, mem_len=0).logits, model(y, mem_len=0).logits
+        global_ = model(x, mem_len=0, global_mask=chosen).logits, model(y, mem_len=0, global_mask=chosen).logits
+        torch.testing.assert_close(plain[0][:, 4:], plain[1][:, 4:])  # one layer, own block: token 1 unseen
+        assert not torch.allclose(global_[0][:, 4:], global_[1][:, 4:])  # chosen: seen by every later query
+        z = x.clone()
+        z[:, 12:] = (z[:, 12:] + 3) % 61
+        torch.testing.assert_close(model(z, mem_len=0, global_mask=chosen).logits[:, :12], global_[0][:, :12])
+
+
+def test_global_mask_is_refused_by_kernels_that_cannot_take_it_and_checked_for_shape():
+    x = torch.randint(0, 61, (2, 8))
+    with pytest.raises(UsageError, match="global_mask is not available with attention='sliding'.*bigbird"):
+        build(config_for("sliding"))(x, global_mask=torch.ones_like(x))
+    with pytest.raises(UsageError, match="global_mask must have the shape of input_ids"):
+        build(config_for("bigbird"))(x, global_mask=torch.ones(2, 7))
+    full = build(config_for("full"))
+    with torch.no_grad():  # full attention already sees everything: the mask changes nothing
+        torch.testing.assert_close(full(x, mem_len=0, global_mask=torch.ones_like(x)).logits, full(x, mem_len=0).logits)
+
+
+# ---------------------------------------------------------------------------------------------
+# Padding, for every kernel (or one clear refusal)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("impl", ["eager", "fast"])
+def test_every_kernel_pads_exactly_or_refuses_by_name(name, impl):
+    if (name, impl) not in KERNELS:
+        pytest.skip(f"{name} has no {impl} kernel")
+    causal = SPECS[name].causal
+    model = build(config_for(name, causal=causal, attention_impl=impl, mem_len=0))
+    lengths = (11, 6, 9)
+    sequences = [torch.randint(1, 61, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    ids = torch.zeros(3, 11, dtype=torch.long)
+    attention_mask = torch.zeros(3, 11, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = seq
+        attention_mask[row, : len(seq)] = 1
+    with torch.no_grad():
+        try:
+            batch = model(ids, attention_mask=attention_mask, mem_len=0).logits
+        except UsageError as err:
+            assert f"attention={name!r}" in str(err) and "padding" in str(err)
+            return
+        for row, seq in enumerate(sequences):
+            alone = model(seq[None], mem_len=0).logits
+            torch.testing.assert_close(batch[row, : len(seq)], alone[0], atol=1e-5, rtol=1e-5)

@@ -92,7 +92,7 @@ class TransformerXLConfig:
     linear_feature: LinearFeature = "elu"  # elu = elu+1 (Katharopoulos); relu = Performer's generalised kernel
     # bigbird (Zaheer et al. 2020): blocks of bigbird_block; each query block sees its window, global, random blocks
     bigbird_block: int = 64  # tokens per block: the unit of the pattern
-    bigbird_window: int = 1  # blocks on each side of a query block (causal: before it) it sees
+    bigbird_window: int = 1  # blocks on each side of a query block (causal: before it) it sees; 0 = its own only
     bigbird_global: int = 1  # the first g blocks of the keys see and are seen by all
     bigbird_random: int = 2  # r random (earlier, when causal) blocks per query block, a fixed hash pattern
     # lsh (Kitaev et al. 2020) / routing (Roy et al. 2021): shared-QK, each query sees the bucket_window
@@ -240,12 +240,12 @@ class TransformerXLConfig:
                      "linformer_max_len", "cmem_ratio"]:
             if getattr(self, name) < 1:
                 raise ConfigError(f"config.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ["bigbird_block", "bigbird_window", "bucket_window", "lsh_buckets", "lsh_hashes",
+        for name in ["bigbird_block", "bucket_window", "lsh_buckets", "lsh_hashes",
                      "routing_clusters", "sinkhorn_block", "sinkhorn_iters", "compress_ratio", "synthesizer_max_len",
                      "inducing_points"]:
             if getattr(self, name) < 1:
                 raise ConfigError(f"config.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ["bigbird_global", "bigbird_random"]:
+        for name in ["bigbird_window", "bigbird_global", "bigbird_random"]:
             if getattr(self, name) < 0:
                 raise ConfigError(f"config.{name} must be >= 0, got {getattr(self, name)}")
         if self.lsh_buckets % 2:

@@ -193,11 +193,13 @@ class TransformerXL(nn.Module):
         return_logits: bool | None = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
+        global_mask: Tensor | None = None,
     ) -> TransformerXLOutput:
         """attention_mask: (b, t), 1 for a token and 0 for padding (the Hugging Face convention), for
         the bidirectional encoder and for causal models run without memory; padded positions are
         never attended to and never scored. mem_len / clamp_len / same_length: this call's settings
-        (default: the model's attributes)."""
+        (default: the model's attributes). global_mask: (b, t), nonzero for global tokens (chosen
+        positions that see and are seen by all, e.g. a [CLS]); for kernels that take it (bigbird)."""
         if input_ids.dim() != 2:
             raise UsageError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
         mem_len = self.mem_len if mem_len is None else mem_len
@@ -219,8 +221,10 @@ class TransformerXL(nn.Module):
             key_padding = self._key_padding(attention_mask, input_ids, memory=memory, mem_len=mem_len)
             if labels is not None:
                 labels = labels.masked_fill(~key_padding, -100)  # padding is never scored
+        if global_mask is not None:
+            global_mask = self._global_mask(global_mask, input_ids)
         mask = AttentionMask(causal=self.config.causal, window=mem_len if same_length else None,
-                             key_padding=key_padding)
+                             key_padding=key_padding, global_mask=global_mask)
 
         memory_update = self.memory_kind(self, memory, mem_len=mem_len, q_len=q_len)
         h = self.drop(self.pos.embed(self.embed(input_ids)))  # (b, t, d_model)
@@ -265,6 +269,18 @@ class TransformerXL(nn.Module):
             hidden_states=tuple(hidden_states) if output_hidden_states else None,
             ponder_depth=ponder_depth,
         )
+
+    def _global_mask(self, global_mask: Tensor, input_ids: Tensor) -> Tensor:
+        from txl.attention.registry import SPECS
+
+        if not SPECS[self.config.attention].global_mask:
+            able = ", ".join(sorted(name for name, spec in SPECS.items() if spec.global_mask))
+            raise UsageError(f"global_mask is not available with attention={self.config.attention!r} "
+                             f"(kernels that take it: {able})")
+        if global_mask.shape != input_ids.shape:
+            raise UsageError(f"global_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
+                             f"got {tuple(global_mask.shape)}")
+        return global_mask.to(device=input_ids.device) != 0
 
     def _key_padding(self, attention_mask: Tensor, input_ids: Tensor, *, memory: Memory | None, mem_len: int) -> Tensor:
         """The (b, t) bool padding mask of `attention_mask`, checked against the call."""

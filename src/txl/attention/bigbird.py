@@ -8,7 +8,11 @@ appendix D "block sparsity"): keys and queries in blocks of B (`bigbird_block`);
   (a memory extends it without changing it: segment invariance holds).
 
 Blocks count from key position 0 of [memory ; segment], so the memory is part of the pattern (its
-first blocks are the global ones until it fills). Cost O(n·(2w+1+g+r)·B) time and memory, and the
+first blocks are the global ones until it fills). Global attention on chosen tokens (ETC, BigBird's
+"global tokens" as a [CLS] or question tokens): `model(..., global_mask=)` (see
+`AttentionMask.global_mask`): a chosen token sees every (earlier) key and every (later) query sees
+it. The fast kernel gathers those keys per sequence (O(n·G)) and merges them with the block part by
+log-sum-exp, each key counted once. Cost O(n·(2w+1+g+r)·B) time and memory, and the
 g·B global rows O(g·B·n). A block listed twice (random hitting the window) is counted once.
 
 `attention_impl="eager"` builds the same pattern as a dense (i, n) mask: the reference. Positions:
@@ -21,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from txl.attention.masks import AttentionMask
-from txl.attention.pattern import dense_masked_attention, gathered_attention, pad_to
+from txl.attention.pattern import dense_masked_attention, gathered_attention, merge_by_lse, pad_to
 from txl.attention.registry import register
 from txl.config import TransformerXLConfig
 from txl.positional import LayerPositions
@@ -44,7 +48,7 @@ def check_bigbird(config: TransformerXLConfig) -> None:
     pass  # every combination of the options is valid (the ranges are checked by the config)
 
 
-@register("bigbird", "fast", bidirectional=True, score_terms=False, check=check_bigbird)
+@register("bigbird", "fast", bidirectional=True, score_terms=False, check=check_bigbird, global_mask=True)
 class BigBirdAttention(nn.Module):
     """`attention="bigbird"`: window + global + random blocks, gathered per query block."""
 
@@ -112,11 +116,19 @@ class BigBirdAttention(nn.Module):
         visible = visible.expand(n_qb, B, K * B)[None, None]
         if mask.key_padding is not None:
             real = mask.key_padding.to(q.device)
-            real = pad_to(real, 1, B)[:, safe].reshape(b, n_qb, K * B)  # (b, nq, K·B)
+            real = pad_to(real, 1, B).view(b, n_blocks, B)[:, safe].reshape(b, n_qb, K * B)  # (b, nq, K·B)
             visible = visible & real[:, None, :, None, :]
-        out, _ = gathered_attention(q_pad.view(b, h, n_qb, B, d), keys, values, visible, dropatt=dropatt,
-                                    training=training)
+        chosen = None
+        if mask.global_mask is not None:  # chosen global keys: in their own set below, not in the blocks
+            chosen = torch.nn.functional.pad(mask.global_mask.to(q.device), (memory_len, 0))  # (b, n)
+            listed = pad_to(chosen, 1, B).view(b, n_blocks, B)[:, safe].reshape(b, n_qb, K * B)
+            visible = visible & ~listed[:, None, :, None, :]
+        out, lse = gathered_attention(q_pad.view(b, h, n_qb, B, d), keys, values, visible, dropatt=dropatt,
+                                      training=training)
         out = out.reshape(b, h, n_qb * B, d)[:, :, lead:lead + i]
+        if chosen is not None:
+            lse = lse.reshape(b, h, n_qb * B)[:, :, lead:lead + i]
+            out = self._with_chosen(q, k, v, out, lse, chosen, mask, dropatt=dropatt, training=training)
         g_rows = min(max(self.global_blocks * B - memory_len, 0), i)  # global queries in this segment
         if g_rows:  # they see every (earlier) key: dense rows
             rows = mask.visible(i, n, q.device)[:, :, :g_rows]
@@ -124,11 +136,49 @@ class BigBirdAttention(nn.Module):
             out = torch.cat([out_g, out[:, :, g_rows:]], dim=2)
         return out, None
 
+    @staticmethod
+    def _with_chosen(q, k, v, out, lse, chosen, mask: AttentionMask, *, dropatt: float, training: bool):
+        """Merge the chosen global keys into every row, then give the chosen queries dense rows."""
+        b, h, i, d = q.shape
+        n = k.shape[-2]
+        count = int(chosen.sum(-1).max())
+        if count == 0:
+            return out
+        order = chosen.long().argsort(dim=-1, descending=True, stable=True)[:, :count]  # (b, G) their positions
+        valid = chosen.gather(1, order)  # (b, G): padding slots of shorter rows are False
+        keys = k.gather(2, order[:, None, :, None].expand(b, h, count, d))
+        values = v.gather(2, order[:, None, :, None].expand(b, h, count, d))
+        seen = valid[:, None, None, :]  # (b, 1, 1, G)
+        query_pos = torch.arange(i, device=q.device) + n - i
+        if mask.causal:
+            dist = query_pos[None, :, None] - order[:, None, :]  # (b, i, G)
+            near = dist >= 0
+            if mask.window is not None:
+                near = near & (dist < mask.window)
+            seen = seen & near[:, None]
+        if mask.key_padding is not None:
+            seen = seen & mask.key_padding.to(q.device).gather(1, order)[:, None, None, :]
+        out_c, lse_c = gathered_attention(q, keys, values, seen, dropatt=dropatt, training=training)
+        out = merge_by_lse([out, out_c], [lse, lse_c])
+        # Chosen queries see every key they may see: dense rows, gathered and written back.
+        q_rows = chosen[:, n - i:]
+        rows = int(q_rows.sum(-1).max())
+        if rows:
+            where = q_rows.long().argsort(dim=-1, descending=True, stable=True)[:, :rows]  # (b, R)
+            picked = q.gather(2, where[:, None, :, None].expand(b, h, rows, d))
+            visible = mask.visible(i, n, q.device).expand(b, 1, i, n).gather(
+                2, where[:, None, :, None].expand(b, 1, rows, n))
+            dense, _ = dense_masked_attention(picked, k, v, visible, dropatt=dropatt, training=training)
+            keep = q_rows.gather(1, where)[:, None, :, None]  # padding slots write back what was there
+            current = out.gather(2, where[:, None, :, None].expand(b, h, rows, d))
+            out = out.scatter(2, where[:, None, :, None].expand(b, h, rows, d), torch.where(keep, dense, current))
+        return out
+
     def extra_repr(self) -> str:
         return f"block={self.block}, window={self.window}, global={self.global_blocks}, random={self.random}"
 
 
-@register("bigbird", "eager", bidirectional=True, score_terms=False, check=check_bigbird)
+@register("bigbird", "eager", bidirectional=True, score_terms=False, check=check_bigbird, global_mask=True)
 class BigBirdReference(BigBirdAttention):
     """The same block pattern as a dense (i, n) mask, O(n²): the ground truth for `BigBirdAttention`."""
 
@@ -136,6 +186,11 @@ class BigBirdReference(BigBirdAttention):
                 need_weights: bool = False):
         q, k = positions.content(q, k)
         i, n = q.shape[-2], k.shape[-2]
-        visible = mask.visible(i, n, q.device) & self.pattern(i, n, mask.causal, q.device)
+        pattern = self.pattern(i, n, mask.causal, q.device)
+        if mask.global_mask is not None:  # chosen tokens: their rows and columns join the pattern
+            chosen = torch.nn.functional.pad(mask.global_mask.to(q.device), (n - i, 0))  # (b, n)
+            pattern = pattern | chosen[:, None, :] | chosen[:, n - i:, None]  # (b, i, n)
+            pattern = pattern[:, None]
+        visible = mask.visible(i, n, q.device) & pattern
         out, probs = dense_masked_attention(q, k, v, visible, dropatt=dropatt, training=training)
         return out, probs if need_weights else None
