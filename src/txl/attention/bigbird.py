@@ -44,11 +44,7 @@ def random_blocks(query_blocks: Tensor, r: int, n_blocks: int, *, causal: bool, 
     return h % n_blocks
 
 
-def check_bigbird(config: TransformerXLConfig) -> None:
-    pass  # every combination of the options is valid (the ranges are checked by the config)
-
-
-@register("bigbird", "fast", bidirectional=True, score_terms=False, check=check_bigbird, global_mask=True)
+@register("bigbird", "fast", bidirectional=True, score_terms=False, global_mask=True)
 class BigBirdAttention(nn.Module):
     """`attention="bigbird"`: window + global + random blocks, gathered per query block."""
 
@@ -178,7 +174,7 @@ class BigBirdAttention(nn.Module):
         return f"block={self.block}, window={self.window}, global={self.global_blocks}, random={self.random}"
 
 
-@register("bigbird", "eager", bidirectional=True, score_terms=False, check=check_bigbird, global_mask=True)
+@register("bigbird", "eager", bidirectional=True, score_terms=False, global_mask=True)
 class BigBirdReference(BigBirdAttention):
     """The same block pattern as a dense (i, n) mask, O(n²): the ground truth for `BigBirdAttention`."""
 

@@ -17,9 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from txl.attention.masks import NEG, AttentionMask
-from txl.errors import UsageError
-from txl.positional import LayerPositions
+from txl.attention.masks import NEG
 
 
 def dense_masked_attention(
@@ -63,29 +61,6 @@ def merge_by_lse(outs: list[Tensor], lses: list[Tensor]) -> Tensor:
     """Softmax attention over the union of disjoint key sets from each set's output and log-sum-exp."""
     total = torch.stack(lses).logsumexp(0)
     return sum(out * (lse - total).exp()[..., None].to(out.dtype) for out, lse in zip(outs, lses))
-
-
-def position_ids(q_len: int, k_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Key positions 0 … n-1 over [memory ; segment] and the queries' positions (the last q_len)."""
-    keys = torch.arange(k_len, device=device)
-    return keys[k_len - q_len:], keys
-
-
-def base_visible(mask: AttentionMask, q_len: int, k_len: int, device: torch.device) -> Tensor:
-    """The (b|1, 1, i, n) visibility every pattern is intersected with: causal + window + padding."""
-    return mask.visible(q_len, k_len, device)
-
-
-def content(positions: LayerPositions, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-    """q and k as the content score sees them (RoPE rotates here; xl's u is never used: the config
-    rejects score-term encodings for these kernels)."""
-    return positions.content(q, k)
-
-
-def no_weights(name: str, need_weights: bool) -> None:
-    if need_weights:
-        raise UsageError(f"output_attentions is not available with attention={name!r} (attention_impl='fast'); "
-                         "use attention_impl='eager' for the dense reference's probabilities")
 
 
 def pad_to(x: Tensor, dim: int, multiple: int, value: float = 0.0) -> Tensor:
