@@ -582,3 +582,12 @@ def test_every_kernel_pads_exactly_or_refuses_by_name(name, impl):
         for row, seq in enumerate(sequences):
             alone = model(seq[None], mem_len=0).logits
             torch.testing.assert_close(batch[row, : len(seq)], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_compressed_query_chunks_change_nothing(monkeypatch):
+    fast, eager = kernel_pair(config_for("compressed", compress_ratio=3))
+    q, k, v = qkv(31, 17)
+    whole = attend(fast, q, k, v)
+    monkeypatch.setattr(CompressedAttention, "query_chunk", 5)  # 17 queries in 4 chunks
+    torch.testing.assert_close(attend(fast, q, k, v), whole)
+    torch.testing.assert_close(whole, attend(eager, q, k, v), atol=1e-5, rtol=1e-5)

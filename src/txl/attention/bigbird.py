@@ -44,6 +44,23 @@ def random_blocks(query_blocks: Tensor, r: int, n_blocks: int, *, causal: bool, 
     return h % n_blocks
 
 
+def rows_visible(mask: AttentionMask, rows: Tensor, q_len: int, k_len: int) -> Tensor:
+    """`mask.visible` for some query rows only, (b or 1, 1, R, n): rows (b or 1, R) are query indices.
+    Never builds the (i, n) matrix (at 32k tokens its distances alone take 8 GiB)."""
+    query_pos = rows + (k_len - q_len)  # (b|1, R)
+    key_pos = torch.arange(k_len, device=rows.device)
+    if mask.causal:
+        dist = query_pos[..., None] - key_pos  # (b|1, R, n)
+        visible = dist >= 0
+        if mask.window is not None:
+            visible = visible & (dist < mask.window)
+    else:
+        visible = torch.ones(*rows.shape, k_len, dtype=torch.bool, device=rows.device)
+    if mask.key_padding is not None:
+        visible = visible & mask.key_padding.to(rows.device)[:, None, :]
+    return visible[:, None]
+
+
 @register("bigbird", "fast", bidirectional=True, score_terms=False, global_mask=True)
 class BigBirdAttention(nn.Module):
     """`attention="bigbird"`: window + global + random blocks, gathered per query block."""
@@ -120,14 +137,14 @@ class BigBirdAttention(nn.Module):
             listed = pad_to(chosen, 1, B).view(b, n_blocks, B)[:, safe].reshape(b, n_qb, K * B)
             visible = visible & ~listed[:, None, :, None, :]
         out, lse = gathered_attention(q_pad.view(b, h, n_qb, B, d), keys, values, visible, dropatt=dropatt,
-                                      training=training)
+                                      training=training, need_lse=chosen is not None)
         out = out.reshape(b, h, n_qb * B, d)[:, :, lead:lead + i]
         if chosen is not None:
             lse = lse.reshape(b, h, n_qb * B)[:, :, lead:lead + i]
             out = self._with_chosen(q, k, v, out, lse, chosen, mask, dropatt=dropatt, training=training)
         g_rows = min(max(self.global_blocks * B - memory_len, 0), i)  # global queries in this segment
         if g_rows:  # they see every (earlier) key: dense rows
-            rows = mask.visible(i, n, q.device)[:, :, :g_rows]
+            rows = rows_visible(mask, torch.arange(g_rows, device=q.device)[None], i, n)
             out_g, _ = dense_masked_attention(q[:, :, :g_rows], k, v, rows, dropatt=dropatt, training=training)
             out = torch.cat([out_g, out[:, :, g_rows:]], dim=2)
         return out, None
@@ -162,8 +179,7 @@ class BigBirdAttention(nn.Module):
         if rows:
             where = q_rows.long().argsort(dim=-1, descending=True, stable=True)[:, :rows]  # (b, R)
             picked = q.gather(2, where[:, None, :, None].expand(b, h, rows, d))
-            visible = mask.visible(i, n, q.device).expand(b, 1, i, n).gather(
-                2, where[:, None, :, None].expand(b, 1, rows, n))
+            visible = rows_visible(mask, where, i, n)
             dense, _ = dense_masked_attention(picked, k, v, visible, dropatt=dropatt, training=training)
             keep = q_rows.gather(1, where)[:, None, :, None]  # padding slots write back what was there
             current = out.gather(2, where[:, None, :, None].expand(b, h, rows, d))

@@ -43,6 +43,8 @@ def check_compressed(config: TransformerXLConfig) -> None:
 class CompressedAttention(nn.Module):
     """`attention="compressed"`: strided-convolution-compressed keys/values + the own block raw."""
 
+    query_chunk = 2048  # queries per step over the compressed columns: memory O(chunk·n/r), not O(n²/r)
+
     def __init__(self, config: TransformerXLConfig):
         super().__init__()
         r, d = config.compress_ratio, config.d_head
@@ -73,8 +75,15 @@ class CompressedAttention(nn.Module):
         n, r = k.shape[-2], self.ratio
         q_block, _ = self.blocks_of(i, n, q.device)
         keys, values = self.compress(k, self.key_conv), self.compress(v, self.value_conv)
-        seen = self.compressed_visible(q_block, keys.shape[2], mask.causal)  # (i, nc)
-        out_c, lse_c = gathered_attention(q, keys, values, seen, dropatt=dropatt, training=training)
+        # The compressed columns, in chunks of queries: the (chunk, n/r) scores bound the memory.
+        outs, lses = [], []
+        for start in range(0, i, self.query_chunk):
+            rows = slice(start, start + self.query_chunk)
+            seen = self.compressed_visible(q_block[rows], keys.shape[2], mask.causal)  # (chunk, nc)
+            out_c, lse_c = gathered_attention(q[:, :, rows], keys, values, seen, dropatt=dropatt, training=training)
+            outs.append(out_c)
+            lses.append(lse_c)
+        out_c, lse_c = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
         # Own block, raw: queries padded on the left to align with the key blocks.
         lead = (n - i) % r
         q_pad = pad_to(torch.nn.functional.pad(q, (0, 0, lead, 0)), 2, r)

@@ -40,21 +40,26 @@ def dense_masked_attention(
 
 def gathered_attention(
     q: Tensor | None, k: Tensor | None, v: Tensor, visible: Tensor, *, dropatt: float, training: bool,
-    score_offset: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+    score_offset: Tensor | None = None, need_lse: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """Attention of query blocks over their own gathered keys: q (.., c, d), k and v (.., m, d),
     visible broadcastable to (.., c, m). Returns out (.., c, d) and the log-sum-exp (.., c) of the
-    visible scaled scores (NEG for a row that sees nothing, whose output is 0). With q and k None,
-    `score_offset` is the whole score."""
+    visible scaled scores (NEG for a row that sees nothing, whose output is 0), or None without
+    `need_lse` (then one fused softmax). With q and k None, `score_offset` is the whole score."""
     scores = score_offset.float() if q is None else (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
     if score_offset is not None and q is not None:
         scores = scores + score_offset
     scores = scores.masked_fill(~visible, NEG)
-    lse = scores.logsumexp(-1)
     any_visible = visible.any(-1)
-    probs = (scores - lse[..., None]).exp() * any_visible[..., None]
+    if need_lse:
+        lse = scores.logsumexp(-1)
+        probs = (scores - lse[..., None]).exp()
+        lse = lse.masked_fill(~any_visible, NEG)
+    else:
+        probs, lse = scores.softmax(-1), None
+    probs = probs * any_visible[..., None]  # a row that sees nothing: 0, not a uniform average
     out = F.dropout(probs.to(v.dtype), p=dropatt, training=training) @ v
-    return out, lse.masked_fill(~any_visible, NEG)
+    return out, lse
 
 
 def merge_by_lse(outs: list[Tensor], lses: list[Tensor]) -> Tensor:

@@ -119,7 +119,7 @@ class SinkhornAttention(nn.Module):
         visible = torch.cat([has_sorted[..., None, None].expand(b, h, n_qb, B, B),
                              own.expand(n_qb, B, B).expand(b, h, n_qb, B, B)], dim=-1)
         out, _ = gathered_attention(q_pad.view(b, h, n_qb, B, d), keys, values, visible, dropatt=dropatt,
-                                    training=training)
+                                    training=training, need_lse=False)
         return out.reshape(b, h, -1, d)[:, :, lead:lead + i], None
 
     def extra_repr(self) -> str:

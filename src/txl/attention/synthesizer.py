@@ -97,7 +97,7 @@ class SynthesizerAttention(nn.Module):
         rows = pad_to(rows, 2, block).view(b, h, n_qb, block, -1)
         scores = rows.gather(-1, col[None, None].expand(b, h, -1, -1, -1))
         out, _ = gathered_attention(None, None, values, visible, dropatt=dropatt, training=training,
-                                    score_offset=scores)
+                                    score_offset=scores, need_lse=False)
         return out.reshape(b, h, -1, d)[:, :, :i], None
 
     def extra_repr(self) -> str:
