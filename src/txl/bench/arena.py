@@ -300,7 +300,7 @@ def markdown(report: dict) -> str:
         lines += [
             "", "## Bidirectional encoders (masked LM)", "",
             "The same preset trained with `--objective mlm` (BERT's 80/10/10 at mask_prob 0.15, no memory, the "
-            "kernel sees the whole segment both ways), scored on the masked tokens of the whole valid split "
+            "kernel sees the whole segment both ways), scored on the masked tokens of the valid split "
             f"(the same positions for every row): {metric} and accuracy of the masked tokens. Not comparable "
             "with the causal table (a different task).", "",
             f"| variant | what | params | d_inner | masked {metric} | masked accuracy | steps | train tokens/s | "
