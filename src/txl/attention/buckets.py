@@ -117,27 +117,29 @@ def bucketed_attention(
         k_s = around(sort(keys).view(b, h, n_chunks, c, d))
         v_s = around(sort(v).view(b, h, n_chunks, c, d))
         # Per sorted row: its position, and its bucket and rank in every round (for the count of rounds).
-        p_s = idx.view(b, h, n_chunks, c)
-        sig = torch.stack([buckets, rank], dim=-1).transpose(2, 3)  # (b, h, n, R, 2)
+        p_s = idx.view(b, h, n_chunks, c).to(torch.int32)  # int32: half the traffic of the pair tensors
+        sig = torch.stack([buckets, rank], dim=-1).transpose(2, 3).to(torch.int32)  # (b, h, n, R, 2)
         sig_s = sig.gather(2, idx[..., None, None].expand(-1, -1, -1, rounds, 2)).view(b, h, n_chunks, c, rounds, 2)
         # 1 for a real sorted row; 0 for padding rows and the zero-filled slots before the first chunk
         # (and after the last)
         exists = (~pad_row).to(torch.uint8).view(n_chunks, c).expand(b, h, -1, -1)
         p_k, sig_k, pad_k = around(p_s), around(sig_s), around(exists) == 0
-        # (b, h, nc, c, M) pattern: this round's, every round's for the count
-        seen = round_visible(sig_s[..., None, :, 0], sig_s[..., None, :, 1], sig_k[..., None, :, :, 0],
-                             sig_k[..., None, :, :, 1], c, mask.causal)  # (b, h, nc, c, M, R)
+        # (b, h, nc, c, M) pattern of each round (this one's decides; the others count duplicates)
+        seen = [round_visible(sig_s[..., None, t, 0], sig_s[..., None, t, 1], sig_k[..., None, :, t, 0],
+                              sig_k[..., None, :, t, 1], c, mask.causal) for t in range(rounds)]
         dist = p_s[..., :, None] - p_k[..., None, :]
-        visible = seen[..., r] & ~pad_k[..., None, :] & (dist != 0)
+        visible = seen[r] & ~pad_k[..., None, :] & (dist != 0)
         if mask.causal:
             visible &= dist >= 0
             if mask.window is not None:
                 visible &= dist < mask.window
         if real is not None:
-            real_k = real[:, None, :].expand(b, h, n).gather(2, p_k.flatten(2)).view_as(p_k)
+            real_k = real[:, None, :].expand(b, h, n).gather(2, p_k.flatten(2).long()).view_as(p_k)
             visible &= real_k[..., None, :]
-        count = seen.sum(-1).clamp(min=1)
-        offset = -count.float().log()
+        offset = None  # one round: every pair is seen once
+        if rounds > 1:  # a pair seen in m rounds: -log m in each, so the merged softmax counts it once
+            count = torch.stack(seen).sum(0, dtype=torch.int8).clamp_(min=1)
+            offset = -count.float().log()
         out, lse = gathered_attention(q_s, k_s, v_s, visible, dropatt=dropatt, training=training,
                                       score_offset=offset)
         # Back to position order; the padding rows (all at the end of the sorted order) are dropped.
