@@ -155,6 +155,7 @@ def test_arena_variants_get_the_reference_parameter_count():
     for variant in arena.VARIANTS.values():
         d_inner, count = arena.match_d_inner(variant, target, 50, 512)
         sets = [f"model.{s}" for s in variant.sets] + [f"model.d_inner={d_inner}"]
+        sets += [f"train.{s}" for s in variant.train_sets] + (["train.sample_tokens=0"] if variant.mlm else [])
         assert count == arena.parameter_count(sets, 50), variant.name  # the affine prediction is exact
         assert abs(count - target) / target < 0.005, variant.name
 
@@ -163,7 +164,7 @@ def test_arena_variants_get_the_reference_parameter_count():
 def test_arena_trains_side_by_side_and_reuses_finished_runs(tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"line {i}: the quick brown fox {i % 7} jumps\n" for i in range(600)))
-    argv = ["bench", "arena", "--variants", "xl,xl-mem0", "--minutes", "0.01", "--jobs", "2",
+    argv = ["bench", "arena", "--variants", "xl,xl-mem0,mlm-full", "--minutes", "0.01", "--jobs", "2",
             "--data", f"text:{corpus}", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "docs")]
     for s in ("model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.d_head=16", "model.d_inner=64",
               "model.mem_len=16", "train.batch_size=2", "train.tgt_len=16", "train.eval_tgt_len=16",
@@ -172,16 +173,20 @@ def test_arena_trains_side_by_side_and_reuses_finished_runs(tmp_path, capsys):
     assert main(argv) == 0
     report = json.loads((tmp_path / "docs" / "arena.json").read_text())
     rows = {row["name"]: row for row in report["rows"]}
-    assert set(rows) == {"xl", "xl-mem0"}
+    assert set(rows) == {"xl", "xl-mem0", "mlm-full"}
     assert rows["xl"]["parameters"] == rows["xl-mem0"]["parameters"]
+    assert rows["mlm-full"]["mlm"] and 0 <= rows["mlm-full"]["accuracy"] <= 1
+    assert "--objective mlm" in rows["mlm-full"]["command"]
     for row in rows.values():
         assert row["steps"] > 0 and row["valid"] > 0 and row["peak_rss_mb"] > 10 and row["tokens_per_second"] > 0
         assert "--set model.d_inner=64" in row["command"] and row["command"].startswith("OMP_NUM_THREADS=1 txl train")
     text = (tmp_path / "docs" / "arena.md").read_text()
     assert "| xl-mem0 |" in text and "Linformer" in text and (tmp_path / "docs" / "arena.png").stat().st_size > 0
+    causal_table, mlm_table = text.split("## Bidirectional encoders (masked LM)")
+    assert "| mlm-full |" in mlm_table and "| mlm-full |" not in causal_table.split("## Reproduce")[0]
     capsys.readouterr()
     assert main(argv) == 0  # finished runs with the same command are reused, not retrained
-    assert capsys.readouterr().out.count("reusing") == 2
+    assert capsys.readouterr().out.count("reusing") == 3
     assert main([*argv[:3], "xl", *argv[4:], "--fresh"]) == 0  # an arena run directory is retrained in place
     assert "reusing" not in capsys.readouterr().out
     (tmp_path / "runs" / "xl" / "arena.json").unlink()  # no longer ours: left alone, one clear error

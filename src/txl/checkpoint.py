@@ -529,7 +529,8 @@ def load_checkpoint(path: str | Path, *, device: torch.device | str = "cpu", req
         raise CheckpointError(f"{directory} has no vocab.json; it is needed to turn text into token ids "
                               "(checkpoints written by `txl train` have one)")
     model = TransformerXL.from_pretrained(directory, map_location=device)
-    if vocab is not None and vocab.size != model.config.vocab_size:
+    # A masked-LM encoder (causal=false) has one more id than its vocabulary: the mask token.
+    if vocab is not None and model.config.vocab_size not in (vocab.size, vocab.size + (not model.config.causal)):
         raise CheckpointError(f"{directory}: vocab.json has {vocab.size} ids but config.json has vocab_size="
                               f"{model.config.vocab_size}; the checkpoint is inconsistent")
     state = _read_optional_json(directory / "trainer_state.json")

@@ -22,12 +22,18 @@ from txl.errors import ConfigError, did_you_mean
 # Names, not integer codes (the reference's `attn_type` 0..3 maps to xl, shaw, sinusoidal, learned).
 # These are the built-in entries of the registries (`txl.positional.register_encoding`,
 # `txl.attention.register`); a name registered from user code is accepted too.
-PositionalName = Literal["xl", "shaw", "sinusoidal", "learned", "rope", "alibi"]
+PositionalName = Literal["xl", "shaw", "sinusoidal", "learned", "rope", "alibi", "t5", "xpos"]
 # The long-text arena (README "The arena"): every kernel takes the same inputs, see txl/attention/.
-AttentionName = Literal["full", "sliding", "sparse", "performer", "linformer"]
+AttentionName = Literal[
+    "full", "sliding", "sparse", "performer", "linformer", "linear", "bigbird", "lsh", "routing", "sinkhorn",
+    "compressed", "synthesizer", "inducing",
+]
 AttentionImpl = Literal["auto", "eager", "fast"]
 Backend = Literal["auto", "reference"]
 CompressionName = Literal["conv", "mean", "max"]
+LinearFeature = Literal["elu", "relu"]
+SynthesizerMode = Literal["dense", "random"]
+PositionMerge = Literal["add", "mul", "concat"]
 
 POSITIONAL_NAMES: tuple[str, ...] = get_args(PositionalName)
 ATTENTION_NAMES: tuple[str, ...] = get_args(AttentionName)
@@ -77,6 +83,11 @@ class TransformerXLConfig:
     max_relative_distance: int = 64  # shaw: distances beyond this share one embedding
     shaw_values: bool = False  # shaw: also add the distance embedding on the value side
     max_positions: int = 1024  # learned: rows of the absolute table (inputs longer than this fail)
+    hierarchical: float = 0.0  # learned: α of Su's decomposition, reaching max_positions²; 0 = off
+    position_merge: PositionMerge = "add"  # learned: add | mul (x·(e+1)) | concat (projected back to d_model)
+    t5_buckets: int = 32  # t5: relative-position buckets (half exact, half log-spaced)
+    t5_max_distance: int = 128  # t5: distances beyond this share the last bucket
+    xpos_scale_base: int = 512  # xpos: B in the decay ζ^(distance/B); larger = slower decay
     # --- attention kernel ---------------------------------------------------------------------
     attention: AttentionName = "full"
     attention_impl: AttentionImpl = "auto"  # the kernel: eager = the reference einsum; fast = fused/strided; auto = fast if any
@@ -94,10 +105,39 @@ class TransformerXLConfig:
     # linformer: keys/values projected along the sequence to linformer_k rows (bidirectional only)
     linformer_k: int = 256
     linformer_max_len: int = 512  # longest input the projections cover (their number of columns)
+    # linear (Katharopoulos et al. 2020): φ(q)·φ(k) by prefix sums, O(n·d²)
+    linear_feature: LinearFeature = "elu"  # elu = elu+1 (Katharopoulos); relu = Performer's generalised kernel
+    # bigbird (Zaheer et al. 2020): blocks of bigbird_block; each query block sees its window, global, random blocks
+    bigbird_block: int = 64  # tokens per block: the unit of the pattern
+    bigbird_window: int = 1  # blocks on each side of a query block (causal: before it) it sees; 0 = its own only
+    bigbird_global: int = 1  # the first g blocks of the keys see and are seen by all
+    bigbird_random: int = 2  # r random (earlier, when causal) blocks per query block, a fixed hash pattern
+    # lsh (Kitaev et al. 2020) / routing (Roy et al. 2021): shared-QK, each query sees the bucket_window
+    # most recent keys of its hash bucket (lsh) or k-means cluster (routing); O(n·bucket_window)
+    bucket_window: int = 64  # keys per query within its bucket (the sorted chunk length)
+    lsh_buckets: int = 32  # hash buckets per round (even: random rotations ±)
+    lsh_hashes: int = 2  # hash rounds: a query sees the union of its buckets over the rounds
+    routing_clusters: int = 16  # k-means centroids per layer
+    routing_decay: float = 0.999  # EMA decay of the centroids (updated in training)
+    # sinkhorn (Tay et al. 2020): each block sees itself and one learned-sorted mix of (earlier) blocks
+    sinkhorn_block: int = 64
+    sinkhorn_iters: int = 8  # Sinkhorn balancing steps (bidirectional; causal normalises rows only)
+    sinkhorn_temperature: float = 0.75
+    # compressed (Liu et al. 2018): keys/values compressed compress_ratio:1 by a strided convolution
+    compress_ratio: int = 4
+    # synthesizer (Tay et al. 2021): scores synthesised per query (dense) or learned (random) by distance
+    synthesizer_mode: SynthesizerMode = "dense"
+    synthesizer_max_len: int = 256  # distances a query can see (its window, itself included)
+    # inducing (Set Transformer ISAB, Lee et al. 2019): queries attend to m learned summaries (bidirectional)
+    inducing_points: int = 32
     # compressive memory (Rae et al. 2020): states leaving mem_len are compressed cmem_ratio:1
     cmem_len: int = 0  # compressed states kept per layer; 0 = off (plain Transformer-XL memory)
     cmem_ratio: int = 4  # c: states per compressed state
     cmem_fn: CompressionName = "conv"  # conv (learned, with the attention-reconstruction loss) | mean | max
+    # universal transformer (Dehghani et al. 2019): one shared block, up to n_layer steps, ACT halting
+    universal: bool = False  # n_layer becomes the maximum depth (max_depth) of the shared block
+    act_threshold: float = 0.99  # a position halts once its summed halting probability reaches this
+    ponder_cost: float = 0.01  # τ: weight of the ponder cost (steps + remainder) in the training loss
     # --- adaptive input / softmax (Baevski & Auli 2019; Grave et al. 2017) ---------------------
     cutoffs: tuple[int, ...] = ()  # empty = one full softmax; e.g. (20000, 40000, 200000) for wt103
     div_val: int = 1  # cluster i has d_embed // div_val**i dims
@@ -191,10 +231,33 @@ class TransformerXLConfig:
             raise ConfigError("config.d_model must be even for pos_encoding='sinusoidal'")
         if self.pos_encoding == "rope" and self.d_head % 2:
             raise ConfigError("config.d_head must be even for pos_encoding='rope'")
+        if self.pos_encoding == "xpos" and self.d_head % 2:
+            raise ConfigError("config.d_head must be even for pos_encoding='xpos'")
+        if not 0.0 <= self.hierarchical < 1.0:
+            raise ConfigError(f"config.hierarchical must be in [0, 1) (α; 0 = off), got {self.hierarchical}")
+        for name, default in (("hierarchical", 0.0), ("position_merge", "add")):
+            if getattr(self, name) != default and self.pos_encoding != "learned":
+                raise ConfigError(f"config.{name} only applies to pos_encoding='learned'")
+        for name in ("t5_buckets", "t5_max_distance", "xpos_scale_base"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"config.{name} must be >= 1, got {getattr(self, name)}")
+        if self.pos_encoding == "t5" and (self.t5_buckets < 4 or self.t5_max_distance <= self.t5_buckets // 2):
+            raise ConfigError(
+                f"config.t5_buckets must be >= 4 and t5_max_distance > t5_buckets/2 (got {self.t5_buckets}, "
+                f"{self.t5_max_distance}): half the buckets are exact distances, the rest log-spaced beyond"
+            )
         if self.shaw_values and self.pos_encoding != "shaw":
             raise ConfigError("config.shaw_values only applies to pos_encoding='shaw'")
         if self.untie_r and self.pos_encoding != "xl":
             raise ConfigError("config.untie_r only applies to pos_encoding='xl' (the u, v biases)")
+        if not 0.0 < self.act_threshold <= 1.0:
+            raise ConfigError(f"config.act_threshold must be in (0, 1], got {self.act_threshold}")
+        if not 0.0 <= self.ponder_cost < math.inf:
+            raise ConfigError(f"config.ponder_cost must be >= 0, got {self.ponder_cost}")
+        if self.universal and self.d_model % 2:
+            raise ConfigError("config.d_model must be even with universal=true (the sinusoidal step signal)")
+        if self.universal and self.cmem_len:
+            raise ConfigError("config.cmem_len (compressive memory) is not available with universal=true")
         self._validate_arena()
 
     def _validate_arena(self) -> None:
@@ -204,6 +267,20 @@ class TransformerXLConfig:
                      "linformer_max_len", "cmem_ratio"]:
             if getattr(self, name) < 1:
                 raise ConfigError(f"config.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ["bigbird_block", "bucket_window", "lsh_buckets", "lsh_hashes",
+                     "routing_clusters", "sinkhorn_block", "sinkhorn_iters", "compress_ratio", "synthesizer_max_len",
+                     "inducing_points"]:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"config.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ["bigbird_window", "bigbird_global", "bigbird_random"]:
+            if getattr(self, name) < 0:
+                raise ConfigError(f"config.{name} must be >= 0, got {getattr(self, name)}")
+        if self.lsh_buckets % 2:
+            raise ConfigError(f"config.lsh_buckets must be even (random rotations ±), got {self.lsh_buckets}")
+        if not 0.0 <= self.routing_decay < 1.0:
+            raise ConfigError(f"config.routing_decay must be in [0, 1), got {self.routing_decay}")
+        if not 0.0 < self.sinkhorn_temperature < math.inf:
+            raise ConfigError(f"config.sinkhorn_temperature must be > 0, got {self.sinkhorn_temperature}")
         for name in ["global_tokens", "performer_redraw_interval", "cmem_len"]:
             if getattr(self, name) < 0:
                 raise ConfigError(f"config.{name} must be >= 0, got {getattr(self, name)}")

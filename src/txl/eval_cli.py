@@ -114,6 +114,9 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--allow-nonfinite", action="store_true",
                         help="report a NaN/Inf loss as a result (exit 0) instead of an error")
+    mlm = parser.add_argument_group("masked LM (a bidirectional checkpoint, trained with --objective mlm)")
+    mlm.add_argument("--mask-prob", type=float, help="share of positions masked (default: the run's mask_prob)")
+    mlm.add_argument("--mask-seed", type=int, default=0, help="which positions are masked (default 0)")
     vanilla = parser.add_argument_group("vanilla baseline (Al-Rfou et al. 2018)")
     vanilla.add_argument("--vanilla", action="store_true",
                          help="score every token with a fresh window of --attn-len tokens and no memory")
@@ -156,8 +159,13 @@ def run_eval(args: argparse.Namespace) -> int:
                   precision=args.precision, max_tokens=args.max_tokens, device=device, progress=progress)
     if sweep:
         return _run_sweep(args, ckpt, sweep, common)
+    if args.mask_prob is not None and not 0 < args.mask_prob < 1:
+        raise UsageError(f"--mask-prob must be in (0, 1), got {args.mask_prob}")
+    if ckpt.model.config.causal and (args.mask_prob is not None or args.mask_seed):
+        raise UsageError(f"--mask-prob and --mask-seed apply to masked-LM checkpoints; {ckpt.path} is a causal LM")
     result, nll = evaluate_checkpoint(ckpt, mem_len=args.mem_len, vanilla=args.vanilla, attn_len=args.attn_len,
-                                      stride=args.stride, per_token=bool(args.per_token), **common)
+                                      stride=args.stride, per_token=bool(args.per_token), mask_prob=args.mask_prob,
+                                      seed=args.mask_seed, **common)
     _check_finite(result, ckpt, args)
     out = result.to_dict()
     out["checkpoint"] = str(ckpt.path)
@@ -337,10 +345,11 @@ def run_generate(args: argparse.Namespace) -> int:
     import torch
 
     from txl.checkpoint import load_checkpoint
-    from txl.generate import encode_prompt, sample_text
+    from txl.generate import check_causal, encode_prompt, sample_text
 
     device = _device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device=device, require_vocab=True)
+    check_causal(ckpt.model)  # before anything is printed
     for prompt in prompts:  # every prompt is checked before anything is printed
         encode_prompt(ckpt.vocab, prompt)
     if args.stop_at_eos and ckpt.vocab.eos_id is None:

@@ -52,6 +52,8 @@ class EvalResult:
     attn_len: int | None = None  # keys the last query of a segment attends to (see `attention_length`)
     stride: int | None = None  # vanilla: positions scored per window
     split: str | None = None
+    accuracy: float | None = None  # mlm: share of masked tokens whose argmax prediction is the original
+    mask_prob: float | None = None  # mlm: positions picked per window
 
     @property
     def value(self) -> float:
@@ -201,6 +203,78 @@ def evaluate(
                       tgt_len=tgt_len, batch_size=batch_size, warm_memory=warm_memory, clamp_len=used_clamp,
                       same_length=used_same, mode="xl",
                       attn_len=attention_length(mem_len=mem_len, tgt_len=tgt_len, same_length=used_same))
+
+
+@torch.no_grad()
+def evaluate_mlm(
+    model,
+    tokens: np.ndarray,
+    *,
+    metric: str,
+    batch_size: int = 10,
+    tgt_len: int = 128,
+    mask_prob: float = 0.15,
+    seed: int = 0,
+    max_tokens: int = 0,
+    device: torch.device | str = "cpu",
+    precision: str = "fp32",
+    shard: tuple[int, int] = (0, 1),
+    progress: bool = False,
+) -> EvalResult:
+    """Masked-LM evaluation of a bidirectional encoder (`causal=False`): `tokens` cut into windows of
+    `tgt_len`, each masked by BERT's recipe (`txl.masked_lm.mask_tokens`, `mask_prob`, the mask token
+    being the model's last id) with a generator seeded `seed` and drawn window by window, so every
+    run, batch size and rank count scores the same positions. loss = mean NLL of the masked tokens
+    (so bpc/ppl are of masked tokens), accuracy = share predicted exactly. shard = (rank, world): this
+    rank scores windows rank, rank + world, … (sum loss·tokens and accuracy·tokens over ranks)."""
+    from txl.masked_lm import mask_tokens
+
+    inner = getattr(model, "module", model)
+    if inner.config.causal:
+        raise UsageError("masked-LM evaluation needs a bidirectional model (causal=false); this one is a causal LM")
+    if tgt_len < 1 or batch_size < 1:
+        raise UsageError(f"tgt_len and batch_size must be >= 1, got {tgt_len} and {batch_size}")
+    if max_tokens < 0:
+        raise UsageError(f"max_tokens must be >= 0 (0 = the whole split), got {max_tokens}")
+    if max_tokens:
+        tokens = tokens[:max_tokens]
+    if len(tokens) < 1:
+        raise UsageError("masked-LM evaluation needs at least one token")
+    device = torch.device(device)
+    vocab_size = inner.config.vocab_size
+    ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
+    windows = [ids[start:start + tgt_len] for start in range(0, len(ids), tgt_len)]
+    generator = torch.Generator().manual_seed(seed)
+    masked = [mask_tokens(w[None], mask_id=vocab_size - 1, vocab_size=vocab_size, rate=mask_prob, generator=generator)
+              for w in windows]  # every window, so a shard's draws do not depend on the others
+    rank, world = shard
+    mine = masked[rank::world]
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64)
+    count = correct = 0
+    start = time.perf_counter()
+    try:
+        for i in range(0, len(mine), batch_size):
+            group = mine[i:i + batch_size]
+            by_length: dict[int, list] = {}
+            for inputs, labels in group:  # the last window may be shorter: batch it alone
+                by_length.setdefault(inputs.shape[1], []).append((inputs, labels))
+            for pairs in by_length.values():
+                inputs = torch.cat([p[0] for p in pairs]).to(device)
+                labels = torch.cat([p[1] for p in pairs]).to(device)
+                with autocast(device, precision):
+                    out = model(inputs, labels=labels, return_logits=True)
+                scored = labels != -100
+                total += out.nll.float().sum().double().cpu()
+                count += int(scored.sum())
+                correct += int((out.logits.argmax(-1) == labels)[scored].sum())
+    finally:
+        model.train(was_training)
+    seconds = time.perf_counter() - start
+    return EvalResult(loss=(total / max(count, 1)).item(), tokens=count, seconds=seconds, metric=metric, mem_len=0,
+                      tgt_len=tgt_len, batch_size=batch_size, warm_memory=False, mode="mlm",
+                      accuracy=correct / max(count, 1), mask_prob=mask_prob)
 
 
 # Evaluation holds one memory and a bounded working set: streams are run in row groups whose memories
@@ -607,13 +681,16 @@ def evaluate_checkpoint(
     per_token: bool = False,
     progress: bool = False,
     text: str | Path | None = None,
+    mask_prob: float | None = None,
+    seed: int = 0,
 ) -> tuple[EvalResult, np.ndarray | None]:
     """What `txl eval` computes: (result, per-token NLL in corpus order or None).
 
     data: a data spec (default: the one the run trained on). tgt_len: default the run's evaluation
     segment length (eval_tgt_len, else tgt_len), else 128. mem_len / clamp_len / same_length: default
     the checkpoint's config. vanilla: the Al-Rfou evaluator with `attn_len` (default mem_len + tgt_len)
-    and `stride`; `batch_size` then counts windows per forward.
+    and `stride`; `batch_size` then counts windows per forward. A bidirectional (masked-LM) model is
+    scored by `evaluate_mlm` (mask_prob: default the run's, seed: which positions are masked).
     """
     ckpt = checkpoint if isinstance(checkpoint, LoadedCheckpoint) else load_checkpoint(checkpoint, device=device)
     model = ckpt.model
@@ -634,6 +711,15 @@ def evaluate_checkpoint(
     if mem_len is None:
         mem_len = ckpt.train_setting("eval_mem_len")  # what the run validated with (None: the model's)
     nll = np.zeros(max(len(tokens) - 1, 0), dtype=np.float32) if per_token else None
+    if not model.config.causal:  # a masked-LM encoder: masked-token loss and accuracy
+        if vanilla or per_token:
+            raise UsageError(f"{ckpt.path} is a bidirectional (masked-LM) model: --vanilla and --per-token "
+                             "apply to causal LMs")
+        result = evaluate_mlm(model, tokens, metric=metric, batch_size=batch_size, tgt_len=tgt_len,
+                              mask_prob=mask_prob if mask_prob is not None else ckpt.train_setting("mask_prob") or 0.15,
+                              seed=seed, device=device, precision=precision, progress=progress)
+        result.split = split
+        return result, None
     if vanilla:
         mem = model.mem_len if mem_len is None else mem_len
         result = evaluate_vanilla(model, tokens, metric=metric, attn_len=attn_len or mem + tgt_len,
@@ -684,7 +770,11 @@ def result_table(result: EvalResult) -> str:
     rows = [("split", r.split or "-"), (r.metric, f"{r.value:.4f}"), ("loss (nats/token)", f"{r.loss:.4f}"),
             ("tokens scored", f"{r.tokens:,}"), ("seconds", f"{r.seconds:.2f}"),
             ("tokens/s", f"{r.tokens_per_second:,.0f}")]
-    if r.mode == "vanilla":
+    if r.mode == "mlm":
+        rows += [("evaluator", "masked LM (BERT 80/10/10): loss, bpc/ppl and accuracy of the masked tokens"),
+                 ("masked-token accuracy", f"{r.accuracy:.4f}"), ("mask_prob", str(r.mask_prob)),
+                 ("tgt_len (window)", str(r.tgt_len)), ("windows per forward", str(r.batch_size))]
+    elif r.mode == "vanilla":
         rows += [("evaluator", "vanilla (Al-Rfou et al. 2018): a fresh window per token, no memory"),
                  ("attention length", str(r.attn_len)), ("stride", str(r.stride)),
                  ("windows per forward", str(r.batch_size)), ("clamp_len", str(r.clamp_len))]
@@ -705,6 +795,7 @@ __all__ = [
     "context_nll",
     "evaluate",
     "evaluate_checkpoint",
+    "evaluate_mlm",
     "evaluate_vanilla",
     "metric_value",
     "plot_sweep",

@@ -75,6 +75,13 @@ def check_seed(seed: int | None) -> None:
 
 
 @torch.no_grad()
+def check_causal(model) -> None:
+    if not getattr(model, "config", None) or model.config.causal:
+        return
+    raise UsageError("this model is a bidirectional encoder (causal=false, e.g. trained with --objective mlm): "
+                     "it predicts masked tokens and cannot generate text; use a causal LM")
+
+
 def stream_tokens(
     model,
     prompt: Sequence[int] | Tensor,
@@ -89,6 +96,7 @@ def stream_tokens(
 ) -> Iterator[int]:
     """Yield new token ids one by one. temperature 0 = greedy."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
+    check_causal(model)
     prompt = torch.as_tensor(prompt, dtype=torch.long).flatten()
     if prompt.numel() == 0:
         raise UsageError("the prompt is empty; give at least one token of text")
@@ -269,6 +277,7 @@ def sample(
     `should_stop(row, token)` says so (the text layer's stop strings); generation ends when every row
     has stopped or after `max_new_tokens`. temperature 0 = greedy."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
+    check_causal(model)
     prompt = torch.as_tensor(input_ids, dtype=torch.long)
     if prompt.dim() == 1:
         prompt = prompt[None]

@@ -26,6 +26,7 @@ from txl.config import TransformerXLConfig
 from txl.errors import UsageError
 from txl.memory import Memory, MemoryUpdate
 from txl.positional import LayerPositions, build_positional
+from txl.universal import UniversalDepth
 
 
 class FeedForward(nn.Module):
@@ -107,6 +108,7 @@ class TransformerXLOutput:
     aux_loss: Tensor | None = None
     attentions: tuple[Tensor, ...] | None = None
     hidden_states: tuple[Tensor, ...] | None = None
+    ponder_depth: Tensor | None = None  # universal: mean steps + remainder over the positions (ACT)
 
 
 class TransformerXL(nn.Module):
@@ -129,7 +131,9 @@ class TransformerXL(nn.Module):
         self.embed = AdaptiveEmbedding(config)
         self.drop = nn.Dropout(config.dropout)
         self.pos = build_positional(config)
-        self.blocks = nn.ModuleList(Block(config, layer_idx=i) for i in range(config.n_layer))
+        # universal: one block shared by every step (txl.universal), else one block per layer
+        self.universal = UniversalDepth(config) if config.universal else None
+        self.blocks = nn.ModuleList(Block(config, layer_idx=i) for i in range(1 if config.universal else config.n_layer))
         final_norm = config.pre_lnorm and config.final_norm  # post-LN output is already normalised
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if final_norm else nn.Identity()
         self.head = AdaptiveLogSoftmax(config, self.embed)
@@ -163,6 +167,10 @@ class TransformerXL(nn.Module):
                 nn.init.normal_(param, 0.0, std)
             elif name in ("head.bias", "head.cluster_bias"):
                 nn.init.zeros_(param)
+        if hasattr(self.pos, "reset_parameters"):  # an encoding's own init (learned concat: [I | I])
+            self.pos.reset_parameters()
+        if self.universal is not None:
+            self.universal.reset_parameters()
 
     def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
         params = {id(p): p for p in self.parameters()}
@@ -185,11 +193,13 @@ class TransformerXL(nn.Module):
         return_logits: bool | None = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
+        global_mask: Tensor | None = None,
     ) -> TransformerXLOutput:
         """attention_mask: (b, t), 1 for a token and 0 for padding (the Hugging Face convention), for
         the bidirectional encoder and for causal models run without memory; padded positions are
         never attended to and never scored. mem_len / clamp_len / same_length: this call's settings
-        (default: the model's attributes)."""
+        (default: the model's attributes). global_mask: (b, t), nonzero for global tokens (chosen
+        positions that see and are seen by all, e.g. a [CLS]); for kernels that take it (bigbird)."""
         if input_ids.dim() != 2:
             raise UsageError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
         mem_len = self.mem_len if mem_len is None else mem_len
@@ -211,22 +221,37 @@ class TransformerXL(nn.Module):
             key_padding = self._key_padding(attention_mask, input_ids, memory=memory, mem_len=mem_len)
             if labels is not None:
                 labels = labels.masked_fill(~key_padding, -100)  # padding is never scored
+        if global_mask is not None:
+            global_mask = self._global_mask(global_mask, input_ids)
         mask = AttentionMask(causal=self.config.causal, window=mem_len if same_length else None,
-                             key_padding=key_padding)
+                             key_padding=key_padding, global_mask=global_mask)
 
         memory_update = self.memory_kind(self, memory, mem_len=mem_len, q_len=q_len)
         h = self.drop(self.pos.embed(self.embed(input_ids)))  # (b, t, d_model)
         k_len = memory_update.past_length + q_len
         pos_state = self.pos.prepare(k_len=k_len, clamp_len=clamp_len, device=h.device, dtype=h.dtype)
         hidden_states, attentions = [], []
-        for i, block in enumerate(self.blocks):
-            hidden_states.append(h)
-            h, probs = block(h, memory=memory_update, positions=self.pos.layer(i, pos_state), mask=mask,
-                             need_weights=output_attentions)
-            attentions.append(probs)
+        ponder = None
+        if self.universal is not None:
+            h, ponder, hidden_states, attentions = self.universal(
+                self.blocks[0], h, memory=memory_update, positions=lambda i: self.pos.layer(i, pos_state), mask=mask,
+                need_weights=output_attentions)
+        else:
+            for i, block in enumerate(self.blocks):
+                hidden_states.append(h)
+                h, probs = block(h, memory=memory_update, positions=self.pos.layer(i, pos_state), mask=mask,
+                                 need_weights=output_attentions)
+                attentions.append(probs)
         hidden_states.append(h)
         h = self.drop(self.norm(h))
         new_memory, aux_loss = memory_update.finish()
+        ponder_depth = None
+        if ponder is not None:
+            real = torch.ones_like(ponder, dtype=torch.bool) if key_padding is None else key_padding
+            ponder_depth = ponder[real].mean()
+            if self.training and self.config.ponder_cost:  # τ · mean ρ joins the training loss
+                cost = self.config.ponder_cost * ponder_depth
+                aux_loss = cost if aux_loss is None else aux_loss + cost
 
         if return_logits is None:
             return_logits = labels is None or not self.config.adaptive
@@ -242,7 +267,20 @@ class TransformerXL(nn.Module):
             logits=logits, loss=loss, nll=nll, memory=new_memory, hidden=h, aux_loss=aux_loss,
             attentions=tuple(attentions) if output_attentions else None,
             hidden_states=tuple(hidden_states) if output_hidden_states else None,
+            ponder_depth=ponder_depth,
         )
+
+    def _global_mask(self, global_mask: Tensor, input_ids: Tensor) -> Tensor:
+        from txl.attention.registry import SPECS
+
+        if not SPECS[self.config.attention].global_mask:
+            able = ", ".join(sorted(name for name, spec in SPECS.items() if spec.global_mask))
+            raise UsageError(f"global_mask is not available with attention={self.config.attention!r} "
+                             f"(kernels that take it: {able})")
+        if global_mask.shape != input_ids.shape:
+            raise UsageError(f"global_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
+                             f"got {tuple(global_mask.shape)}")
+        return global_mask.to(device=input_ids.device) != 0
 
     def _key_padding(self, attention_mask: Tensor, input_ids: Tensor, *, memory: Memory | None, mem_len: int) -> Tensor:
         """The (b, t) bool padding mask of `attention_mask`, checked against the call."""

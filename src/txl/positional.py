@@ -228,16 +228,19 @@ class ShawRelative(PositionalEncoding):
 
     For a causal LM distances are >= 0, so `max_relative_distance + 1` embeddings per layer and head
     suffice. This is the paper's ablation row "Shaw et al. (2018)" (Dai et al. 2019, Table 6), pure
-    Shaw without the reference's extra r_w_bias/r_bias terms.
+    Shaw without the reference's extra r_w_bias/r_bias terms. In the bidirectional encoder
+    (`causal=False`) distances run from -k to k (the paper's clip(j - i, -k, k)): 2k + 1 embeddings.
     """
 
     relative = True
     score_terms = True
-    causal_only = True
 
     def __init__(self, config: TransformerXLConfig):
         super().__init__(config)
-        shape = (config.n_layer, config.max_relative_distance + 1, config.n_head, config.d_head)
+        clip = config.max_relative_distance
+        self.bidirectional = not config.causal
+        rows = 2 * clip + 1 if self.bidirectional else clip + 1
+        shape = (config.n_layer, rows, config.n_head, config.d_head)
         self.key_table = nn.Parameter(torch.zeros(shape))
         self.value_table = nn.Parameter(torch.zeros(shape)) if config.shaw_values else None
 
@@ -245,7 +248,16 @@ class ShawRelative(PositionalEncoding):
         dist = torch.arange(k_len - 1, -1, -1, device=device) * stride
         return dist.clamp(max=self.config.max_relative_distance)
 
+    def _signed_rows(self, q_len: int, k_len: int, device, stride: int = 1) -> Tensor:
+        """(i, n) table rows of the signed distances clipped to [-k, k] (bidirectional)."""
+        clip = self.config.max_relative_distance
+        return (distances(q_len, k_len, device) * stride).clamp(-clip, clip) + clip
+
     def score_bias(self, layer, state, q, *, k_len, rel_shift, stride=1):
+        if self.bidirectional:  # q·a_r for every row r, then picked per (i, j): no (i, n, d) tensor
+            per_row = torch.einsum("bhid,rhd->bhir", q, self.key_table[layer].to(q.dtype))
+            rows = self._signed_rows(q.shape[-2], k_len, q.device, stride)
+            return per_row.gather(-1, rows.expand(*per_row.shape[:2], -1, -1))
         emb = self.key_table[layer][self._rows(k_len, q.device, stride)].to(q.dtype)  # (n, h, d)
         raw = torch.einsum("bhid,jhd->bhij", q, emb)
         return rel_shift(raw)
@@ -255,10 +267,13 @@ class ShawRelative(PositionalEncoding):
             return None
         q_len, k_len = probs.shape[-2:]
         clip = self.config.max_relative_distance
-        dist = (distances(q_len, k_len, probs.device) * stride).clamp(0, clip)  # masked (future) keys have prob 0
+        if self.bidirectional:
+            rows = self._signed_rows(q_len, k_len, probs.device, stride)
+        else:  # masked (future) keys have prob 0
+            rows = (distances(q_len, k_len, probs.device) * stride).clamp(0, clip)
         # Sum the probabilities of keys that share a clipped distance, then mix the value embeddings.
-        weights = probs.new_zeros(*probs.shape[:-1], clip + 1)
-        weights.scatter_add_(-1, dist.expand_as(probs), probs)  # (b, h, i, clip+1)
+        weights = probs.new_zeros(*probs.shape[:-1], self.value_table.shape[1])
+        weights.scatter_add_(-1, rows.expand_as(probs), probs)  # (b, h, i, rows)
         return torch.einsum("bhir,rhd->bhid", weights, self.value_table[layer].to(probs.dtype))
 
 
@@ -275,20 +290,58 @@ class SinusoidalAbsolute(PositionalEncoding):
 
 @register_encoding("learned")
 class LearnedAbsolute(PositionalEncoding):
-    """A trainable absolute table added to the input (Al-Rfou et al. 2018, BERT, GPT). No extrapolation:
-    an input longer than `max_positions` is an error. Positions restart every segment."""
+    """A trainable absolute table added to the input (Al-Rfou et al. 2018, BERT, GPT). Positions restart
+    every segment.
+
+    `hierarchical = α` (Su 2020, "层次分解位置编码", the bert4keras `PositionEmbedding`): a table e of n =
+    `max_positions` rows reaches n² positions as q_{i·n + j} = α·u_i + (1-α)·u_j with
+    u = (e - α·e_0) / (1-α), which equals e_j for every position j < n (the plain table: a model
+    trained on n positions keeps its behaviour there and extrapolates beyond). Without it, an input
+    longer than the table is an error.
+
+    `position_merge`: how the table joins the token embedding x: `add` (x + e), `mul` (x ⊙ (e + 1)),
+    `concat` (W [x ; e], W a d_model × 2·d_model projection initialised to [I | I], i.e. add).
+    """
 
     def __init__(self, config: TransformerXLConfig):
         super().__init__(config)
         self.table = nn.Parameter(torch.zeros(config.max_positions, config.d_model))
+        self.alpha = config.hierarchical
+        self.merge = config.position_merge
+        if self.merge == "concat":
+            self.merge_proj = nn.Linear(2 * config.d_model, config.d_model, bias=False)
+
+    def reset_parameters(self) -> None:
+        """Called by the model after its init: the concat projection starts as [I | I] (plain add)."""
+        if self.merge == "concat":
+            eye = torch.eye(self.config.d_model)
+            with torch.no_grad():
+                self.merge_proj.weight.copy_(torch.cat([eye, eye], dim=1))
+
+    def positions(self, length: int) -> Tensor:
+        """(length, d_model) position embeddings."""
+        n = self.table.shape[0]
+        if not self.alpha:
+            if length > n:
+                raise UsageError(
+                    f"pos_encoding='learned' has {n} positions but the input has {length} tokens; shorten "
+                    "the segment, raise max_positions or set hierarchical (e.g. 0.4) to extrapolate"
+                )
+            return self.table[:length]
+        if length > n * n:
+            raise UsageError(f"pos_encoding='learned' with hierarchical reaches {n * n} positions "
+                             f"(max_positions²) but the input has {length} tokens; raise max_positions")
+        pos = torch.arange(length, device=self.table.device)
+        u = (self.table - self.alpha * self.table[:1]) / (1 - self.alpha)
+        return self.alpha * u[pos // n] + (1 - self.alpha) * u[pos % n]
 
     def embed(self, x):
-        if x.shape[1] > self.table.shape[0]:
-            raise UsageError(
-                f"pos_encoding='learned' has {self.table.shape[0]} positions but the input has {x.shape[1]} "
-                "tokens; shorten the segment or raise max_positions"
-            )
-        return x + self.table[: x.shape[1]].to(x.dtype)
+        e = self.positions(x.shape[1]).to(x.dtype)
+        if self.merge == "mul":
+            return x * (e + 1.0)
+        if self.merge == "concat":
+            return self.merge_proj(torch.cat([x, e.expand_as(x)], dim=-1))
+        return x + e
 
 
 @register_encoding("rope")
@@ -367,6 +420,83 @@ class ALiBi(PositionalEncoding):
         # Divided by the attention scale so that, after scaling, the bias is exactly -m·distance.
         scale = self.config.d_head**0.5
         return (-(self.slopes.to(q.dtype) * scale)[:, None, None] * dist)[None]  # (1, h, i, j)
+
+
+def t5_bucket(distance: Tensor, *, num_buckets: int, max_distance: int, bidirectional: bool) -> Tensor:
+    """T5's relative position bucket (Raffel et al. 2020, §2.1; `_relative_position_bucket` of the
+    reference): distance = query position - key position. Half the buckets hold the exact distances
+    0 … nb/2 - 1, the rest are log-spaced up to `max_distance` (beyond: the last bucket).
+    Bidirectional: half the buckets for keys after the query, half for keys before."""
+    bucket = torch.zeros_like(distance)
+    if bidirectional:
+        num_buckets //= 2
+        bucket = bucket + (distance < 0).long() * num_buckets  # future keys: the upper half
+        distance = distance.abs()
+    else:
+        distance = distance.clamp(min=0)
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    log_ratio = torch.log(distance.float().clamp(min=1) / max_exact) / math.log(max_distance / max_exact)
+    large = max_exact + (log_ratio * (num_buckets - max_exact)).long()
+    large = large.clamp(max=num_buckets - 1)
+    return bucket + torch.where(is_small, distance, large)
+
+
+@register_encoding("t5")
+class T5Bias(PositionalEncoding):
+    """T5's bucketed relative attention bias (Raffel et al. 2020): score += b_h[bucket(i - j)], one
+    learned scalar per bucket and head, shared by all layers (as T5), `t5_buckets` buckets log-spaced
+    up to `t5_max_distance`. A function of distance only, so memory-compatible; bidirectional too
+    (separate buckets for keys before and after the query). T5 does not scale its scores; here the
+    bias is added so that after the 1/sqrt(d) scaling it is exactly b_h[bucket]."""
+
+    relative = True
+    score_terms = True
+
+    def __init__(self, config: TransformerXLConfig):
+        super().__init__(config)
+        self.bias = nn.Parameter(torch.zeros(config.t5_buckets, config.n_head))
+
+    def buckets(self, q_len: int, k_len: int, device, stride: int = 1) -> Tensor:
+        return t5_bucket(distances(q_len, k_len, device) * stride, num_buckets=self.config.t5_buckets,
+                         max_distance=self.config.t5_max_distance, bidirectional=not self.config.causal)
+
+    def score_bias(self, layer, state, q, *, k_len, rel_shift, stride=1):
+        bucket = self.buckets(q.shape[-2], k_len, q.device, stride)  # (i, n)
+        bias = self.bias.to(q.dtype)[bucket].permute(2, 0, 1)  # (h, i, n)
+        return (bias * self.config.d_head**0.5)[None]
+
+
+@register_encoding("xpos")
+class XPos(PositionalEncoding):
+    """xPos (Sun et al. 2023, "A Length-Extrapolatable Transformer", ACL, arXiv 2212.10554): RoPE whose
+    rotation also scales q by ζ^(p/B) and k by ζ^(-p/B), so q_p·k_j carries ζ^((p-j)/B): an
+    exponential decay with distance. ζ_t = (2t/d + γ)/(1 + γ) per channel pair (γ = 0.4, the paper's
+    torchscale code), B = `xpos_scale_base`.
+
+    Positions count over [memory ; segment] like RoPE's, measured from the last key (only differences
+    matter, and this keeps the scales ≤ 1 on the keys and ≥ 1 on the queries of the segment), so it is
+    memory-compatible. Lives in q and k (no score term): every kernel can apply it. Causal only: a
+    future key would get a growing weight ζ^(-distance/B)."""
+
+    relative = True
+    causal_only = True
+    gamma = 0.4
+
+    def prepare(self, *, k_len, clamp_len, device, dtype):
+        d = self.config.d_head
+        state = Rotary.prepare(self, k_len=k_len, clamp_len=clamp_len, device=device, dtype=dtype)
+        zeta = (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d + self.gamma) / (1 + self.gamma)
+        pos = torch.arange(k_len, dtype=torch.float64, device=device) - (k_len - 1)
+        scale = zeta[None, :] ** (pos[:, None] / self.config.xpos_scale_base)  # (n, d/2)
+        state["scale"] = scale.repeat_interleave(2, dim=-1).to(dtype)  # (n, d): one factor per channel pair
+        return state
+
+    def content(self, layer, state, q, k):
+        k_len, q_len = k.shape[-2], q.shape[-2]
+        cos, sin, scale = state["cos"][-k_len:], state["sin"][-k_len:], state["scale"][-k_len:]
+        q = Rotary._rotate(q, cos[-q_len:], sin[-q_len:]) * scale[-q_len:]
+        return q, Rotary._rotate(k, cos, sin) / scale
 
 
 def build_positional(config: TransformerXLConfig) -> PositionalEncoding:

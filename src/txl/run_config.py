@@ -68,6 +68,11 @@ class TrainConfig:
     max_nonfinite: int = 5  # stop after this many non-finite losses in a row
     sample_tokens: int = 0  # generate this many tokens at the end (0 = no sample)
     sample_prompt: str = ""  # "" = the first line of the valid split (at most 64 tokens)
+    # lm = next-token prediction with memory; mlm = masked LM (BERT) for the bidirectional encoder: the
+    # model runs with causal=false and mem_len=0 (pos_encoding rope unless set) and gets one more
+    # vocabulary id, the mask token
+    objective: Literal["lm", "mlm"] = "lm"
+    mask_prob: float = 0.15  # mlm: positions picked per segment (80% mask, 10% random, 10% kept)
 
     def __post_init__(self) -> None:
         if isinstance(self.final_splits, list):
@@ -98,6 +103,11 @@ class TrainConfig:
             raise ConfigError(
                 f"train.batch_size={self.batch_size} must be divisible by train.grad_accum={self.grad_accum}"
             )
+        if not 0.0 < self.mask_prob < 1.0:
+            raise ConfigError(f"train.mask_prob must be in (0, 1), got {self.mask_prob}")
+        if self.objective == "mlm" and self.sample_tokens:
+            raise ConfigError("train.sample_tokens generates text, which a masked-LM encoder (objective=mlm) "
+                              "cannot; set sample_tokens=0")
         for split in self.final_splits:
             if split not in ("train", "valid", "test"):
                 raise ConfigError(f"train.final_splits has {split!r}; use train, valid or test")
@@ -109,8 +119,17 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def model_config(self, vocab_size: int | None = None) -> TransformerXLConfig:
-        """The model config; `vocab_size` comes from the corpus unless the run pinned it."""
+        """The model config; `vocab_size` comes from the corpus unless the run pinned it (masked LM:
+        the corpus's + 1, the mask token's id being the last). `train.objective = "mlm"` makes the
+        model a bidirectional encoder: causal=false, mem_len=0, same_length=false."""
         values = dict(self.model)
+        if self.train.objective == "mlm":
+            if values.get("causal") is True:
+                raise ConfigError("train.objective='mlm' trains a bidirectional encoder; remove model.causal=true")
+            values.update(causal=False, mem_len=0, same_length=False)
+            values.setdefault("pos_encoding", "rope")  # xl is causal-only; rope runs with every kernel
+            if vocab_size is not None:
+                vocab_size += 1  # the mask token
         if vocab_size is not None:
             pinned = values.get("vocab_size")
             if pinned is not None and pinned != vocab_size:
@@ -165,8 +184,8 @@ def merge(run: RunConfig, data: dict[str, Any], where: str) -> None:
             raise ConfigError(f"unknown key train.{key} in {where}{did_you_mean(str(key), TRAIN_KEYS)}")
     run.model.update(model)
     try:
-        run.model_config()  # validate the model section now, before any data is read
         run.train = TrainConfig(**{**dataclasses.asdict(run.train), **train_values})
+        run.model_config()  # validate the model section now (with the objective), before any data is read
     except ConfigError as err:
         raise ConfigError(f"{err} (in {where})") from None
 

@@ -15,7 +15,7 @@ from txl.attention.registry import register
 from txl.positional import LayerPositions, rel_shift_pad
 
 
-@register("full", "eager", bidirectional=True)
+@register("full", "eager", bidirectional=True, global_mask=True)  # (every key is seen anyway)
 def eager_attention(
     q: Tensor,
     k: Tensor,

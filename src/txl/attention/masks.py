@@ -61,11 +61,17 @@ class AttentionMask:
         `same_length` is `window = mem_len` (kimiyoung's convention).
     key_padding: (batch, k_len) bool, True for a real key, False for padding (the Hugging Face
         `attention_mask` convention, 1 = token). None = no padding.
+    global_mask: (batch, q_len) bool over the current segment: True for a global token (ETC /
+        Longformer / BigBird global attention on chosen positions, e.g. a [CLS] or question tokens). A
+        global query sees every key it may see (causal: every earlier key, memory included), and every
+        query sees the global keys (causal: the earlier ones). Only kernels registered with
+        `global_mask=True` take it (bigbird; full, where it changes nothing). None = none.
     """
 
     causal: bool = True
     window: int | None = None
     key_padding: Tensor | None = None
+    global_mask: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.window is not None and not self.causal:

@@ -47,12 +47,16 @@ class KernelSpec:
     bidirectional: bool = False  # runs without a causal mask (encoder, `causal=False`)
     score_terms: bool = True  # forms a score matrix, so encodings that add to it (xl, shaw, alibi) apply
     check: Callable[[Any], None] | None = None  # more checks of the config options it reads
+    global_mask: bool = False  # takes a per-token global mask (`AttentionMask.global_mask`)
 
 
 SPECS: dict[str, KernelSpec] = {}
 
 # The kernels that ship with txl (each module registers its own).
-BUILTIN_MODULES = ("eager", "xl_fast", "sliding", "sparse", "performer", "linformer")
+BUILTIN_MODULES = (
+    "eager", "xl_fast", "sliding", "sparse", "performer", "linformer", "linear", "bigbird", "lsh", "routing",
+    "sinkhorn", "compressed", "synthesizer", "inducing",
+)
 
 
 def register(
@@ -63,6 +67,7 @@ def register(
     bidirectional: bool = False,
     score_terms: bool = True,
     check: Callable[[Any], None] | None = None,
+    global_mask: bool = False,
 ) -> Callable[[Kernel], Kernel]:
     """Decorator: make `kernel` the `impl` ("eager" or "fast") of attention `name`. The keyword
     arguments describe what the kernel can take (`KernelSpec`); the last registration of a name sets them."""
@@ -71,7 +76,8 @@ def register(
 
     def add(kernel: Kernel) -> Kernel:
         KERNELS[(name, impl)] = kernel
-        SPECS[name] = KernelSpec(causal=causal, bidirectional=bidirectional, score_terms=score_terms, check=check)
+        SPECS[name] = KernelSpec(causal=causal, bidirectional=bidirectional, score_terms=score_terms, check=check,
+                                 global_mask=global_mask)
         return kernel
 
     return add

@@ -315,7 +315,7 @@ def _accumulate(acc: Tensor, x: Tensor, y: Tensor) -> None:
         acc.baddbmm_(x, y)
 
 
-@register("full", "fast", bidirectional=True)
+@register("full", "fast", bidirectional=True, global_mask=True)
 def fast_attention(
     q: Tensor,
     k: Tensor,

@@ -42,6 +42,14 @@ class Variant:
     name: str
     sets: tuple[str, ...]  # model.* overrides (d_inner is added by the parameter matching)
     about: str
+    train_sets: tuple[str, ...] = ()  # train.* overrides (the masked-LM rows: objective=mlm)
+
+    @property
+    def mlm(self) -> bool:
+        return "objective=mlm" in self.train_sets
+
+
+MLM = ("objective=mlm",)  # bidirectional encoder rows: masked LM, their own table (masked-token bpc)
 
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in [
@@ -61,6 +69,31 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("xl-mem0", ("mem_len=0",), "xl without memory (the RECL baseline: differs from xl only in mem_len)"),
     Variant("sinusoidal-mem0", ("pos_encoding=sinusoidal", "mem_len=0"), "sinusoidal without memory: no temporal confusion"),
     Variant("learned-mem0", ("pos_encoding=learned", "mem_len=0"), "learned absolute without memory: no temporal confusion"),
+    # second wave (issue 21): more positions, the rest of the efficient-attention survey, the Universal Transformer
+    Variant("t5", ("pos_encoding=t5",), "full attention, T5 bucketed relative bias (Raffel et al. 2020)"),
+    Variant("xpos", ("pos_encoding=xpos",), "full attention, rotary with exponential decay (Sun et al. 2023)"),
+    Variant("linear", ("pos_encoding=rope", "attention=linear"), "elu+1 linear attention, rope (Katharopoulos et al. 2020)"),
+    Variant("bigbird", ("pos_encoding=rope", "attention=bigbird", "bigbird_block=16", "bigbird_window=1",
+                        "bigbird_global=1", "bigbird_random=2"),
+            "window + global + random blocks of 16, rope (Zaheer et al. 2020)"),
+    Variant("lsh", ("pos_encoding=rope", "attention=lsh", "lsh_buckets=8", "lsh_hashes=2", "bucket_window=32"),
+            "shared-QK LSH, 8 buckets × 2 rounds, 32 keys per bucket, rope (Kitaev et al. 2020)"),
+    Variant("routing", ("pos_encoding=rope", "attention=routing", "routing_clusters=8", "bucket_window=32"),
+            "shared-QK online k-means, 8 clusters, 32 keys per cluster, rope (Roy et al. 2021)"),
+    Variant("sinkhorn", ("pos_encoding=rope", "attention=sinkhorn", "sinkhorn_block=16"),
+            "own block + soft-sorted earlier blocks of 16, rope (Tay et al. 2020)"),
+    Variant("compressed", ("pos_encoding=rope", "attention=compressed", "compress_ratio=4"),
+            "keys/values conv-compressed 4:1 + own block, rope (Liu et al. 2018)"),
+    Variant("synthesizer", ("pos_encoding=rope", "attention=synthesizer", "synthesizer_max_len=256"),
+            "dense synthesizer over 256 distances (Tay et al. 2021)"),
+    Variant("universal", ("universal=true",), "Universal Transformer: one shared block, ≤ 4 ACT steps (Dehghani et al. 2019)"),
+    # masked LM (bidirectional encoder), scored on masked tokens: a separate table
+    Variant("mlm-full", ("attention=full",), "full bidirectional attention, rope", MLM),
+    Variant("mlm-linformer", ("attention=linformer", "linformer_k=64", "linformer_max_len=128"),
+            "Linformer k = 64 (Wang et al. 2020)", MLM),
+    Variant("mlm-inducing", ("attention=inducing", "inducing_points=32"), "32 inducing points (Lee et al. 2019)", MLM),
+    Variant("mlm-bigbird", ("attention=bigbird", "bigbird_block=16"), "bidirectional BigBird blocks of 16", MLM),
+    Variant("mlm-performer", ("attention=performer", "performer_features=128"), "FAVOR+ 128 features", MLM),
 ]}
 REFERENCE = "xl"
 
@@ -91,6 +124,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def parameter_count(sets: list[str], vocab_size: int) -> int:
+    """Parameters of the preset with `sets` (model.* and train.* keys; masked LM adds the mask token)."""
     import torch
 
     from txl.model import TransformerXL
@@ -104,7 +138,9 @@ def parameter_count(sets: list[str], vocab_size: int) -> int:
 
 def match_d_inner(variant: Variant, target: int, vocab_size: int, base: int) -> tuple[int, int]:
     """The d_inner whose parameter count is closest to `target` (the count is affine in d_inner)."""
-    sets = [f"model.{s}" for s in variant.sets]
+    sets = [f"model.{s}" for s in variant.sets] + [f"train.{s}" for s in variant.train_sets]
+    if variant.mlm:
+        sets.append("train.sample_tokens=0")
     low = parameter_count([*sets, f"model.d_inner={base}"], vocab_size)
     high = parameter_count([*sets, f"model.d_inner={base + 1}"], vocab_size)
     per_unit = high - low
@@ -117,6 +153,8 @@ def command(variant: Variant, d_inner: int, args: argparse.Namespace) -> list[st
     if args.data:
         argv += ["--data", args.data]
     argv += ["--max-minutes", f"{args.minutes:g}"]
+    if variant.mlm:
+        argv += ["--objective", "mlm"]
     for s in [*variant.sets, f"d_inner={d_inner}"]:
         argv += ["--set", f"model.{s}"]
     for s in args.sets:
@@ -203,6 +241,9 @@ def collect(item: dict) -> dict:
     metric = result.get("metric", "bpc")
     return {
         **{k: item[k] for k in ("name", "about", "command", "d_inner", "peak_rss_mb")},
+        "mlm": item.get("mlm", False),
+        "accuracy": valid[-1].get("accuracy") if valid else None,
+        "ponder_depth": train[-1].get("ponder_depth") if train else None,
         "parameters": result["parameters"],
         "metric": metric,
         "valid": valid[-1][metric] if valid else None,
@@ -218,8 +259,9 @@ def collect(item: dict) -> dict:
 def markdown(report: dict) -> str:
     from txl.bench.common import machine_markdown
 
-    rows = report["rows"]
-    metric = rows[0]["metric"] if rows else "bpc"
+    rows = [r for r in report["rows"] if not r.get("mlm")]
+    mlm_rows = [r for r in report["rows"] if r.get("mlm")]
+    metric = report["rows"][0]["metric"] if report["rows"] else "bpc"
     ref = next((r for r in rows if r["name"] == REFERENCE), None)
     cores = report["machine"].get("cores") or os.cpu_count() or 1
     share = ("jobs × threads ≤ its cores: no run waited for a core" if report["jobs"] * report["threads"] <= cores
@@ -251,6 +293,25 @@ def markdown(report: dict) -> str:
     if ref:
         lines += ["", f"Parameter counts lie within {report['max_param_gap']:.2%} of the xl row "
                   f"({ref['parameters']:,})."]
+    ponder = [r for r in rows if r.get("ponder_depth") is not None]
+    for r in ponder:
+        lines += ["", f"{r['name']}: average ponder depth (ACT steps + remainder) at the end of training "
+                  f"{r['ponder_depth']:.2f} of at most {4 + 1}."]
+    if mlm_rows:
+        lines += [
+            "", "## Bidirectional encoders (masked LM)", "",
+            "The same preset trained with `--objective mlm` (BERT's 80/10/10 at mask_prob 0.15, no memory, the "
+            "kernel sees the whole segment both ways), scored on the masked tokens of the valid split "
+            f"(the same positions for every row): {metric} and accuracy of the masked tokens. Not comparable "
+            "with the causal table (a different task).", "",
+            f"| variant | what | params | d_inner | masked {metric} | masked accuracy | steps | train tokens/s | "
+            "peak RSS (MB) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in sorted(mlm_rows, key=lambda r: (r["valid"] is None, r["valid"] or 0)):
+            lines.append(
+                f"| {r['name']} | {r['about']} | {r['parameters']:,} | {r['d_inner']} | {r['valid']:.4f} | "
+                f"{r['accuracy']:.4f} | {r['steps']:,} | {r['tokens_per_second']:,.0f} | {r['peak_rss_mb']:,.0f} |")
     lines += [
         "",
         "Reading the table: the budget is time, so a cheaper variant takes more steps (the steps column); "
@@ -260,8 +321,8 @@ def markdown(report: dict) -> str:
         "Dai et al. (2019, §3.3) built relative positions to remove. The sinusoidal-mem0 and learned-mem0 rows "
         "train the same encodings without memory, where that confusion cannot arise.",
         "",
-        "Not in the table: Linformer. It cannot be causal (README \"The arena\"), so it has no "
-        "left-to-right LM row; it is a bidirectional encoder and the trainer has no masked-LM objective yet.",
+        "Linformer and inducing points cannot be causal (README \"The arena\"): they appear only in the "
+        "masked-LM table.",
         "",
         "![train bpc against minutes](arena.png)",
         "",
@@ -270,7 +331,7 @@ def markdown(report: dict) -> str:
         "Each row alone (with PTB in its download location, `txl data download ptb`, or add `--data ptb-char:DIR`):",
         "",
         "```",
-        *[f"{r['command']}" for r in rows],
+        *[f"{r['command']}" for r in report["rows"]],
         "```",
         "",
         f"All rows, side by side as above: `{report['reproduce']}`",
@@ -287,7 +348,8 @@ def plot(report: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 5.5))
     colours = plt.get_cmap("tab20").colors
-    for index, r in enumerate(report["rows"]):
+    causal = [r for r in report["rows"] if not r.get("mlm")]  # masked-LM curves are another task
+    for index, r in enumerate(causal):
         if not r["curve"]:
             continue
         xs, ys = zip(*r["curve"], strict=True)
@@ -296,9 +358,9 @@ def plot(report: dict, path: Path) -> None:
         ax.plot(xs, smooth, label=f"{r['name']} ({r['valid']:.3f})", color=colours[(2 * index) % 20 + index // 10],
                 linestyle="-" if index < 10 else "--")
     ax.set_xlabel("training minutes")
-    ax.set_ylabel(f"train {report['rows'][0]['metric']} (running mean)")
+    ax.set_ylabel(f"train {causal[0]['metric'] if causal else 'bpc'} (running mean)")
     ax.set_title("arena on PTB-char: same parameters, same CPU budget (final valid in the legend)")
-    ends = [r["curve"][-1][1] for r in report["rows"] if r["curve"]]
+    ends = [r["curve"][-1][1] for r in causal if r["curve"]]
     if ends:  # a run shorter than one log interval has no curve (a smoke run on a busy machine)
         ax.set_ylim(min(ends) - 0.1, max(ends) + 0.5)
     ax.grid(alpha=0.3)
@@ -337,7 +399,7 @@ def run(args: argparse.Namespace) -> int:
         line = shell_line(argv, args.threads)
         run_dir = Path(args.runs) / name
         item = {"name": name, "about": variant.about, "d_inner": d_inner, "argv": argv, "command": line,
-                "run_dir": str(run_dir), "peak_rss_mb": None}
+                "run_dir": str(run_dir), "peak_rss_mb": None, "mlm": variant.mlm}
         stamp = None if args.fresh else _finished(run_dir, line)
         if stamp:
             item["peak_rss_mb"] = stamp["peak_rss_mb"]

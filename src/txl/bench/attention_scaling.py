@@ -30,7 +30,18 @@ from pathlib import Path
 from txl.errors import UsageError
 
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
-VARIANTS = ("full-eager", "full-fast", "sliding", "sparse", "performer", "linformer")
+VARIANTS = ("full-eager", "full-fast", "sliding", "sparse", "performer", "linformer", "linear", "bigbird", "lsh",
+            "routing", "sinkhorn", "compressed", "synthesizer", "inducing")
+BIDIRECTIONAL_ONLY = ("linformer", "inducing")
+# Each second-wave kernel's stated cost at the bench settings, and the time(32k)/time(16k) it implies.
+SECOND_WAVE_GROWTH = {
+    "linear": "O(n·d²): target ≤ 2.3", "bigbird": "O(n·6·64): target ≤ 2.3", "lsh": "O(n·64·2): target ≤ 2.3",
+    "routing": "O(n·64) with a fixed window (O(n^1.5) only if the window grows as √n): target ≤ 3.0",
+    "sinkhorn": "O(n·B + (n/B)²·B·d): the sort mix is quadratic in n/B, so up to 4",
+    "compressed": "O(n²/8): quadratic, up to 4", "synthesizer": "O(n·L): target ≤ 2.3",
+    "inducing": "O(n·256), bidirectional: target ≤ 2.3", "linformer": "O(n·256), bidirectional",
+    "sparse": "O(n·l + n²/l)",
+}  # cannot be causal: their rows are a different computation
 
 
 def variant_config(name: str, n: int, args: argparse.Namespace) -> dict:
@@ -42,6 +53,15 @@ def variant_config(name: str, n: int, args: argparse.Namespace) -> dict:
         "sparse": dict(attention="sparse", sparse_stride=args.stride),
         "performer": dict(attention="performer", performer_features=args.features),
         "linformer": dict(attention="linformer", causal=False, linformer_k=args.linformer_k, linformer_max_len=n),
+        # second wave (issue 21): blocks / buckets / windows of 64 keys, k = 256 summaries, as above
+        "linear": dict(attention="linear"),
+        "bigbird": dict(attention="bigbird", bigbird_block=64, bigbird_window=1, bigbird_global=1, bigbird_random=2),
+        "lsh": dict(attention="lsh", lsh_buckets=64, lsh_hashes=2, bucket_window=64),
+        "routing": dict(attention="routing", routing_clusters=64, bucket_window=64),
+        "sinkhorn": dict(attention="sinkhorn", sinkhorn_block=64),
+        "compressed": dict(attention="compressed", compress_ratio=8),
+        "synthesizer": dict(attention="synthesizer", synthesizer_max_len=args.window),
+        "inducing": dict(attention="inducing", causal=False, inducing_points=args.linformer_k),
     }
     if name not in configs:
         raise UsageError(f"unknown attention variant {name!r}; choose from {', '.join(VARIANTS)}")
@@ -239,6 +259,21 @@ def targets(result: dict) -> list[str]:
         if p16.get("time_s") and p32.get("time_s"):
             out.append(f"Performer {label} time(32k) / time(16k) = {ratio(p32, p16)}"
                        + (" (target ≤ 2.3)" if mode == "forward" else ""))
+    # Issue 21: every sub-quadratic kernel against full attention at 16k, and its growth 16k -> 32k.
+    full = cell("forward", 16384, "full-fast")
+    for name in result["variants"]:
+        if name in ("full-eager", "full-fast", "sliding", "performer") or name not in SECOND_WAVE_GROWTH:
+            continue
+        k16, k32 = cell("forward", 16384, name), cell("forward", 32768, name)
+        parts = []
+        if full.get("time_s") and k16.get("time_s"):
+            parts.append(f"{ratio(full, k16)}× faster than full attention (fast kernel)")
+            if full.get("rss_mb") and k16.get("rss_mb"):
+                parts.append(f"{k16['rss_mb'] / full['rss_mb']:.3f}× its memory")
+        if k16.get("time_s") and k32.get("time_s"):
+            parts.append(f"time(32k) / time(16k) = {ratio(k32, k16)} ({SECOND_WAVE_GROWTH[name]})")
+        if parts:
+            out.append(f"{name}, forward, n = 16k: " + "; ".join(parts))
     return out or ["(the target lengths were not measured in this run)"]
 
 
@@ -259,7 +294,7 @@ def plot(result: dict, path: Path) -> None:
                           if cells.get(name, {}).get(key) is not None]
                 if points:
                     xs, ys = zip(*points)
-                    ax.plot(xs, ys, marker="o", label=name, linestyle="--" if name == "linformer" else "-")
+                    ax.plot(xs, ys, marker="o", label=name, linestyle="--" if name in BIDIRECTIONAL_ONLY else "-")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("sequence length n")

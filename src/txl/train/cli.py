@@ -29,6 +29,10 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
                         help="optimiser steps (also the schedule's horizon; with --resume, a new total)")
     parser.add_argument("--max-minutes", type=float, metavar="M", help="wall-clock budget in minutes (0 = none)")
     parser.add_argument("--seed", type=int, help="random seed of the model, data order and sample")
+    parser.add_argument("--objective", choices=["lm", "mlm"],
+                        help="lm: next-token LM with memory (default); mlm: masked LM (BERT 80/10/10) for the "
+                             "bidirectional encoder (causal=false, no memory, no sample)")
+    parser.add_argument("--mask-prob", type=float, metavar="P", help="mlm: share of positions masked (default 0.15)")
     parser.add_argument("--resume", metavar="RUN_DIR",
                         help="continue a run exactly where its last checkpoint left it (with --data when the corpus "
                              "moved; --max-steps/--max-minutes may change)")
@@ -53,13 +57,16 @@ def run_cli(args: argparse.Namespace) -> int:
         raise UsageError(f"--nproc must be >= 0 (0 = this process only), got {args.nproc}")
     if args.nproc and env_int("WORLD_SIZE", 1) == 1:
         return launch(args.nproc)
-    flags = {"data": args.data, "max_steps": args.max_steps, "max_minutes": args.max_minutes, "seed": args.seed}
+    flags = {"data": args.data, "max_steps": args.max_steps, "max_minutes": args.max_minutes, "seed": args.seed,
+             "objective": args.objective, "mask_prob": args.mask_prob}
+    if args.objective == "mlm":
+        flags["sample_tokens"] = 0  # an encoder generates no text (a --set sample_tokens=N is still an error)
     main = env_int("RANK", 0) == 0
     lock = None
     try:
         if args.resume:
             if (args.preset or args.config or args.set or args.seed is not None or args.init_from
-                    or args.force):
+                    or args.force or args.objective or args.mask_prob is not None):
                 raise UsageError("--resume continues the saved configuration; only --max-steps, --max-minutes and "
                                  "--data (the same corpus, moved) may change; to start a new run from its weights "
                                  "use --init-from RUN --out NEW")

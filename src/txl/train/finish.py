@@ -121,7 +121,13 @@ def print_summary(trainer: Trainer, summary: dict) -> None:
     print(f"\nrun: {out}  ({summary['parameters']:,} parameters, {summary['steps']} steps, "
           f"{summary['tokens']:,} tokens, {summary['tokens_per_second']:,.0f} tokens/s, stopped by "
           f"{summary['stopped_by']})")
-    if summary["final"]:
+    mlm = trainer.cfg.objective == "mlm"
+    if summary["final"] and mlm:  # masked LM: scores of the masked tokens
+        print(f"\n| split | {metric} (masked) | loss (nats) | masked-token accuracy | tokens scored |\n"
+              "|---|---|---|---|---|")
+        for split, r in summary["final"].items():
+            print(f"| {split} | {r[metric]:.4f} | {r['loss']:.4f} | {r['accuracy']:.4f} | {r['tokens']:,} |")
+    elif summary["final"]:
         print(f"\n| split | {metric} | loss (nats) | tokens scored |\n|---|---|---|---|")
         for split, r in summary["final"].items():
             print(f"| {split} | {r[metric]:.4f} | {r['loss']:.4f} | {r['tokens']:,} |")
@@ -139,5 +145,7 @@ def print_summary(trainer: Trainer, summary: dict) -> None:
              (f"txl generate {run} --prompt TEXT", "continue a prompt (--num-samples, --stop, --json)"),
              (f"txl plot {run}", "training curves as a PNG"),
              (f"txl train --resume {run} --max-steps N", "train longer")]
+    if mlm:  # an encoder generates no text
+        steps.pop(1)
     width = max(len(command) for command, _ in steps)
     print("next:\n" + "\n".join(f"  {command.ljust(width)}  # {what}" for command, what in steps))

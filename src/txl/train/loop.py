@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from txl.errors import ConfigError, DataError, TrainingError
-from txl.evaluate import EvalResult, autocast, evaluate, metric_value
+from txl.evaluate import EvalResult, autocast, evaluate, evaluate_mlm, metric_value
+from txl.masked_lm import mask_tokens
 from txl.memory import Memory
 from txl.model import TransformerXL
 from txl.optim import build_optimizer, lr_at, set_lr
@@ -101,7 +102,9 @@ class Trainer:
             self.ddp = DistributedDataParallel(
                 self.model,
                 device_ids=[self.dist.local_rank] if self.dist.device.type == "cuda" else None,
-                find_unused_parameters=self.model_config.adaptive,  # tail clusters may see no token
+                # tail clusters may see no token; shared-QK kernels (lsh, routing) never use the query projection
+                find_unused_parameters=self.model_config.adaptive or any(
+                    getattr(m, "unused_query_projection", False) for m in self.model.modules()),
             )
         self.forward = torch.compile(self.ddp) if self.cfg.compile else self.ddp
         self.optimizer = build_optimizer(self.cfg.optimizer, self.model.parameters(), lr=self.cfg.lr,
@@ -116,6 +119,7 @@ class Trainer:
         self.elapsed = 0.0  # training seconds over all sessions of this run
         self.best_valid = math.inf
         self.nonfinite_streak = 0
+        self.ponder_depth = None  # universal: the last micro-batch's average depth (ACT)
         self.stop_requested = False
         self._checked_splits: set[str] = set()
         if resume:
@@ -130,11 +134,20 @@ class Trainer:
 
     # -- one optimisation step ---------------------------------------------------------------------
     def train_step(self, batch) -> tuple[float, int]:
-        """Forward/backward over this rank's micro-batches. Returns (summed NLL over this rank's tokens,
-        token count); the NLL is NaN when any micro-batch loss was not finite. One host sync per step."""
+        """Forward/backward over this rank's micro-batches. Returns (summed NLL over this rank's scored
+        tokens, their count); the NLL is NaN when any micro-batch loss was not finite. One host sync per
+        step. Masked LM (`objective = "mlm"`): the segment's tokens are masked by BERT's recipe and only
+        the picked positions are scored (labels = the original tokens there, no shift)."""
         rows = self.dist.rows(self.cfg.batch_size)
-        inputs = batch.inputs[rows].to(self.dist.device, non_blocking=True)
-        targets = batch.targets[rows].to(self.dist.device, non_blocking=True)
+        inputs = batch.inputs[rows]
+        targets = batch.targets[rows]
+        scored = None
+        if self.cfg.objective == "mlm":  # the global RNG: saved in checkpoints, so a resume is exact
+            vocab = self.model_config.vocab_size
+            inputs, targets = mask_tokens(inputs, mask_id=vocab - 1, vocab_size=vocab, rate=self.cfg.mask_prob)
+            scored = int((targets != -100).sum())
+        inputs = inputs.to(self.dist.device, non_blocking=True)
+        targets = targets.to(self.dist.device, non_blocking=True)
         micro = inputs.shape[0] // self.cfg.grad_accum
         nll_sum = torch.zeros((), dtype=torch.float64, device=self.dist.device)
         for j in range(self.cfg.grad_accum):
@@ -147,9 +160,10 @@ class Trainer:
                 loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss  # compressive memory
                 self.scaler.scale(loss / self.cfg.grad_accum).backward()
             self.memories[j] = out.memory
+            self.ponder_depth = None if out.ponder_depth is None else out.ponder_depth.detach()  # universal
             # the loss, not the per-token NLL, decides finiteness (a caller may poison either)
             nll_sum += out.nll.detach().double().sum() + out.loss.detach().double() * 0
-        return float(nll_sum), inputs.shape[0] * inputs.shape[1]
+        return float(nll_sum), inputs.shape[0] * inputs.shape[1] if scored is None else scored
 
     def optimizer_step(self, lr: float, finite: bool) -> None:
         if not finite:
@@ -173,7 +187,8 @@ class Trainer:
         bar = Progress(total=cfg.max_steps, initial=self.step, enabled=self.dist.main and not self.quiet,
                        metric=self.metric)
         previous_handlers = self._install_signal_handlers()
-        window_nll, window_tokens, window_start = 0.0, 0, time.perf_counter()
+        # scored = tokens the loss averages over (mlm: the masked ones); tokens = all tokens processed
+        window_nll, window_scored, window_tokens, window_start = 0.0, 0, 0, time.perf_counter()
         session_start = time.perf_counter()
         elapsed_before = self.elapsed
         reason = "max_steps"
@@ -196,12 +211,14 @@ class Trainer:
                 finite = bad == 0
                 self.optimizer_step(lr, finite)
                 self.step += 1
-                self.tokens_seen += int(total_count)
+                processed = cfg.batch_size * batch.inputs.shape[1]  # over all ranks
+                self.tokens_seen += processed
                 self.elapsed = elapsed_before + time.perf_counter() - session_start
                 if finite:
                     self.nonfinite_streak = 0
                     window_nll += total_nll
-                    window_tokens += int(total_count)
+                    window_scored += int(total_count)
+                    window_tokens += processed
                 else:
                     self.nonfinite_streak += 1
                     bar.write(f"warning: non-finite loss at step {self.step}; update skipped "
@@ -214,13 +231,16 @@ class Trainer:
                         )
                 if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps:
                     now = time.perf_counter()
-                    loss = window_nll / max(window_tokens, 1)
+                    loss = window_nll / max(window_scored, 1)
                     speed = window_tokens / max(now - window_start, 1e-9)
-                    log.write({"split": "train", "step": self.step, "loss": loss, self.metric:
-                               metric_value(loss, self.metric), "lr": lr, "tokens_per_second": speed,
-                               "tokens": self.tokens_seen, "elapsed": self.elapsed})
+                    record = {"split": "train", "step": self.step, "loss": loss, self.metric:
+                              metric_value(loss, self.metric), "lr": lr, "tokens_per_second": speed,
+                              "tokens": self.tokens_seen, "elapsed": self.elapsed}
+                    if self.ponder_depth is not None:  # universal: average depth used (steps + remainder)
+                        record["ponder_depth"] = float(self.ponder_depth)
+                    log.write(record)
                     bar.show(step=self.step, loss=loss, lr=lr, speed=speed)
-                    window_nll, window_tokens, window_start = 0.0, 0, now
+                    window_nll, window_scored, window_tokens, window_start = 0.0, 0, 0, now
                 bar.advance(self.step)
                 time_up = cfg.max_minutes > 0 and self.elapsed >= cfg.max_minutes * 60
                 stopping = stop > 0 or time_up or self.step == cfg.max_steps
@@ -246,11 +266,15 @@ class Trainer:
 
     def validate(self, log: MetricsLog, bar: Progress) -> EvalResult:
         result = self.evaluate_split("valid", max_tokens=self.cfg.eval_max_tokens)
-        log.write({"split": "valid", "step": self.step, "loss": result.loss, self.metric: result.value,
-                   "tokens": result.tokens, "tokens_per_second": result.tokens_per_second,
-                   "elapsed": self.elapsed})
+        record = {"split": "valid", "step": self.step, "loss": result.loss, self.metric: result.value,
+                  "tokens": result.tokens, "tokens_per_second": result.tokens_per_second, "elapsed": self.elapsed}
+        accuracy = ""
+        if result.accuracy is not None:  # masked LM
+            record["accuracy"] = result.accuracy
+            accuracy = f", masked-token accuracy {result.accuracy:.4f}"
+        log.write(record)
         bar.write(f"step {self.step}: valid {self.metric} {result.value:.4f} (loss {result.loss:.4f}, "
-                  f"{result.tokens:,} tokens)")
+                  f"{result.tokens:,} tokens{accuracy})")
         if result.loss < self.best_valid:
             self.best_valid = result.loss
             if self.dist.main:
@@ -275,6 +299,17 @@ class Trainer:
             self.check_token_ids(int(tokens[: max_tokens + 1 if max_tokens else None].max()), split)
             self._checked_splits.add(split)
         bsz = cfg.eval_batch_size
+        if cfg.objective == "mlm":
+            result = evaluate_mlm(self.model, tokens, metric=self.metric, batch_size=bsz,
+                                  tgt_len=cfg.eval_tgt_len or cfg.tgt_len, mask_prob=cfg.mask_prob, seed=cfg.seed,
+                                  max_tokens=max_tokens, device=self.dist.device, precision=cfg.precision,
+                                  shard=(self.dist.rank, self.dist.world))
+            if self.dist.world > 1:
+                total, count, hits = self.dist.all_sum([result.loss * result.tokens, result.tokens,
+                                                        result.accuracy * result.tokens])
+                result.loss, result.tokens, result.accuracy = total / max(count, 1), int(count), hits / max(count, 1)
+            result.split = split
+            return result
         rows = None
         if self.dist.world > 1:
             bsz = max(bsz // self.dist.world, 1) * self.dist.world
