@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from txl.checkpoint import resolve_checkpoint
+from txl.checkpoint import load_checkpoint, resolve_checkpoint
 from txl.cli import main
+from txl.data import parse_spec
 from txl.errors import CheckpointError
 from txl.evaluate import (
     context_nll,
     evaluate,
     evaluate_checkpoint,
     evaluate_vanilla,
-    load_checkpoint,
     load_per_token,
 )
 from txl.run_config import build_run_config
@@ -189,7 +189,7 @@ def test_cli_and_python_api_give_the_same_number(run_dir, capsys):
     cli = json.loads(out)
     api, _ = evaluate_checkpoint(run, split="test", batch_size=3, clamp_len=20, same_length=True)
     assert cli["loss"] == api.loss and cli["bpc"] == api.value and cli["tokens"] == api.tokens
-    assert cli["data"] == spec  # --data defaults to the run's corpus
+    assert cli["data"] == parse_spec(spec).canonical()  # --data defaults to the run's corpus (stored absolute)
     assert (cli["clamp_len"], cli["same_length"], cli["mem_len"], cli["tgt_len"]) == (20, True, 16, 16)
     assert cli["attn_len"] == 16  # same_length: every query sees exactly mem_len keys
     code, out, _ = run_cli(capsys, "eval", run, "--split", "test", "--batch-size", 3)

@@ -12,7 +12,16 @@ from txl import TransformerXLConfig
 from txl.cli import main
 from txl.data import Vocab
 from txl.errors import DataError, UsageError
-from txl.generate import TextStream, generate, generate_rerun, generate_text, stream_tokens
+from txl.generate import (
+    TextStream,
+    generate,
+    generate_rerun,
+    generate_text,
+    generate_tokens,
+    sample,
+    sample_text,
+    stream_tokens,
+)
 from txl.model import TransformerXL
 
 
@@ -147,9 +156,14 @@ def test_prompt_file_and_word_vocabulary(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["--prompt", ""], "the prompt is empty"),
         (["--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
-        ([], "no prompt"),
+        (["--greedy", "--temperature", "0.7"], "does not combine with --temperature"),
+        (["--greedy", "--top-k", "5"], "does not combine with --top-k"),
+        (["--greedy", "--num-samples", "3"], "identical samples"),
+        (["--temperature", "0", "--num-samples", "2"], "identical samples"),
+        (["--num-samples", "0"], "--num-samples must be >= 1"),
+        (["--stop", ""], "--stop needs a non-empty string"),
+        (["--stop-at-eos"], "no <eos> symbol"),
         (["--prompt", "x", "--prompt-file", "p.txt"], "not both"),
         (["--prompt-file", "/nonexistent/prompt.txt"], "prompt file not found"),
         (["--prompt", "x", "--mem-len", "-3"], "--mem-len must be >= 0"),
@@ -249,3 +263,104 @@ def test_token_steps_with_a_full_memory_and_forks_match_the_uncached_model():
         assert not torch.equal(next_a.logits, next_b.logits)
         ref = model(torch.tensor([[3]]), memory=type(plain.memory)(tuple(h.clone() for h in fork_a.memory.hidden)))
         torch.testing.assert_close(next_a.logits, ref.logits, rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 16: generation as users expect (several samples, batches, stops, log-probabilities)
+
+
+def _json(capsys, *argv) -> dict:
+    import json
+
+    code, out, err = run_cli(capsys, "generate", *argv, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_num_samples_are_different_and_reproducible(ckpt_dir, capsys):
+    first = _json(capsys, ckpt_dir, "--prompt", "def ", "--num-samples", 3, "--seed", 0, "--max-new-tokens", 20)
+    again = _json(capsys, ckpt_dir, "--prompt", "def ", "--num-samples", 3, "--seed", 0, "--max-new-tokens", 20)
+    texts = [s["ids"] for s in first["samples"]]
+    assert len(texts) == 3 and len({tuple(t) for t in texts}) == 3
+    assert first["samples"] == again["samples"]
+
+
+def test_json_log_probabilities_are_the_models_own_nll(ckpt_dir, capsys):
+    result = _json(capsys, ckpt_dir, "--prompt", "import os", "--seed", 1, "--max-new-tokens", 30, "--top-k", 5)
+    s = result["samples"][0]
+    model = TransformerXL.from_pretrained(ckpt_dir)
+    ids = torch.tensor([s["prompt_ids"] + s["ids"]])
+    with torch.no_grad():
+        nll = model(ids[:, :-1], labels=ids[:, 1:], mem_len=0).nll[0, len(s["prompt_ids"]) - 1 :]
+    assert torch.allclose(-torch.tensor(s["logprobs"]), nll.float(), atol=1e-4)
+    assert s["nll"] == pytest.approx(float(nll.sum()), abs=1e-3)
+
+
+def test_stop_strings_end_a_sample_before_the_string(ckpt_dir, capsys):
+    free = _json(capsys, ckpt_dir, "--prompt", "x", "--seed", 3, "--max-new-tokens", 60)["samples"][0]["text"]
+    stop = free[10:12]  # two characters the free-running sample produces after its 10th
+    cut = _json(capsys, ckpt_dir, "--prompt", "x", "--seed", 3, "--max-new-tokens", 60, "--stop", stop)["samples"][0]
+    assert cut["stopped_by"] == "stop" and cut["text"] == free[: free.index(stop)]
+    assert len(cut["ids"]) < 60
+    code, out, _ = run_cli(capsys, "generate", ckpt_dir, "--prompt", "x", "--seed", 3, "--max-new-tokens", 60,
+                           "--stop", stop, "--no-echo")
+    assert code == 0 and out == free[: free.index(stop)] + "\n"  # streamed text holds back a partial stop string
+
+
+def test_a_batch_of_prompts_from_a_file_and_unconditional_generation(ckpt_dir, capsys, tmp_path):
+    (tmp_path / "prompts.txt").write_text("def f(\n\nimport os\n")
+    result = _json(capsys, ckpt_dir, "--prompt-file", tmp_path / "prompts.txt", "--num-samples", 2, "--seed", 0,
+                   "--max-new-tokens", 5)
+    assert [s["prompt"] for s in result["samples"]] == ["def f(", "def f(", "import os", "import os"]
+    unconditional = _json(capsys, ckpt_dir, "--prompt", "", "--seed", 0, "--max-new-tokens", 5)["samples"][0]
+    assert unconditional["prompt_ids"] == [10] and len(unconditional["ids"]) == 5  # from a newline (bytes)
+    code, out, err = run_cli(capsys, "generate", ckpt_dir, "--max-new-tokens", 5, "--seed", 0)
+    assert code == 0 and out.strip(), err
+
+
+def test_stop_at_eos_and_word_prompts_checked_before_anything_is_printed(tmp_path, capsys):
+    path = tmp_path / "words"
+    words = Vocab("words", ["<eos>", "the", "cat", "sat"], eos="<eos>")  # no <unk>
+    tiny_model(vocab_size=4, mem_len=32).save_pretrained(path)
+    words.save(path / "vocab.json")
+    code, out, err = run_cli(capsys, "generate", path, "--prompt", "the dog", "--max-new-tokens", 3)
+    assert code == 2 and out == "" and "'dog'" in err  # before: the prompt was printed, then the error
+    greedy = sample(tiny_model(vocab_size=4, mem_len=32), [[1, 2]], max_new_tokens=50, temperature=0.0)
+    eos_at = greedy.ids[0].index(0) if 0 in greedy.ids[0] else None
+    stopped = sample(tiny_model(vocab_size=4, mem_len=32), [[1, 2]], max_new_tokens=50, temperature=0.0,
+                     eos_token_id=0)
+    assert eos_at is not None  # this model does produce <eos>
+    assert stopped.ids[0] == greedy.ids[0][: eos_at + 1] and stopped.stopped_by == ["eos"]
+    texts = sample_text(tiny_model(vocab_size=4, mem_len=32), words, ["the cat"], max_new_tokens=30,
+                        stop_at_eos=True, temperature=0.0)
+    assert texts[0].stopped_by == "eos" and texts[0].ids[-1] == 0 and "\n" not in texts[0].text
+
+
+def test_model_generate_batches_rows_like_one_prompt_each():
+    model = tiny_model(mem_len=64)
+    prompts = torch.tensor([[1, 2, 3, 4], [9, 8, 7, 6]])
+    out = generate_tokens(model, prompts, 12, temperature=0.0)
+    assert out.shape == (2, 16) and torch.equal(out[:, :4], prompts)
+    for row in range(2):
+        assert out[row, 4:].tolist() == generate(model, prompts[row].tolist(), max_new_tokens=12, temperature=0.0)
+    assert generate_tokens(model, prompts[0], 3, temperature=0.0).shape == (7,)
+
+
+def test_text_stream_decodes_in_bounded_windows_and_matches_whole_decoding():
+    words = Vocab("words", ["<eos>", "<unk>", "the", "cat", "sat"], eos="<eos>", unk="<unk>")
+    ids = [2, 3, 4, 0] * 300 + [2, 3]
+    pieces = []
+    stream = TextStream(words, pieces.append, prefix=[2])
+    for token in ids:
+        stream.push(token)
+        assert len(stream.window) < 2 * TextStream.WINDOW + 1  # bounded work per token
+    stream.close()
+    assert "".join(pieces) == words.decode([2] + ids)[len("the"):]
+    chars = Vocab("chars", sorted("abc \n"))
+    text = "abc cab\nbca " * 100
+    pieces = []
+    stream = TextStream(chars, pieces.append)
+    for token in chars.encode(text):
+        stream.push(int(token))
+    stream.close()
+    assert "".join(pieces) == text

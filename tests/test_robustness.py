@@ -632,7 +632,7 @@ def _(ctx):
 
 
 @case("resume-with-set", "`--resume` with settings that would change the run", "txl train --resume RUN --set lr=1",
-      "only --max-steps and --max-minutes")
+      "only --max-steps, --max-minutes and --data")
 def _(ctx):
     return cli("train", "--resume", str(ctx.run_copy()), "--set", "lr=1")
 
@@ -658,7 +658,7 @@ def _(ctx):
 
 
 @case("out-below-a-file", "output directory below a regular file", "txl train --out FILE/run",
-      "not a directory", "choose another location")
+      "not a directory", "pick a new --out")
 def _(ctx):
     ctx.write("file", "x")
     return cli("train", "--config", str(ctx.config), "--out", str(ctx.dir / "file" / "run"), "--quiet", *TINY)
@@ -801,9 +801,11 @@ def _(ctx):
 # Generation and evaluation arguments
 
 
-@case("generate-empty-prompt", "empty prompt", "txl generate CKPT --prompt ''", "prompt is empty")
+@case("generate-empty-prompt-file", "a prompt file with no prompts (an empty `--prompt` generates unconditionally)",
+      "txl generate CKPT --prompt-file FILE", "has no prompts", "one per line")
 def _(ctx):
-    return cli("generate", str(ctx.checkpoint_copy()), "--prompt", "", "--device", "cpu")
+    return cli("generate", str(ctx.checkpoint_copy()), "--prompt-file", str(ctx.write("p.txt", "\n \n")),
+               "--device", "cpu")
 
 
 @case("generate-zero-tokens", "max-new-tokens 0", "txl generate CKPT --max-new-tokens 0", "max_new_tokens",
@@ -896,6 +898,70 @@ def _(ctx):
 def _(ctx):
     return Outcome("(the process dies; `last` is complete or set aside complete) `txl train --resume RUN` "
                    "continues bit for bit", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Journeys that must end well (issue 16): checked before the compute is spent
+
+
+@case("sample-prompt-unencodable", "a sample prompt the corpus's vocabulary cannot encode",
+      "txl train --set sample_prompt=TEXT", "sample_prompt", "'ø'", "--set sample_prompt=",
+      test="tests/test_journeys.py::test_a_sample_prompt_the_corpus_cannot_encode_stops_before_training")
+def _(ctx):
+    return cli(*train_args(ctx, "--data", f"text:{ctx.corpus}?tokenizer=chars", "--set", "sample_tokens=5",
+                           "--set", "sample_prompt=mø"))
+
+
+@case("preset-corpus-missing", "a preset whose corpus is not in its download location", "txl train --preset ptb-char-small",
+      "not found", "txl data download ptb", "--data ptb-char:DIR",
+      test="tests/test_journeys.py::test_a_preset_corpus_that_is_not_downloaded_names_the_fix_and_leaves_nothing")
+def _(ctx):
+    ctx.own_cache()
+    return cli("train", "--preset", "ptb-char-small", "--out", str(ctx.dir / "out"), "--quiet", *TINY)
+
+
+@case("resume-with-out", "`--resume` with `--out`", "txl train --resume RUN --out NEW", "drop --out", "--init-from")
+def _(ctx):
+    return cli("train", "--resume", str(ctx.run_copy()), "--out", str(ctx.dir / "new"))
+
+
+@case("resume-fewer-steps", "`--resume` with a `--max-steps` the run has passed", "txl train --resume RUN --max-steps 1",
+      "not beyond", "larger total")
+def _(ctx):
+    return cli("train", "--resume", str(ctx.run_copy()), "--max-steps", "1")
+
+
+@case("init-from-other-vocab", "`--init-from` a run trained on another vocabulary",
+      "txl train --init-from RUN --data OTHER", "--init-from", "bytes vocabulary", "chars vocabulary",
+      "same tokenizer")
+def _(ctx):
+    return cli(*train_args(ctx, "--init-from", str(ctx.run_copy()), "--data", f"text:{ctx.corpus}?tokenizer=chars"))
+
+
+@case("eval-text-unknown-char", "`txl eval --text` with a character the run's vocabulary lacks",
+      "txl eval RUN --text FILE", "'ø'", "position 5", "not in the vocabulary", "replace or remove")
+def _(ctx):
+    ok = call_cli(*train_args(ctx, "--data", f"text:{ctx.corpus}?tokenizer=chars"))
+    assert ok[0] == 0, ok[1]
+    return cli("eval", str(ctx.dir / "out"), "--text", str(ctx.write("new.txt", "the mødel\n")))
+
+
+@case("eval-split-all-no-file", "`txl eval --split all` without a text file", "txl eval RUN --split all",
+      "--text FILE", "text:FILE")
+def _(ctx):
+    return cli("eval", str(ctx.run_copy()), "--split", "all")
+
+
+@case("generate-conflicting-flags", "`--greedy` with `--temperature`", "txl generate RUN --greedy --temperature 0.7",
+      "--greedy", "does not combine with --temperature")
+def _(ctx):
+    return cli("generate", str(ctx.run_copy()), "--greedy", "--temperature", "0.7")
+
+
+@case("generate-stop-at-eos-bytes", "`--stop-at-eos` with a vocabulary that has no `<eos>`",
+      "txl generate RUN --stop-at-eos", "no <eos>", "--stop STRING")
+def _(ctx):
+    return cli("generate", str(ctx.run_copy()), "--stop-at-eos")
 
 
 # ---------------------------------------------------------------------------------------------

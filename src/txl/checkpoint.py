@@ -17,13 +17,14 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from txl.errors import CheckpointError, ConfigError, OutputError, describe_os_error
+from txl.errors import CheckpointError, ConfigError, DataError, OutputError, describe_os_error
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -270,6 +271,16 @@ def resolve_checkpoint(path: str | Path) -> Path:
     )
 
 
+def resolve_model_directory(path: str | Path) -> Path:
+    """What `TransformerXL.from_pretrained` loads: a checkpoint directory as is, or a `txl train` run
+    directory's `best`, else `last` (like every CLI command). A directory with a config.json is taken
+    as a checkpoint, so a damaged one reports its own missing or broken files."""
+    path = Path(path).expanduser()
+    if path.is_dir() and not (path / CONFIG_NAME).is_file():
+        return resolve_checkpoint(path)
+    return path
+
+
 def load_config(directory: str | Path):
     from txl.config import TransformerXLConfig
 
@@ -286,7 +297,7 @@ def load_config(directory: str | Path):
 def load_model(directory: str | Path, *, map_location: str | torch.device = "cpu", **overrides):
     from txl.model import TransformerXL
 
-    directory = Path(directory)
+    directory = resolve_model_directory(directory)
     config = load_config(directory)
     if overrides:
         try:
@@ -323,3 +334,66 @@ def check_state_dict(expected: dict[str, Tensor], found: dict[str, Tensor], wher
             )
         if not got.dtype.is_floating_point:
             raise CheckpointError(f"{where}: tensor {name!r} has dtype {got.dtype}, expected a float dtype")
+
+
+# ---------------------------------------------------------------------------------------------
+# A checkpoint with what was recorded next to it (the one loader behind txl eval / generate / recl)
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A model directory resolved from a checkpoint or run path, with what was recorded next to it."""
+
+    path: Path  # the model directory (config.json + model.safetensors [+ vocab.json])
+    model: Any  # TransformerXL in eval mode
+    vocab: Any | None  # txl.data.Vocab from vocab.json, None when the directory has none
+    state: dict = field(default_factory=dict)  # trainer_state.json of this directory ({} if absent)
+    run: dict = field(default_factory=dict)  # run.json of the run directory ({} if absent)
+
+    @property
+    def data_spec(self) -> str | None:
+        """The corpus the run trained on (trainer_state.json or run.json `data`)."""
+        return self.state.get("data") or self.run.get("data")
+
+    def train_setting(self, key: str) -> Any:
+        """A [train] value of the run (e.g. tgt_len), from last/trainer_state.json or run.json; None if unknown."""
+        for source in (self.state.get("run"), self.run.get("config")):
+            if isinstance(source, dict) and isinstance(source.get("train"), dict) and key in source["train"]:
+                return source["train"][key]
+        return None
+
+
+def _read_optional_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def load_checkpoint(path: str | Path, *, device: torch.device | str = "cpu", require_vocab: bool = False) -> LoadedCheckpoint:
+    """Open a checkpoint directory or a `txl train` run directory (RUN/best, else RUN/last)."""
+    from txl.data import Vocab
+    from txl.model import TransformerXL
+
+    directory = resolve_checkpoint(path)
+    vocab = None
+    if (directory / "vocab.json").is_file():
+        try:
+            vocab = Vocab.load(directory / "vocab.json")
+        except DataError as err:
+            raise CheckpointError(f"{directory}/vocab.json: {err}") from None
+    elif require_vocab:
+        raise CheckpointError(f"{directory} has no vocab.json; it is needed to turn text into token ids "
+                              "(checkpoints written by `txl train` have one)")
+    model = TransformerXL.from_pretrained(directory, map_location=device)
+    if vocab is not None and vocab.size != model.config.vocab_size:
+        raise CheckpointError(f"{directory}: vocab.json has {vocab.size} ids but config.json has vocab_size="
+                              f"{model.config.vocab_size}; the checkpoint is inconsistent")
+    state = _read_optional_json(directory / "trainer_state.json")
+    run = _read_optional_json(directory.parent / "run.json") if directory.name in ("best", "last") else {}
+    if directory.name == "best" and "run" not in state:  # best/ records no run config; last/ does
+        state = {**_read_optional_json(directory.parent / "last" / "trainer_state.json"), **state}
+    return LoadedCheckpoint(path=directory, model=model, vocab=vocab, state=state, run=run)

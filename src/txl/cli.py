@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 # name -> (help, "module:configure", "module:run")
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": (
-        "train a model (no arguments: the demo, preset tiny on the built-in corpus)",
-        "txl.train:configure_cli",
-        "txl.train:run_cli",
+        "train a model (no flags: the demo, preset tiny on the built-in corpus, into runs/)",
+        "txl.train.cli:configure_cli",
+        "txl.train.cli:run_cli",
     ),
     "data": (
         "corpora: list, download, prepare (tokenize once into memory-mapped arrays), stats",
@@ -49,7 +49,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "txl.plot:run_cli",
     ),
     "bench": (
-        "speed and memory: train, eval, generate, mfu, all (writes docs/benchmarks.md); --against hf",
+        "speed and memory benchmarks: train, eval, generate, mfu, kernel, curve, eval-speedup, attention-scaling, "
+        "arena, all",
         "txl.bench.cli:configure",
         "txl.bench.cli:run",
     ),
@@ -59,6 +60,17 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "txl.hf_import:run_cli",
     ),
 }
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("txl")
+    except PackageNotFoundError:  # run from a source tree
+        from txl import __version__
+
+        return __version__
 
 
 def _load(ref: str) -> Callable:
@@ -74,6 +86,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         description="Transformer-XL for modern PyTorch: train, evaluate, generate, measure.",
     )
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
+    parser.add_argument("--version", action="version", version=f"txl {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (help_text, configure, _run) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -90,7 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
-        argv = ["train"] if "train" in COMMANDS else ["--help"]
+        build_parser(only="").print_help()  # bare `txl` explains itself; it starts nothing
+        return 0
     first = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(only=first if first in COMMANDS else None)
     args = parser.parse_args(argv)

@@ -68,8 +68,13 @@ def _check_positive(args: argparse.Namespace, *names: str) -> None:
 
 def configure_eval(parser: argparse.ArgumentParser) -> None:
     _add_checkpoint(parser)
-    parser.add_argument("--data", help="data spec (default: the corpus the run trained on)")
-    parser.add_argument("--split", default="valid", help="valid or test (default: valid)")
+    parser.add_argument("--data", metavar="SPEC", help="data spec (default: the corpus the run trained on); "
+                                                       "text:FILE with --split all scores FILE with the run's vocabulary")
+    parser.add_argument("--split", default="valid",
+                        help="valid, test, train, or all (a whole text file: --data text:FILE); default valid")
+    parser.add_argument("--text", metavar="FILE",
+                        help="score the whole of FILE with the checkpoint's vocab.json (bytes, chars, words, BPE); "
+                             "same as --data text:FILE --split all")
     parser.add_argument("--tgt-len", type=int, help="segment length (default: the run's eval_tgt_len or tgt_len)")
     parser.add_argument("--mem-len", type=int, help="memory length per layer (default: the checkpoint's)")
     parser.add_argument("--clamp-len", type=int, help="relative distances beyond this share one position "
@@ -81,8 +86,10 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warm-memory", action=argparse.BooleanOptionalAction, default=True,
                         help="start each stream mem_len tokens early so every scored token has full context "
                              "(default: on)")
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="fp32, or bf16/fp16 autocast (default fp32)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="where to run (default: auto, a GPU when there is one)")
     parser.add_argument("--max-tokens", type=int, default=0, help="score only the first N targets (0 = all)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--per-token", metavar="FILE",
@@ -113,13 +120,18 @@ def run_eval(args: argparse.Namespace) -> int:
         raise UsageError(f"--per-token {args.per_token}: use a .npy or .txt file name")
     if (args.attn_len is not None or args.stride != 1) and not args.vanilla:
         raise UsageError("--attn-len and --stride apply to the vanilla evaluator; add --vanilla")
+    if args.text and args.data:
+        raise UsageError("give --text FILE or --data SPEC, not both")
+    if args.text and args.split not in ("valid", "all"):
+        raise UsageError(f"--text scores the whole file; drop --split {args.split}")
     sweep = _int_list(args.sweep_mem, "--sweep-mem") if args.sweep_mem else None
-    from txl.evaluate import evaluate_checkpoint, load_checkpoint, result_table, save_per_token
+    from txl.checkpoint import load_checkpoint
+    from txl.evaluate import evaluate_checkpoint, result_table, save_per_token
 
     device = _device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device=device)
     progress = not args.quiet and sys.stderr.isatty()
-    common = dict(data=args.data, split=args.split, tgt_len=args.tgt_len, clamp_len=args.clamp_len,
+    common = dict(data=args.data, split="all" if args.text else args.split, text=args.text, tgt_len=args.tgt_len, clamp_len=args.clamp_len,
                   same_length=args.same_length, batch_size=args.batch_size, warm_memory=args.warm_memory,
                   precision=args.precision, max_tokens=args.max_tokens, device=device, progress=progress)
     if sweep:
@@ -128,7 +140,8 @@ def run_eval(args: argparse.Namespace) -> int:
                                       stride=args.stride, per_token=bool(args.per_token), **common)
     out = result.to_dict()
     out["checkpoint"] = str(ckpt.path)
-    out["data"] = args.data or ckpt.data_spec
+    out["data"] = f"text:{Path(args.text).absolute()} (the checkpoint's vocabulary)" if args.text else (
+        args.data or ckpt.data_spec)
     if args.per_token:
         out["per_token"] = str(save_per_token(nll, args.per_token))
     if args.json:
@@ -201,23 +214,38 @@ def _run_sweep(args: argparse.Namespace, ckpt, mem_lens: list[int], common: dict
 
 def configure_generate(parser: argparse.ArgumentParser) -> None:
     _add_checkpoint(parser)
-    parser.add_argument("--prompt", help="text to continue (encoded with the checkpoint's vocab.json)")
-    parser.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE (UTF-8)")
+    parser.add_argument("--prompt", help="text to continue, encoded with the checkpoint's vocab.json (\"\" or no "
+                                         "prompt at all: generate unconditionally, from the corpus's line boundary)")
+    parser.add_argument("--prompt-file", metavar="FILE",
+                        help="a batch of prompts: one per line of FILE (UTF-8; blank lines are skipped)")
+    parser.add_argument("--num-samples", type=int, default=1, metavar="K",
+                        help="continuations per prompt, sampled together as one batch (default 1)")
     parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default 200)")
-    parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (0 = greedy)")
-    parser.add_argument("--top-k", type=int, default=40,
+    parser.add_argument("--temperature", type=float, help="softmax temperature (default 1.0; 0 = greedy)")
+    parser.add_argument("--top-k", type=int,
                         help="sample among the k most likely tokens (0 = all; default 40, the paper's appendix E)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    parser.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    parser.add_argument("--top-p", type=float, help="nucleus sampling mass (default 1 = off)")
+    parser.add_argument("--greedy", action="store_true",
+                        help="always take the most likely token (not with --temperature, --top-k, --top-p)")
+    parser.add_argument("--stop", action="append", default=[], metavar="STRING",
+                        help="end a sample at this string, which is not printed (repeatable; \\n and \\t are "
+                             "newline and tab)")
+    parser.add_argument("--stop-at-eos", action="store_true",
+                        help="end a sample at the vocabulary's <eos> (word vocabularies: the end of a line)")
     parser.add_argument("--seed", type=int, help="sampling seed (default: random)")
     parser.add_argument("--mem-len", type=int,
                         help="memory per layer while generating (default: the checkpoint's; 0 = re-run a "
                              "sliding window of the training segment length each step)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document: each sample's text, token ids and per-token log-probabilities")
     parser.add_argument("--no-echo", dest="echo", action="store_false", help="do not print the prompt first")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="where to run (default: auto, a GPU when there is one)")
 
 
-def read_prompt(args: argparse.Namespace) -> str:
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts to continue: --prompt (one; "" = unconditional), --prompt-file (one per line) or
+    none at all (one unconditional sample)."""
     if args.prompt is not None and args.prompt_file:
         raise UsageError("give --prompt or --prompt-file, not both")
     if args.prompt_file:
@@ -227,43 +255,87 @@ def read_prompt(args: argparse.Namespace) -> str:
             raise UsageError(f"prompt file not found: {args.prompt_file}") from None
         except (OSError, UnicodeDecodeError) as err:
             raise UsageError(f"cannot read prompt file {args.prompt_file}: {err}") from None
-    elif args.prompt is not None:
-        text = args.prompt
-    else:
-        raise UsageError("no prompt: give --prompt TEXT or --prompt-file FILE")
-    if not text:
-        raise UsageError("the prompt is empty; give at least one token of text")
-    return text
+        prompts = [line for line in text.splitlines() if line.strip()]
+        if not prompts:
+            raise UsageError(f"prompt file {args.prompt_file} has no prompts (one per line)")
+        return prompts
+    return [args.prompt or ""]
+
+
+def _sampling_settings(args: argparse.Namespace) -> tuple[float, int, float]:
+    given = [flag for flag, value in (("--temperature", args.temperature), ("--top-k", args.top_k),
+                                      ("--top-p", args.top_p)) if value is not None]
+    if args.greedy:
+        if given:
+            raise UsageError(f"--greedy takes the most likely token; it does not combine with {given[0]}")
+        if args.num_samples > 1:
+            raise UsageError(f"--greedy gives {args.num_samples} identical samples; drop --greedy or --num-samples")
+        return 0.0, 0, 1.0
+    temperature = 1.0 if args.temperature is None else args.temperature
+    if temperature == 0 and args.num_samples > 1:
+        raise UsageError(f"--temperature 0 is greedy: {args.num_samples} identical samples; raise the temperature")
+    return temperature, 40 if args.top_k is None else args.top_k, 1.0 if args.top_p is None else args.top_p
+
+
+def _unescape(text: str) -> str:
+    return text.replace("\\\\", "\0").replace("\\n", "\n").replace("\\t", "\t").replace("\0", "\\")
+
+
+def write_text(text: str) -> None:
+    """Generated text to stdout: control bytes escaped on a terminal; always valid UTF-8."""
+    from txl.display import json_text, terminal_text
+
+    sys.stdout.write(terminal_text(text) if sys.stdout.isatty() else json_text(text))
+    sys.stdout.flush()
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from txl.generate import check_sampling
 
-    prompt = read_prompt(args)
-    temperature = 0.0 if args.greedy else args.temperature
-    check_sampling(args.max_new_tokens, temperature, args.top_k, args.top_p)
+    prompts = read_prompts(args)
+    temperature, top_k, top_p = _sampling_settings(args)
+    check_sampling(args.max_new_tokens, temperature, top_k, top_p)
     _check_nonnegative(args, "mem_len")
+    _check_positive(args, "num_samples")
+    stops = [_unescape(s) for s in args.stop]
+    if any(not s for s in stops):
+        raise UsageError("--stop needs a non-empty string")
     import torch
 
-    from txl.evaluate import load_checkpoint
-    from txl.generate import generate_text
+    from txl.checkpoint import load_checkpoint
+    from txl.generate import encode_prompt, sample_text
 
     device = _device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device=device, require_vocab=True)
+    for prompt in prompts:  # every prompt is checked before anything is printed
+        encode_prompt(ckpt.vocab, prompt)
+    if args.stop_at_eos and ckpt.vocab.eos_id is None:
+        raise UsageError(f"this {ckpt.vocab.kind} vocabulary has no <eos> symbol to stop at; use --stop STRING")
     mem_len = ckpt.model.mem_len if args.mem_len is None else args.mem_len
     window = ckpt.train_setting("tgt_len") if mem_len == 0 else None  # the vanilla model's training window
     generator = torch.Generator().manual_seed(args.seed) if args.seed is not None else None
-
-    def write(text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-
-    if args.echo:
-        write(prompt)
-    generate_text(ckpt.model, ckpt.vocab, prompt, max_new_tokens=args.max_new_tokens, write=write,
-                  temperature=temperature, top_k=args.top_k, top_p=args.top_p, mem_len=mem_len,
-                  segment_len=window, generator=generator)
-    write("\n")
+    settings = dict(max_new_tokens=args.max_new_tokens, num_samples=args.num_samples, stop=stops,
+                    stop_at_eos=args.stop_at_eos, temperature=temperature, top_k=top_k, top_p=top_p, mem_len=mem_len,
+                    segment_len=window, generator=generator)
+    if args.json:
+        samples = sample_text(ckpt.model, ckpt.vocab, prompts, **settings)
+        settings.pop("generator")
+        print(json.dumps({"checkpoint": str(ckpt.path), "seed": args.seed, "settings": settings,
+                          "samples": [s.to_dict() for s in samples]}, indent=2, ensure_ascii=False))
+        return 0
+    if len(prompts) == 1 and args.num_samples == 1:  # stream the one sample as it is produced
+        if args.echo:
+            write_text(prompts[0])
+        sample_text(ckpt.model, ckpt.vocab, prompts, on_text=lambda i, piece: write_text(piece), **settings)
+        write_text("\n")
+        return 0
+    total = len(prompts) * args.num_samples
+    for n, prompt in enumerate(prompts):
+        for k, s in enumerate(sample_text(ckpt.model, ckpt.vocab, [prompt], **settings)):
+            index = n * args.num_samples + k + 1
+            write_text(f"{'' if index == 1 else chr(10)}=== sample {index}/{total} (prompt {n + 1}, "
+                       f"{len(s.ids)} tokens, stopped by {s.stopped_by}) ===\n")
+            write_text((prompt if args.echo else "") + s.text + "\n")
     return 0
 
 
@@ -293,8 +365,10 @@ def configure_recl(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=0,
                         help="window mode: windows per forward (0 = automatic); memory mode: streams (0 = 1)")
     parser.add_argument("--names", help="comma-separated labels for the checkpoints (default: run names)")
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="fp32, or bf16/fp16 autocast (default fp32)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="where to run (default: auto, a GPU when there is one)")
     parser.add_argument("--cache", metavar="DIR",
                         help="store per-token losses here and reuse them (resumable; change r or the "
                              "threshold without recomputing)")
@@ -319,7 +393,8 @@ def run_recl(args: argparse.Namespace) -> int:
     if names is not None and len(names) != len(args.checkpoint):
         raise UsageError(f"--names gives {len(names)} labels for {len(args.checkpoint)} checkpoints")
 
-    from txl.evaluate import load_checkpoint, metric_value, open_eval_corpus
+    from txl.checkpoint import load_checkpoint
+    from txl.evaluate import metric_value, open_eval_corpus
     from txl.recl import compute_recl, context_losses, plot_recl, recl_markdown, weights_key
 
     device = _device(args.device)

@@ -20,18 +20,18 @@ checks that the corpus vocabulary is the checkpoint's, and runs either evaluator
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from txl.checkpoint import LoadedCheckpoint, load_checkpoint
 from txl.errors import CheckpointError, DataError, OutputError, UsageError, describe_os_error
 
 
@@ -166,7 +166,8 @@ def evaluate(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(iterator), desc="eval", unit="seg", leave=False, dynamic_ncols=True)
+        bar = tqdm(total=len(iterator), desc="eval", unit="seg", leave=False, dynamic_ncols=True,
+                   disable=not sys.stderr.isatty())  # a log file gets no \r-redrawn bar
     with runtime_settings(model, clamp_len=clamp_len, same_length=same_length) as settings:
         used_clamp, used_same = settings.clamp_len, settings.same_length
         start = time.perf_counter()
@@ -358,7 +359,8 @@ def evaluate_vanilla(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=n - 1, desc="vanilla eval", unit="tok", leave=False, dynamic_ncols=True)
+        bar = tqdm(total=n - 1, desc="vanilla eval", unit="tok", leave=False, dynamic_ncols=True,
+                   disable=not sys.stderr.isatty())
     with runtime_settings(model, clamp_len=clamp_len, same_length=False) as settings:
         used_clamp = settings.clamp_len
         start = time.perf_counter()
@@ -461,70 +463,78 @@ def plot_sweep(results: Sequence[EvalResult], path: str | Path, *, title: str = 
 # Checkpoints + corpora
 
 
-@dataclass
-class LoadedCheckpoint:
-    """A model directory resolved from a checkpoint or run path, with what was recorded next to it."""
-
-    path: Path  # the model directory (config.json + model.safetensors [+ vocab.json])
-    model: Any  # TransformerXL in eval mode
-    vocab: Any | None  # txl.data.Vocab from vocab.json, None when the directory has none
-    state: dict = field(default_factory=dict)  # trainer_state.json of this directory ({} if absent)
-    run: dict = field(default_factory=dict)  # run.json of the run directory ({} if absent)
-
-    @property
-    def data_spec(self) -> str | None:
-        """The corpus the run trained on (trainer_state.json or run.json `data`)."""
-        return self.state.get("data") or self.run.get("data")
-
-    def train_setting(self, key: str) -> Any:
-        """A [train] value of the run (e.g. tgt_len), from last/trainer_state.json or run.json; None if unknown."""
-        for source in (self.state.get("run"), self.run.get("config")):
-            if isinstance(source, dict) and isinstance(source.get("train"), dict) and key in source["train"]:
-                return source["train"][key]
-        return None
-
-
-def _read_optional_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
+def encode_text(vocab, text: str | bytes, *, what: str = "the text") -> np.ndarray:
+    """Token ids of `text` with a checkpoint's vocabulary (not one rebuilt from the text), for any kind:
+    bytes and byte-level BPE read everything; chars and words map an unknown symbol to `<unk>` when the
+    vocabulary has one, else one `DataError` naming the first unknown symbol and where it is."""
+    if vocab.kind == "words" and vocab.unk is None:
+        body = text.decode("utf-8", "replace") if isinstance(text, bytes | bytearray) else text
+        for number, line in enumerate(body.split("\n"), 1):
+            for column, word in enumerate(line.split(), 1):
+                if word not in vocab.stoi:
+                    hint = ""
+                    special = {vocab.eos, vocab.bos}
+                    if all(len(s) == 1 for s in vocab.symbols if s not in special):
+                        hint = ("; this vocabulary's words are single characters (PTB-char style): write the text as "
+                                "space-separated characters with _ between words, e.g. 't h e _ c a t'")
+                    raise DataError(f"{what}: word {word!r} (line {number}, word {column}) is not in the checkpoint's "
+                                    f"vocabulary and it has no <unk> symbol{hint}")
+    if vocab.kind == "chars" and vocab.unk is not None:
+        body = text.decode("utf-8") if isinstance(text, bytes | bytearray) else text
+        known = set(vocab.symbols)
+        text = "".join(c if c in known else vocab.unk for c in body)
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+        return vocab.encode(text)
+    except DataError as err:
+        fix = "; the checkpoint's vocabulary has no <unk>: replace or remove it" if vocab.kind == "chars" else ""
+        raise DataError(f"{what}: {err}{fix}") from None
 
 
-def load_checkpoint(path: str | Path, *, device: torch.device | str = "cpu", require_vocab: bool = False) -> LoadedCheckpoint:
-    """Open a checkpoint directory or a `txl train` run directory (RUN/best, else RUN/last)."""
-    from txl.checkpoint import resolve_checkpoint
-    from txl.data import Vocab
-    from txl.model import TransformerXL
-
-    directory = resolve_checkpoint(path)
-    vocab = None
-    if (directory / "vocab.json").is_file():
-        try:
-            vocab = Vocab.load(directory / "vocab.json")
-        except DataError as err:
-            raise CheckpointError(f"{directory}/vocab.json: {err}") from None
-    elif require_vocab:
-        raise CheckpointError(f"{directory} has no vocab.json; it is needed to turn text into token ids "
-                              "(checkpoints written by `txl train` have one)")
-    model = TransformerXL.from_pretrained(directory, map_location=device)
-    if vocab is not None and vocab.size != model.config.vocab_size:
-        raise CheckpointError(f"{directory}: vocab.json has {vocab.size} ids but config.json has vocab_size="
-                              f"{model.config.vocab_size}; the checkpoint is inconsistent")
-    state = _read_optional_json(directory / "trainer_state.json")
-    run = _read_optional_json(directory.parent / "run.json") if directory.name in ("best", "last") else {}
-    if directory.name == "best" and "run" not in state:  # best/ records no run config; last/ does
-        state = {**_read_optional_json(directory.parent / "last" / "trainer_state.json"), **state}
-    return LoadedCheckpoint(path=directory, model=model, vocab=vocab, state=state, run=run)
+def read_text_tokens(vocab, path: str | Path) -> np.ndarray:
+    """A whole text file as token ids of the checkpoint's vocabulary (`txl eval --text FILE`)."""
+    path = Path(path).expanduser()
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"text file not found: {path}") from None
+    except IsADirectoryError:
+        raise DataError(f"{path} is a directory; --text takes one text file") from None
+    except OSError as err:
+        raise DataError(f"cannot read {path}: {describe_os_error(err, reading=True)}") from None
+    tokens = encode_text(vocab, data, what=str(path))
+    if len(tokens) < 2:
+        raise DataError(f"{path} holds {len(tokens)} token(s) with the checkpoint's vocabulary; at least 2 are needed "
+                        "to score one prediction")
+    return tokens
 
 
-def open_eval_corpus(ckpt: LoadedCheckpoint, data: str | None, split: str):
-    """The corpus to score and its split tokens; its vocabulary must be the checkpoint's."""
+def _text_file_of(spec_text: str | None) -> str | None:
+    """The FILE of a `text:FILE[?...]` spec (scored with the checkpoint's vocabulary), else None."""
+    if not spec_text:
+        return None
+    from txl.data import parse_spec
+
+    spec = parse_spec(spec_text)
+    if spec.name == "text" and spec.path and Path(spec.path).is_file():
+        return spec.path
+    return None
+
+
+def open_eval_corpus(ckpt: LoadedCheckpoint, data: str | None, split: str, text: str | Path | None = None):
+    """The corpus to score and its split tokens; its vocabulary must be the checkpoint's. A text file
+    (`text`, or `data` = text:FILE with split "all") is read whole with the checkpoint's vocabulary
+    instead: returns (None, tokens)."""
     from txl.data import open_corpus
 
+    if text is None and split == "all":
+        text = _text_file_of(data)
+        if text is None:
+            raise UsageError("--split all scores a whole text file with the checkpoint's vocabulary: give --text FILE "
+                             "or --data text:FILE")
+    if text is not None:
+        if ckpt.vocab is None:
+            raise CheckpointError(f"{ckpt.path} has no vocab.json; it is needed to turn text into token ids")
+        return None, read_text_tokens(ckpt.vocab, text)
     spec = data or ckpt.data_spec
     if not spec:
         raise UsageError(f"{ckpt.path} does not record its training data; pass --data SPEC")
@@ -565,6 +575,7 @@ def evaluate_checkpoint(
     device: torch.device | str = "cpu",
     per_token: bool = False,
     progress: bool = False,
+    text: str | Path | None = None,
 ) -> tuple[EvalResult, np.ndarray | None]:
     """What `txl eval` computes: (result, per-token NLL in corpus order or None).
 
@@ -582,7 +593,10 @@ def evaluate_checkpoint(
             raise UsageError(f"{name} must be >= 0, got {value}")
     if tgt_len is not None and tgt_len < 1:
         raise UsageError(f"tgt_len must be >= 1, got {tgt_len}")
-    corpus, tokens = open_eval_corpus(ckpt, data, split)
+    corpus, tokens = open_eval_corpus(ckpt, data, split, text)
+    metric = corpus.metric if corpus is not None else checkpoint_metric(ckpt)
+    if corpus is None:
+        split = "all"
     tgt_len = tgt_len or ckpt.train_setting("eval_tgt_len") or ckpt.train_setting("tgt_len") or 128
     if max_tokens:
         tokens = tokens[: max_tokens + 1]
@@ -591,15 +605,23 @@ def evaluate_checkpoint(
     nll = np.zeros(max(len(tokens) - 1, 0), dtype=np.float32) if per_token else None
     if vanilla:
         mem = model.mem_len if mem_len is None else mem_len
-        result = evaluate_vanilla(model, tokens, metric=corpus.metric, attn_len=attn_len or mem + tgt_len,
+        result = evaluate_vanilla(model, tokens, metric=metric, attn_len=attn_len or mem + tgt_len,
                                   stride=stride, batch_size=batch_size, device=device, precision=precision,
                                   clamp_len=clamp_len, per_token=nll, progress=progress)
     else:
-        result = evaluate(model, tokens, metric=corpus.metric, batch_size=batch_size, tgt_len=tgt_len,
+        result = evaluate(model, tokens, metric=metric, batch_size=batch_size, tgt_len=tgt_len,
                           mem_len=mem_len, warm_memory=warm_memory, device=device, precision=precision,
                           per_token=nll, progress=progress, clamp_len=clamp_len, same_length=same_length)
     result.split = split
     return result, nll
+
+
+def checkpoint_metric(ckpt: LoadedCheckpoint) -> str:
+    """bpc or ppl: what the run reported, else by vocabulary kind (bytes and characters: bpc)."""
+    metric = ckpt.state.get("metric") or ckpt.run.get("metric")
+    if metric in ("bpc", "ppl"):
+        return metric
+    return "bpc" if ckpt.vocab is not None and ckpt.vocab.kind in ("bytes", "chars") else "ppl"
 
 
 def save_per_token(values: np.ndarray, path: str | Path) -> Path:
@@ -647,14 +669,12 @@ def result_table(result: EvalResult) -> str:
 
 __all__ = [
     "EvalResult",
-    "LoadedCheckpoint",
     "attention_length",
     "autocast",
     "context_nll",
     "evaluate",
     "evaluate_checkpoint",
     "evaluate_vanilla",
-    "load_checkpoint",
     "metric_value",
     "plot_sweep",
     "result_table",

@@ -1,13 +1,15 @@
 """`txl plot RUN_DIR [RUN_DIR ...]`: training curves from metrics.jsonl as PNG.
 
-One figure with four panels (loss, bpc or perplexity, learning rate, tokens/s) against the step;
-train and valid records drawn separately; several runs overlay for comparison.
+One figure with panels for loss, bpc and/or perplexity, learning rate and tokens/s against the step;
+train (solid) and valid (dashed, markers) records drawn separately; several runs overlay for
+comparison, each in one colour.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from txl.errors import OutputError, UsageError, describe_os_error
@@ -48,45 +50,75 @@ def _valid_record(record) -> bool:
                for key in ("loss", "bpc", "ppl", "lr", "tokens_per_second"))
 
 
-def plot_runs(run_dirs: list[str | Path], out: str | Path, *, title: str | None = None) -> Path:
+def run_metric(run_dir: str | Path, records: list[dict]) -> str:
+    """bpc or ppl: what the run's records hold (bpc first), else bpc."""
+    return next((m for m in ("bpc", "ppl") if any(m in r for r in records)), "bpc")
+
+
+def plot_runs(run_dirs: list[str | Path], out: str | Path, *, title: str | None = None,
+              notes: list[str] | None = None) -> Path:
+    """Draw the runs (`draw_runs`) into an image file; returns its path."""
+
+    return _save(draw_runs(run_dirs, title=title, notes=notes), Path(out))
+
+
+def draw_runs(run_dirs: list[str | Path], *, title: str | None = None, notes: list[str] | None = None):
+    """The figure. Panels: loss, then one per metric the runs use (bpc and/or ppl: a run is drawn only on its own
+    metric's panel), learning rate and tokens/s. Each run keeps one colour in every panel; a series of
+    a single point is drawn as a marker. `notes` receives what a reader should be told."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    panels = [("loss", "loss (nats/token)"), (None, ""), ("lr", "learning rate"),
+    runs = [(Path(r), read_metrics(r)) for r in run_dirs]
+    metrics = [m for m in ("bpc", "ppl") if any(run_metric(d, rec) == m for d, rec in runs)]
+    if len(metrics) > 1 and notes is not None:
+        notes.append("the runs are measured in bpc and ppl: each metric has its own panel, and a run appears "
+                     "only on its own")
+    panels = [("loss", "loss (nats/token)"), *[(m, m) for m in metrics], ("lr", "learning rate"),
               ("tokens_per_second", "train tokens/s")]
-    metric_name = None
-    for run_dir in run_dirs:
-        records = read_metrics(run_dir)
-        label = Path(run_dir).name
-        metric_name = metric_name or next((m for m in ("bpc", "ppl") if any(m in r for r in records)), "bpc")
-        for split, style in (("train", "-"), ("valid", "o-")):
+    columns = 3 if len(panels) > 4 else 2
+    fig, grid = plt.subplots(2, columns, figsize=(5.5 * columns, 7))
+    axes = list(grid.flat)
+    for extra in axes[len(panels):]:
+        extra.set_visible(False)
+    for number, (run_dir, records) in enumerate(runs):
+        colour = f"C{number % 10}"  # one colour per run, in every panel
+        metric = run_metric(run_dir, records)
+        for split, line in (("train", "-"), ("valid", "--")):
             rows = [r for r in records if r.get("split") == split]
             if not rows:
                 continue
             steps = [r["step"] for r in rows]
-            for ax, (key, _) in zip(axes.flat, panels):
-                key = key or metric_name
+            for ax, (key, _) in zip(axes, panels):
+                if key in ("bpc", "ppl") and key != metric:
+                    continue
                 if key in ("lr", "tokens_per_second") and split != "train":
                     continue
-                values = [r.get(key) for r in rows]
-                if all(v is None for v in values):
+                points = [(s, r.get(key)) for s, r in zip(steps, rows) if r.get(key) is not None]
+                if not points:
                     continue
-                ax.plot(steps, values, style, label=f"{label} {split}", markersize=3)
-    panels[1] = (metric_name, metric_name)
-    for ax, (_, ylabel) in zip(axes.flat, panels):
+                xs, ys = zip(*points)
+                marker = ("s" if split == "valid" else "o") if split == "valid" or len(points) == 1 else None
+                ax.plot(xs, ys, line if len(points) > 1 else "", marker=marker, color=colour,
+                        label=f"{run_dir.name} {split}", markersize=4 if len(points) > 1 else 6)
+    for ax, (key, ylabel) in zip(axes, panels):
         ax.set_xlabel("step")
-        ax.set_ylabel(ylabel or metric_name)
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
+        if key == "ppl":
+            ax.set_yscale("log")
         if ax.lines:
             ax.legend(fontsize=7)
-    if metric_name == "ppl":
-        axes.flat[1].set_yscale("log")
-    fig.suptitle(title or ", ".join(Path(r).name for r in run_dirs))
+    fig.suptitle(title or ", ".join(d.name for d, _ in runs))
     fig.tight_layout()
-    out = Path(out)
+    return fig
+
+
+def _save(fig, out: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     if not out.suffix:
         out = out.with_suffix(".png")
     formats = fig.canvas.get_supported_filetypes()
@@ -106,11 +138,14 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path, *, title: str | None 
 def configure_cli(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("runs", nargs="+", help="run directories (the --out of `txl train`)")
     parser.add_argument("--out", help="PNG path (default: RUN_DIR/curves.png for one run, curves.png otherwise)")
-    parser.add_argument("--title")
+    parser.add_argument("--title", help="figure title (default: the run names)")
 
 
 def run_cli(args: argparse.Namespace) -> int:
     out = args.out or (Path(args.runs[0]) / "curves.png" if len(args.runs) == 1 else Path("curves.png"))
-    path = plot_runs(args.runs, out, title=args.title)
+    notes: list[str] = []
+    path = plot_runs(args.runs, out, title=args.title, notes=notes)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     print(f"wrote {path}")
     return 0

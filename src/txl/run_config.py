@@ -57,7 +57,7 @@ class TrainConfig:
     final_splits: tuple[str, ...] = ("valid",)  # scored at the end of the run (eval_max_tokens applies)
     max_nonfinite: int = 5  # stop after this many non-finite losses in a row
     sample_tokens: int = 0  # generate this many tokens at the end (0 = no sample)
-    sample_prompt: str = ""  # "" = the first 64 tokens of the valid split
+    sample_prompt: str = ""  # "" = the first line of the valid split (at most 64 tokens)
 
     def __post_init__(self) -> None:
         if isinstance(self.final_splits, list):
@@ -170,6 +170,9 @@ def parse_value(text: str) -> Any:
 
 
 def apply_sets(run: RunConfig, assignments: list[str]) -> None:
+    """Apply every `--set key=value` together, then validate once: combinations that are only valid
+    together (`attention=performer` with `pos_encoding=rope`) work in any order."""
+    values: dict[str, dict[str, Any]] = {"model": {}, "train": {}}
     for item in assignments:
         key, sep, value = item.partition("=")
         key = key.strip()
@@ -186,7 +189,9 @@ def apply_sets(run: RunConfig, assignments: list[str]) -> None:
             section = "model" if in_model else "train"
         if section not in ("model", "train"):
             raise ConfigError(f"unknown section {section!r} in --set {key} (sections: model, train)")
-        merge(run, {section: {name: parse_value(value)}}, f"--set {item}")
+        values[section][name] = parse_value(value)
+    if assignments:
+        merge(run, values, "--set " + " --set ".join(assignments))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -76,7 +76,7 @@ def _names(text: str) -> tuple[str, ...]:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", type=_names, default=tuple(VARIANTS), metavar="LIST",
                         help=f"variants to train (default all: {','.join(VARIANTS)})")
-    parser.add_argument("--data", default=None, help="data spec (default: the preset's ptb-char:../shared/data/ptb)")
+    parser.add_argument("--data", default=None, help="data spec, e.g. ptb-char:DIR (default: the preset's ptb-char from its download location)")
     parser.add_argument("--minutes", type=float, default=6.0, help="training budget of each run (default 6)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     parser.add_argument("--jobs", type=int, default=2, help="runs side by side (default 2: one per core)")
@@ -266,7 +266,7 @@ def markdown(report: dict) -> str:
         "",
         "## Reproduce",
         "",
-        "Each row alone (from the repository root, with `../shared/data/ptb` present):",
+        "Each row alone (with PTB in its download location, `txl data download ptb`, or add `--data ptb-char:DIR`):",
         "",
         "```",
         *[f"{r['command']}" for r in rows],

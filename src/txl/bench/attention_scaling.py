@@ -283,27 +283,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated sequence lengths (default: 512 … 32768)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {', '.join(VARIANTS)}")
     parser.add_argument("--modes", default="forward,backward", help="forward and/or backward (= forward + backward)")
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--d-head", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    parser.add_argument("--d-head", type=int, default=64, help="dimension per head (default 64)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per call (default 1)")
     parser.add_argument("--pos", default="rope", help="positional encoding (variants that cannot apply it are skipped)")
     parser.add_argument("--window", type=int, default=512, help="sliding window w")
     parser.add_argument("--stride", type=int, default=128, help="sparse stride l")
     parser.add_argument("--features", type=int, default=256, help="Performer random features")
-    parser.add_argument("--linformer-k", type=int, default=256)
+    parser.add_argument("--linformer-k", type=int, default=256,
+                        help="Linformer: rows the keys and values are projected to (default 256)")
     parser.add_argument("--max-gb", type=float, default=12.0,
                         help="skip full attention when its estimated extra memory exceeds this (GiB)")
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed calls first (default 1)")
     parser.add_argument("--steps", type=int, default=1, help="timed calls per variant and length in each round")
     parser.add_argument("--rounds", type=int, default=3,
                         help="repeat the whole sweep; a cell's time is the median of rounds × steps calls")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-memory subprocesses")
-    parser.add_argument("--probe-timeout", type=float, default=900)
+    parser.add_argument("--probe-timeout", type=float, default=900,
+                        help="seconds one measuring subprocess may take (default 900)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (0 = torch's default). 1 by default: on a shared machine every small "
                         "op of a multi-threaded run waits for a descheduled worker whenever another job runs "
                         "(measured 40× on a 128×256 matmul), which swamps what is being compared")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random seed of inputs and weights (default 0)")
     parser.add_argument("--out", default="docs", help="directory for attention_scaling.{json,md,png}")
 
 

@@ -15,9 +15,9 @@ BENCHES: dict[str, str] = {
     "mfu": "txl.bench.mfu",
     "kernel": "txl.bench.kernel",
     "curve": "txl.bench.curve",
-    "eval-speedup": "txl.bench.eval_speedup",  # the evaluation issue's paper-style speed-up table
-    "attention-scaling": "txl.bench.attention_scaling",  # the long-text arena's kernels against length
-    "arena": "txl.bench.arena",  # every arena variant trained on PTB-char under one CPU budget
+    "eval-speedup": "txl.bench.eval_speedup",
+    "attention-scaling": "txl.bench.attention_scaling",
+    "arena": "txl.bench.arena",
 }
 
 
@@ -50,41 +50,84 @@ def has_own_cli(module) -> bool:
     return hasattr(module, "configure") and not (hasattr(module, "TITLE") and hasattr(module, "table"))
 
 
-def add_shared_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    parser.add_argument("--config", choices=["tiny", "base"], default="tiny",
-                        help="tiny: 4×128, tgt=mem=128, batch 8; base: enwik8-base 12×512, tgt=mem=512, batch 2")
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default=None,
-                        help="fp32 or bf16 autocast (default fp32; mfu: both)")
-    parser.add_argument("--against", choices=["hf"], action="append", default=[],
-                        help="also run Hugging Face TransfoXL (transformers==4.35.2, the bench extra)")
-    parser.add_argument("--impl", type=_names, default=("eager", "fast"), metavar="LIST",
-                        help="attention implementations of ours to run (default eager,fast)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per contender (default 5)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    parser.add_argument("--mem-lens", type=_ints, default=(), metavar="LIST", help="eval: memory lengths to sweep")
-    parser.add_argument("--context", type=int, default=1024, help="generate: context length (default 1024)")
-    parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
-    parser.add_argument("--quick", action="store_true", help="few steps and small shapes: a smoke run")
-    parser.add_argument("--out", default="docs", help="all: directory for benchmarks.md and the plots")
+# One line per benchmark for `txl bench --help` (the module docstrings hold the method).
+SUMMARIES: dict[str, str] = {
+    "train": "training throughput (forward, backward, clip, Adam step) in tokens/s, ours against Hugging Face",
+    "eval": "evaluation throughput and peak memory as the memory length grows",
+    "generate": "generation speed: memory reuse against re-running the whole context for every token",
+    "mfu": "model FLOP utilisation of a training step against this machine's matmul peak",
+    "kernel": "the attention kernel alone: eager reference against the fast path",
+    "curve": "does bf16 autocast train like fp32? loss curves side by side",
+    "eval-speedup": "Transformer-XL evaluation against the vanilla Transformer per scored token (paper Table 9)",
+    "attention-scaling": "time and peak memory of one attention layer of each arena variant against length",
+    "arena": "train every attention kernel and positional encoding on PTB-char under one CPU budget",
+    "all": "train, eval, generate, mfu, kernel and curve in one go; writes benchmarks.md, benchmarks.json, plots",
+}
+
+# The shared flags and which benchmarks read them (a benchmark shows only its own).
+_COMMON = ("json", "config", "precision", "steps", "warmup", "threads", "quick")
+FLAGS_OF: dict[str, tuple[str, ...]] = {
+    "train": (*_COMMON, "against", "impl", "no_rss"),
+    "eval": (*_COMMON, "against", "impl", "mem_lens", "no_rss"),
+    "generate": (*_COMMON, "impl", "context"),
+    "mfu": (*_COMMON, "impl"),
+    "kernel": (*_COMMON, "impl"),
+    "curve": ("json", "config", "quick"),
+}
+
+
+def add_shared_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | None = None) -> None:
+    """Declare the shared flags in `names` (all of them when None); the others get their defaults, so
+    every benchmark's arguments have the same attributes."""
+    flags = {
+        "json": (("--json",), dict(metavar="FILE", help="also write the results as JSON")),
+        "config": (("--config",), dict(choices=["tiny", "base"], default="tiny",
+                                       help="tiny: 4×128, tgt=mem=128, batch 8; base: enwik8-base 12×512, "
+                                            "tgt=mem=512, batch 2")),
+        "precision": (("--precision",), dict(choices=["fp32", "bf16"], default=None,
+                                             help="fp32 or bf16 autocast (default fp32; mfu: both)")),
+        "against": (("--against",), dict(choices=["hf"], action="append", default=[],
+                                         help="also run Hugging Face TransfoXL (transformers==4.35.2, the bench "
+                                              "extra)")),
+        "impl": (("--impl",), dict(type=_names, default=("eager", "fast"), metavar="LIST",
+                                   help="attention implementations of ours to run (default eager,fast)")),
+        "steps": (("--steps",), dict(type=int, default=None, help="timed steps per contender (default 5)")),
+        "warmup": (("--warmup",), dict(type=int, default=None, help="untimed steps first (default 2)")),
+        "threads": (("--threads",), dict(type=int, default=0, help="torch threads (default: torch's choice)")),
+        "mem_lens": (("--mem-lens",), dict(type=_ints, default=(), metavar="LIST",
+                                           help="memory lengths to sweep (default: the benchmark's)")),
+        "context": (("--context",), dict(type=int, default=1024, help="context length (default 1024)")),
+        "no_rss": (("--no-rss",), dict(action="store_true", help="skip the peak-RSS subprocesses")),
+        "quick": (("--quick",), dict(action="store_true", help="few steps and small shapes: a smoke run")),
+        "out": (("--out",), dict(default="docs", help="directory for benchmarks.md and the plots (default docs)")),
+    }
+    chosen = tuple(flags) if names is None else names
+    defaults = {}
+    for name, (option, kwargs) in flags.items():
+        if name in chosen:
+            parser.add_argument(*option, **kwargs)
+        else:
+            defaults[name] = False if kwargs.get("action") == "store_true" else kwargs.get("default")
+    parser.set_defaults(**defaults)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = "speed and memory benchmarks, one per NAME; `txl bench NAME --help` shows its flags"
     sub = parser.add_subparsers(dest="name", metavar="NAME", required=True)
     for name, module_name in BENCHES.items():
         if not available(name):
             continue
         module = importlib.import_module(module_name)
-        summary = (module.__doc__ or name).strip().splitlines()[0]
-        p = sub.add_parser(name, help=summary, description=module.__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        summary = SUMMARIES.get(name) or (module.__doc__ or name).strip().splitlines()[0]
+        doc = {"arena": "docs/arena.md", "attention-scaling": "docs/attention_scaling.md",
+               "eval-speedup": "docs/evaluation.md"}.get(name, "docs/benchmarks.md")
+        p = sub.add_parser(name, help=summary, description=f"txl bench {name}: {summary}. Method and results: {doc}.")
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         if has_own_cli(module):
             module.configure(p)
         else:
-            add_shared_flags(p)
-    p = sub.add_parser("all", help="every benchmark; writes docs/benchmarks.md, plots and benchmarks.json")
+            add_shared_flags(p, FLAGS_OF.get(name))
+    p = sub.add_parser("all", help=SUMMARIES["all"], description=f"txl bench all: {SUMMARIES['all']}.")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     add_shared_flags(p)
 

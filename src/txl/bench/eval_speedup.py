@@ -63,7 +63,7 @@ def _build_model(config: str, ckpt: str | None, impl: str):
     from txl.model import TransformerXL
 
     if ckpt:
-        from txl.evaluate import load_checkpoint
+        from txl.checkpoint import load_checkpoint
 
         model = load_checkpoint(ckpt).model
     else:

@@ -1,0 +1,148 @@
+"""`txl train`: arguments, the configuration of a new or resumed run, and the multi-process launch."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from txl.errors import UsageError
+from txl.optim import lr_at
+from txl.run_config import apply_sets, build_run_config, preset_names
+from txl.train.distributed import env_int
+from txl.train.finish import finish
+from txl.train.loop import Trainer
+from txl.train.state import LAST, STATE_FILE, resume_config
+
+
+def configure_cli(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", help=f"one of: {', '.join(preset_names())} (default: tiny)")
+    parser.add_argument("--config", metavar="FILE", help="a TOML file with [model] and [train] sections")
+    parser.add_argument("--data", metavar="SPEC",
+                        help="data spec, e.g. ptb-char:DIR or text:FILE?tokenizer=chars (see `txl data list`); "
+                             "needed when the preset's corpus is not in its download location")
+    parser.add_argument("--out", metavar="DIR", help="run directory (default: runs/PRESET-TIMESTAMP)")
+    parser.add_argument("--max-steps", type=int, metavar="N",
+                        help="optimiser steps (also the schedule's horizon; with --resume, a new total)")
+    parser.add_argument("--max-minutes", type=float, metavar="M", help="wall-clock budget in minutes (0 = none)")
+    parser.add_argument("--seed", type=int, help="random seed of the model, data order and sample")
+    parser.add_argument("--resume", metavar="RUN_DIR",
+                        help="continue a run exactly where its last checkpoint left it (with --data when the corpus "
+                             "moved; --max-steps/--max-minutes may change)")
+    parser.add_argument("--init-from", metavar="RUN_OR_CKPT",
+                        help="fine-tune: start a new run from these trained weights (the model section comes from "
+                             "the checkpoint; the vocabulary must match; new optimiser and schedule)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override any config key: model.d_model=256, lr=1e-3, precision=bf16 ... "
+                             "(all --set flags are applied together, then checked)")
+    parser.add_argument("--nproc", type=int, default=0,
+                        help="launch N processes on this machine (torchrun --nproc-per-node N)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="where to train (default: auto, a GPU when there is one)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    if args.nproc < 0:
+        raise UsageError(f"--nproc must be >= 0 (0 = this process only), got {args.nproc}")
+    if args.nproc and env_int("WORLD_SIZE", 1) == 1:
+        return launch(args.nproc)
+    flags = {"data": args.data, "max_steps": args.max_steps, "max_minutes": args.max_minutes, "seed": args.seed}
+    if args.resume:
+        if args.preset or args.config or args.set or args.seed is not None or args.init_from:
+            raise UsageError("--resume continues the saved configuration; only --max-steps, --max-minutes and --data "
+                             "(the same corpus, moved) may change; to start a new run from its weights use "
+                             "--init-from RUN --out NEW")
+        if args.out:
+            raise UsageError(f"--resume continues the run in its own directory {args.resume}; drop --out (to start a "
+                             f"new run from its weights, use --init-from {args.resume} --out {args.out})")
+        out = Path(args.resume)
+        before = resume_config(out)
+        run = resume_config(out, max_steps=args.max_steps, max_minutes=args.max_minutes)
+        if args.data:
+            run.train.data = args.data  # the fingerprints are compared when the checkpoint is restored
+        note = schedule_note(before.train, run.train, saved_step(out))
+        if note:
+            print(f"note: {note}", file=sys.stderr)
+    else:
+        preset = args.preset or (None if args.config else "tiny")
+        run = build_run_config(preset=preset, config_file=args.config, flags=flags)
+        if args.init_from:
+            run.model = init_model_section(args.init_from)
+        apply_sets(run, args.set)
+        name = preset or Path(args.config).stem
+        if args.init_from:
+            name += "-finetune"
+        out = Path(args.out) if args.out else Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    trainer = Trainer(run, out, device=args.device, resume=bool(args.resume), quiet=args.quiet,
+                      init_from=args.init_from)
+    if trainer.dist.main:
+        start = f", weights from {trainer.init_from}" if trainer.init_from else ""
+        print(f"txl train: {trainer.model.num_parameters():,} parameters, data {run.train.data} "
+              f"({len(trainer.corpus.vocab):,} tokens in the vocabulary, metric {trainer.metric}), "
+              f"out {out}, world size {trainer.dist.world}{start}", file=sys.stderr)
+    summary = trainer.fit()
+    if summary["stopped_by"] != "signal":
+        finish(trainer, summary)
+    elif trainer.dist.main:
+        print(f"txl train: stopped by signal at step {summary['steps']}; resume with --resume {out}", file=sys.stderr)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def init_model_section(source: str) -> dict:
+    """`--init-from`: the model section is the checkpoint's (its vocabulary size comes from the data)."""
+    from txl.checkpoint import load_config, resolve_checkpoint
+
+    config = load_config(resolve_checkpoint(source)).to_dict()
+    config.pop("vocab_size", None)
+    return config
+
+
+def saved_step(run_dir: Path) -> int:
+    from txl.checkpoint import read_json
+
+    return int(read_json(run_dir / LAST / STATE_FILE, "training state")["step"])
+
+
+def schedule_note(before, after, step: int) -> str:
+    """What a new step budget does to a resumed run's learning-rate schedule, in one line."""
+    if after.max_steps == before.max_steps:
+        return ""
+    if after.max_steps <= step:
+        raise UsageError(f"--max-steps {after.max_steps} is not beyond the run's step {step}; give a larger total")
+    if after.schedule == "constant" or (after.schedule == "inv_sqrt" and step >= after.warmup_steps):
+        return f"max_steps {before.max_steps} -> {after.max_steps}; the {after.schedule} schedule does not depend on it"
+
+    def lr(cfg, at):
+        return lr_at(at, schedule=cfg.schedule, lr=cfg.lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
+                     eta_min=cfg.eta_min)
+
+    return (f"max_steps {before.max_steps} -> {after.max_steps}: the {after.schedule} schedule now ends at step "
+            f"{after.max_steps}, so the learning rate at step {step} is {lr(after, step):.3g} instead of "
+            f"{lr(before, step):.3g} and decays more slowly from here")
+
+
+def launch(nproc: int) -> int:
+    """`txl train --nproc N ...` = `torchrun --nproc-per-node N -m txl train ...` (same arguments)."""
+    import subprocess
+
+    argv = [a for a in sys.argv[1:]]
+    cleaned, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        if a.startswith("--nproc="):
+            continue
+        cleaned.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "txl", *cleaned]
+    return subprocess.call(cmd)

@@ -1,0 +1,144 @@
+"""After training: final scores with the best weights, a sample, result.json and a summary."""
+
+from __future__ import annotations
+
+import math
+import shlex
+import sys
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from txl.checkpoint import write_json
+from txl.display import for_stream, json_text
+from txl.errors import ConfigError, DataError, OutputError, describe_os_error
+from txl.evaluate import metric_value
+from txl.model import TransformerXL
+from txl.train.state import BEST, LAST
+
+if TYPE_CHECKING:
+    from txl.train.loop import Trainer
+
+
+def sample_prompt_ids(corpus, cfg) -> list[int]:
+    """The end-of-run sample's prompt, checked before the first step.
+
+    A prompt the user set must encode with the corpus's vocabulary, word by word (an unknown word is
+    not silently replaced by `<unk>`). Without one, the prompt is the corpus's own text: the first
+    line of the valid split (else of train), at most 64 tokens, so every corpus has a prompt it can read.
+    """
+    if not cfg.sample_tokens:
+        return []
+    vocab = corpus.vocab
+    if cfg.sample_prompt:
+        why = ""
+        try:
+            ids = [int(i) for i in vocab.encode(cfg.sample_prompt)]
+        except DataError as err:
+            ids, why = [], str(err)
+        if not why and vocab.kind == "words" and vocab.unk is not None:
+            unknown = [w for w in cfg.sample_prompt.split() if w not in vocab.stoi]
+            if unknown:
+                why = f"word {unknown[0]!r} is not in the vocabulary (it would become {vocab.unk})"
+        if not why and not ids:
+            why = "it encodes to no tokens"
+        if why:
+            raise ConfigError(f"train.sample_prompt {cfg.sample_prompt!r} does not fit the corpus {cfg.data!r}: {why}; "
+                              "set another with --set sample_prompt=TEXT or --set sample_prompt= (empty: the "
+                              "start of the valid split)")
+        return ids
+    split = "valid" if "valid" in corpus.splits else "train"
+    head = [int(t) for t in corpus.split(split)[:64]]
+    newline = vocab.eos_id if vocab.eos_id is not None else _newline_id(vocab)
+    if newline is not None and newline in head[:-1]:
+        head = head[: head.index(newline) + 1]  # one whole line, ending at its boundary
+    return head or [newline if newline is not None else 0]
+
+
+def _newline_id(vocab) -> int | None:
+    try:
+        ids = vocab.encode("\n")
+    except DataError:
+        return None
+    return int(ids[0]) if len(ids) == 1 else None
+
+
+def finish(trainer: Trainer, summary: dict) -> dict:
+    """Evaluate the final splits with the best weights; write result.json (before the sample, so a
+    failing sample cannot lose the scores), then the sample; print a summary and the next commands."""
+    cfg = trainer.cfg
+    results = {}
+    if trainer.dist.world > 1:
+        dist.barrier()  # rank 0 has finished writing `best`
+    if (trainer.out / BEST).is_dir():
+        best = TransformerXL.from_pretrained(trainer.out / BEST, map_location=trainer.dist.device)
+        trainer.model.load_state_dict(best.state_dict())
+    for split in cfg.final_splits:
+        if split not in trainer.corpus.splits:
+            continue
+        result = trainer.evaluate_split(split, max_tokens=cfg.eval_max_tokens, progress=True)
+        results[split] = result.to_dict()
+    best_valid = summary.pop("best_valid", math.inf)
+    metric = trainer.metric
+    summary = {**summary, "final": results, "metric": metric, "parameters": trainer.model.num_parameters(),
+               "best_valid_loss_nats": best_valid if math.isfinite(best_valid) else None,
+               f"best_valid_{metric}": metric_value(best_valid, metric) if math.isfinite(best_valid) else None,
+               "data": cfg.data, "out": str(trainer.out.absolute())}
+    if not trainer.validates:
+        summary["note"] = "the corpus has no valid split: validation was off"
+    if trainer.dist.main:
+        write_json(trainer.out / "result.json", summary)
+        if cfg.sample_tokens:
+            text, ids = write_sample(trainer)
+            summary["sample"] = json_text(text)  # valid UTF-8: undecodable bytes as \xNN escapes
+            summary["sample_ids"] = ids
+            write_json(trainer.out / "result.json", summary)
+            summary["sample_text"] = text
+        print_summary(trainer, summary)
+    return summary
+
+
+def write_sample(trainer: Trainer) -> tuple[str, list[int]]:
+    """Continue the checked prompt; write the exact text to sample.txt. Returns (text, token ids)."""
+    from txl.generate import stream_tokens
+
+    vocab = trainer.corpus.vocab
+    prompt = trainer.sample_prompt
+    generator = torch.Generator().manual_seed(trainer.cfg.seed)
+    tokens = list(stream_tokens(trainer.model, prompt, max_new_tokens=trainer.cfg.sample_tokens,
+                                temperature=0.8, top_k=40, generator=generator))
+    text = vocab.decode(prompt + tokens)
+    try:
+        (trainer.out / "sample.txt").write_text(text, encoding="utf-8", errors="surrogateescape")
+    except OSError as err:
+        raise OutputError(f"cannot write {trainer.out / 'sample.txt'}: {describe_os_error(err)}") from None
+    return text, prompt + tokens
+
+
+def print_summary(trainer: Trainer, summary: dict) -> None:
+    metric = summary["metric"]
+    cap = trainer.cfg.eval_max_tokens
+    out = trainer.out
+    print(f"\nrun: {out}  ({summary['parameters']:,} parameters, {summary['steps']} steps, "
+          f"{summary['tokens']:,} tokens, {summary['tokens_per_second']:,.0f} tokens/s, stopped by "
+          f"{summary['stopped_by']})")
+    if summary["final"]:
+        print(f"\n| split | {metric} | loss (nats) | tokens scored |\n|---|---|---|---|")
+        for split, r in summary["final"].items():
+            print(f"| {split} | {r[metric]:.4f} | {r['loss']:.4f} | {r['tokens']:,} |")
+        if cap:
+            print(f"(scored on the first {cap:,} tokens of each split; train.eval_max_tokens=0 scores them whole)")
+    elif not trainer.validates:
+        print("\n(no valid split: validation was off and there is no final score)")
+    if summary.get("sample_text") is not None:
+        print("\nsample:\n" + for_stream(summary["sample_text"], sys.stdout) + "\n")
+    weights = out / BEST if (out / BEST).is_dir() else out / LAST
+    print(f"\nwritten: {out / 'result.json'} (scores), {weights} (weights), {out / LAST} (resumable), "
+          f"{out / 'metrics.jsonl'} (curves)" + (f", {out / 'sample.txt'}" if summary.get("sample_text") else ""))
+    run = shlex.quote(str(out))
+    print("next:\n"
+          f"  txl eval {run}                      score it again (--split test, --text FILE for new text)\n"
+          f"  txl generate {run} --prompt TEXT    continue a prompt\n"
+          f"  txl plot {run}                      training curves as a PNG\n"
+          f"  txl train --resume {run} --max-steps N    train longer")

@@ -1,0 +1,295 @@
+"""Training: one readable loop that runs the same on a laptop CPU and on many GPUs.
+
+What a step does (the reference's train.py, batch-first and without its global state):
+  for each micro-batch (rows of the global batch, each with its own memory):
+      loss = model(inputs, memory, labels).loss / grad_accum ; backward      (DDP: no_sync but last)
+      memory = out.memory                                                    (detached: SG(m))
+  skip the update if the loss is not finite; unscale (fp16), clip, optimiser step, lr for the step.
+
+The run's directory and checkpoints live in `txl.train.state`, its records in `txl.train.progress`,
+the end of a run in `txl.train.finish` and the command line in `txl.train.cli`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from txl.checkpoint import recover_directory
+from txl.errors import ConfigError, DataError, TrainingError
+from txl.evaluate import EvalResult, autocast, evaluate, metric_value
+from txl.memory import Memory
+from txl.model import TransformerXL
+from txl.optim import build_optimizer, lr_at, set_lr
+from txl.run_config import RunConfig
+from txl.train.distributed import init_distributed
+from txl.train.finish import sample_prompt_ids
+from txl.train.progress import MetricsLog, Progress
+from txl.train.state import (
+    BEST,
+    LAST,
+    check_out_dir,
+    create_out_dir,
+    load_initial_weights,
+    resolve_data,
+    restore_checkpoint,
+    save_best,
+    save_checkpoint,
+    write_run_file,
+)
+
+
+class Trainer:
+    def __init__(self, run: RunConfig, out_dir: str | Path, *, device: str = "auto", resume: bool = False,
+                 quiet: bool = False, init_from: str | Path | None = None):
+        """Everything a run needs at its end is checked here, before the first step: the data (and a
+        preset's corpus being where it is expected), the sample prompt, the validation split and the
+        output directory, which is created last, so a failed start leaves nothing behind."""
+        from txl.data import StreamIterator, open_corpus
+
+        self.run = run
+        self.cfg = run.train
+        self.out = Path(out_dir)
+        self.quiet = quiet
+        self.dist = init_distributed(device)
+        if self.cfg.batch_size % (self.dist.world * self.cfg.grad_accum):
+            raise ConfigError(
+                f"train.batch_size={self.cfg.batch_size} must be divisible by world size × grad_accum "
+                f"= {self.dist.world} × {self.cfg.grad_accum}"
+            )
+        if self.dist.main:
+            for name in (LAST, BEST):  # a crash mid-checkpoint leaves the previous one set aside
+                recover_directory(self.out / name)
+            if not resume:
+                check_out_dir(self.out)
+        self.data_as_typed = self.cfg.data
+        self.cfg.data = resolve_data(self.cfg.data)  # absolute: the run works from any directory
+        self.corpus = open_corpus(self.cfg.data)
+        self.metric = self.corpus.metric
+        self.validates = "valid" in self.corpus.splits
+        if not self.validates and self.dist.main and not resume:
+            print(f"note: {self.cfg.data} has no valid split: validation is off, so there is no `best` checkpoint "
+                  "and no final score (add a valid.txt to the corpus directory to get them)", file=sys.stderr)
+        self.sample_prompt = sample_prompt_ids(self.corpus, self.cfg)
+        self.model_config = run.model_config(vocab_size=len(self.corpus.vocab))
+        torch.manual_seed(self.cfg.seed)
+        self.model = TransformerXL(self.model_config).to(self.dist.device)
+        self.init_from = None
+        if init_from is not None and not resume:
+            self.init_from = str(load_initial_weights(self.model, init_from, self.corpus.vocab))
+        torch.manual_seed(self.cfg.seed + self.dist.rank)  # distinct dropout streams per rank
+        self.ddp = self.model
+        if self.dist.world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.ddp = DistributedDataParallel(
+                self.model,
+                device_ids=[self.dist.local_rank] if self.dist.device.type == "cuda" else None,
+                find_unused_parameters=self.model_config.adaptive,  # tail clusters may see no token
+            )
+        self.forward = torch.compile(self.ddp) if self.cfg.compile else self.ddp
+        self.optimizer = build_optimizer(self.cfg.optimizer, self.model.parameters(), lr=self.cfg.lr,
+                                         weight_decay=self.cfg.weight_decay)
+        self.scaler = torch.amp.GradScaler(self.dist.device.type, enabled=self.cfg.precision == "fp16")
+        self.train_iter = StreamIterator(self.corpus.split("train"), batch_size=self.cfg.batch_size,
+                                         tgt_len=self.cfg.tgt_len, varlen=self.cfg.varlen, roll=self.cfg.roll,
+                                         seed=self.cfg.seed)
+        self.memories: list[Memory | None] = [None] * self.cfg.grad_accum
+        self.step = 0
+        self.tokens_seen = 0
+        self.elapsed = 0.0  # training seconds over all sessions of this run
+        self.best_valid = math.inf
+        self.nonfinite_streak = 0
+        self.stop_requested = False
+        self._checked_splits: set[str] = set()
+        if resume:
+            restore_checkpoint(self, self.out / LAST)
+        elif self.dist.main:
+            create_out_dir(self.out)
+
+    # -- one optimisation step ---------------------------------------------------------------------
+    def train_step(self, batch) -> tuple[float, int]:
+        """Forward/backward over this rank's micro-batches. Returns (summed NLL over this rank's tokens,
+        token count); the NLL is NaN when any micro-batch loss was not finite. One host sync per step."""
+        rows = self.dist.rows(self.cfg.batch_size)
+        inputs = batch.inputs[rows].to(self.dist.device, non_blocking=True)
+        targets = batch.targets[rows].to(self.dist.device, non_blocking=True)
+        micro = inputs.shape[0] // self.cfg.grad_accum
+        nll_sum = torch.zeros((), dtype=torch.float64, device=self.dist.device)
+        for j in range(self.cfg.grad_accum):
+            x, y = inputs[j * micro : (j + 1) * micro], targets[j * micro : (j + 1) * micro]
+            last = j == self.cfg.grad_accum - 1
+            sync = contextlib.nullcontext() if last or self.dist.world == 1 else self.ddp.no_sync()
+            with sync:
+                with autocast(self.dist.device, self.cfg.precision):
+                    out = self.forward(x, memory=self.memories[j], labels=y)
+                loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss  # compressive memory
+                self.scaler.scale(loss / self.cfg.grad_accum).backward()
+            self.memories[j] = out.memory
+            # the loss, not the per-token NLL, decides finiteness (a caller may poison either)
+            nll_sum += out.nll.detach().double().sum() + out.loss.detach().double() * 0
+        return float(nll_sum), inputs.shape[0] * inputs.shape[1]
+
+    def optimizer_step(self, lr: float, finite: bool) -> None:
+        if not finite:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.memories = [None] * self.cfg.grad_accum  # do not carry NaNs into the next segment
+            return
+        set_lr(self.optimizer, lr)
+        self.scaler.unscale_(self.optimizer)
+        if self.cfg.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        cfg = self.cfg
+        if self.dist.main:
+            write_run_file(self)
+        log = MetricsLog(self.out, enabled=self.dist.main, truncate_after=self.step)
+        bar = Progress(total=cfg.max_steps, initial=self.step, enabled=self.dist.main and not self.quiet,
+                       metric=self.metric)
+        previous_handlers = self._install_signal_handlers()
+        window_nll, window_tokens, window_start = 0.0, 0, time.perf_counter()
+        session_start = time.perf_counter()
+        elapsed_before = self.elapsed
+        reason = "max_steps"
+        batches = iter(self.train_iter)  # endless; continues from a resumed position
+        try:
+            self.model.train()
+            while self.step < cfg.max_steps:
+                batch = next(batches)
+                # inputs[:, 1:] == targets[:, :-1]: the targets and the first column cover every id
+                self.check_token_ids(max(int(batch.targets.max()), int(batch.inputs[:, 0].max())), "train")
+                if batch.step == 0:
+                    self.memories = [None] * cfg.grad_accum  # memory does not cross epochs
+                lr = lr_at(self.step, schedule=cfg.schedule, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
+                           max_steps=cfg.max_steps, eta_min=cfg.eta_min)
+                nll_sum, count = self.train_step(batch)
+                local_bad = 0.0 if math.isfinite(nll_sum) else 1.0
+                total_nll, total_count, bad, stop = self.dist.all_sum(
+                    [0.0 if local_bad else nll_sum, count, local_bad, float(self.stop_requested)]
+                )
+                finite = bad == 0
+                self.optimizer_step(lr, finite)
+                self.step += 1
+                self.tokens_seen += int(total_count)
+                self.elapsed = elapsed_before + time.perf_counter() - session_start
+                if finite:
+                    self.nonfinite_streak = 0
+                    window_nll += total_nll
+                    window_tokens += int(total_count)
+                else:
+                    self.nonfinite_streak += 1
+                    bar.write(f"warning: non-finite loss at step {self.step}; update skipped "
+                              f"({self.nonfinite_streak} in a row)")
+                    if self.nonfinite_streak >= cfg.max_nonfinite:
+                        raise TrainingError(
+                            f"loss was not finite for {self.nonfinite_streak} steps in a row (last at step "
+                            f"{self.step}); the last good checkpoint is {self.out / LAST}; lower train.lr, "
+                            "raise train.warmup_steps or use precision fp32/bf16"
+                        )
+                if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps:
+                    now = time.perf_counter()
+                    loss = window_nll / max(window_tokens, 1)
+                    speed = window_tokens / max(now - window_start, 1e-9)
+                    log.write({"split": "train", "step": self.step, "loss": loss, self.metric:
+                               metric_value(loss, self.metric), "lr": lr, "tokens_per_second": speed,
+                               "tokens": self.tokens_seen, "elapsed": self.elapsed})
+                    bar.show(step=self.step, loss=loss, lr=lr, speed=speed)
+                    window_nll, window_tokens, window_start = 0.0, 0, now
+                bar.advance(self.step)
+                time_up = cfg.max_minutes > 0 and self.elapsed >= cfg.max_minutes * 60
+                stopping = stop > 0 or time_up or self.step == cfg.max_steps
+                if self.validates and (self.step % cfg.eval_interval == 0 or time_up or self.step == cfg.max_steps):
+                    self.validate(log, bar)  # (not on a signal: save and leave quickly)
+                due = (cfg.save_interval and self.step % cfg.save_interval == 0) or (
+                    not cfg.save_interval and self.step % cfg.eval_interval == 0
+                )
+                if (stopping or due) and self.nonfinite_streak == 0:  # keep the last *good* checkpoint
+                    save_checkpoint(self, self.out / LAST)
+                if stop > 0:
+                    reason = "signal"
+                    break
+                if time_up:
+                    reason = "max_minutes"
+                    break
+        finally:
+            bar.close()
+            log.close()
+            self._restore_signal_handlers(previous_handlers)
+        return {"steps": self.step, "stopped_by": reason, "tokens": self.tokens_seen, "elapsed": self.elapsed,
+                "tokens_per_second": self.tokens_seen / max(self.elapsed, 1e-9), "best_valid": self.best_valid}
+
+    def validate(self, log: MetricsLog, bar: Progress) -> EvalResult:
+        result = self.evaluate_split("valid", max_tokens=self.cfg.eval_max_tokens)
+        log.write({"split": "valid", "step": self.step, "loss": result.loss, self.metric: result.value,
+                   "tokens": result.tokens, "tokens_per_second": result.tokens_per_second,
+                   "elapsed": self.elapsed})
+        bar.write(f"step {self.step}: valid {self.metric} {result.value:.4f} (loss {result.loss:.4f}, "
+                  f"{result.tokens:,} tokens)")
+        if result.loss < self.best_valid:
+            self.best_valid = result.loss
+            if self.dist.main:
+                save_best(self, result)
+        self.model.train()
+        return result
+
+    def check_token_ids(self, largest: int, split: str) -> None:
+        """Prepared arrays are unsigned, so only an id >= vocab_size can be wrong (a damaged cache):
+        without this it is an IndexError deep inside the embedding. Costs one max over the batch's
+        B×T ids on the CPU per step, before they move to the device (about 0.02 ms for 22×512, 0.1 ms
+        for 128×384: far below 0.1% of a step); the model forward itself is left alone."""
+        if largest >= self.model_config.vocab_size:
+            raise DataError(f"token id {largest} in the {split} split of {self.cfg.data!r} is outside the "
+                            f"vocabulary ({self.model_config.vocab_size} ids): the prepared cache is damaged; "
+                            f"run `txl data prepare {self.cfg.data} --force`")
+
+    def evaluate_split(self, split: str, *, max_tokens: int = 0, progress: bool = False) -> EvalResult:
+        cfg = self.cfg
+        tokens = self.corpus.split(split)
+        if split not in self._checked_splits and len(tokens):  # once per split: one pass over <= 5% of the corpus
+            self.check_token_ids(int(tokens[: max_tokens + 1 if max_tokens else None].max()), split)
+            self._checked_splits.add(split)
+        bsz = cfg.eval_batch_size
+        rows = None
+        if self.dist.world > 1:
+            bsz = max(bsz // self.dist.world, 1) * self.dist.world
+            rows = self.dist.rows(bsz)
+        result = evaluate(
+            self.model, self.corpus.split(split), metric=self.metric, batch_size=bsz,
+            tgt_len=cfg.eval_tgt_len or cfg.tgt_len, mem_len=cfg.eval_mem_len, warm_memory=cfg.eval_warm_memory,
+            max_tokens=max_tokens, device=self.dist.device, precision=cfg.precision, rows=rows,
+            progress=progress and self.dist.main and not self.quiet,
+        )
+        if self.dist.world > 1:
+            total, count = self.dist.all_sum([result.loss * result.tokens, result.tokens])
+            result.loss, result.tokens = total / max(count, 1), int(count)
+        result.split = split
+        return result
+
+    # -- signals -----------------------------------------------------------------------------------
+    def _install_signal_handlers(self):
+        def request_stop(signum, frame):
+            if self.stop_requested:  # a second signal: stop now
+                raise KeyboardInterrupt
+            self.stop_requested = True
+
+        previous = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError):  # not in the main thread
+                previous[sig] = signal.signal(sig, request_stop)
+        return previous
+
+    @staticmethod
+    def _restore_signal_handlers(previous) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

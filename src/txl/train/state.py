@@ -1,0 +1,339 @@
+"""The state of a training run on disk: its directory, `run.json`, and the `last` / `best` checkpoints.
+
+`last` holds everything an exact resume needs (weights, optimiser, scaler, RNG states, data position and
+every rank's memory); `best` holds the weights with the best validation loss. Saving is atomic
+(`txl.checkpoint.atomic_directory`); restoring checks every value before it is used, so a damaged
+checkpoint or one from another run is one `CheckpointError`, never a crash at the next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from txl.checkpoint import (
+    WEIGHTS_NAME,
+    atomic_directory,
+    check_state_dict,
+    load_config,
+    load_tensors,
+    read_json,
+    recover_directory,
+    save_tensors,
+    write_json,
+    write_model_files,
+)
+from txl.errors import CheckpointError, ConfigError, DataError, OutputError, UsageError, describe_os_error
+from txl.memory import Memory
+from txl.optim import optimizer_state_join, optimizer_state_split
+from txl.run_config import RunConfig, merge
+
+if TYPE_CHECKING:
+    from txl.evaluate import EvalResult
+    from txl.train.loop import Trainer
+
+LAST, BEST = "last", "best"
+OPTIMIZER_STATE_KEYS = {"step", "exp_avg", "exp_avg_sq"}  # per parameter, for adam, adamw and lamb alike
+STATE_FILE = "trainer_state.json"
+
+
+def check_out_dir(out: Path) -> None:
+    """A new run's --out, before anything is created: refuse one that holds a run or is not a
+    directory, and one whose nearest existing parent cannot be written."""
+    if (out / LAST).exists():
+        raise UsageError(f"{out} already holds a run; continue it with --resume {out} or pick a new --out")
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"output directory {out} exists and is not a directory; pick a new --out")
+    parent = out.absolute()
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise OutputError(f"cannot write to output directory {out}: {parent} is a file, not a directory; "
+                          "pick a new --out")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write to output directory {out}: {parent} is not writable (permission denied); "
+                          "pick a new --out")
+
+
+def create_out_dir(out: Path) -> None:
+    """Create a new run's --out (the last step before training) and prove it is writable."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise OutputError(f"cannot write to output directory {out}: {describe_os_error(err)}") from None
+
+
+def resolve_data(spec_text: str) -> str:
+    """The data spec with an absolute path (stored in the run, so eval/generate/resume work from any
+    directory). A spec without a path (a preset names corpora, not paths) means the default download
+    location; when the corpus is not there, one line says how to get it or point at it."""
+    from txl.data import parse_spec
+
+    spec = parse_spec(spec_text)
+    body = spec.text.partition("?")[0] if "?" in spec.text else spec.text
+    implicit = ":" not in body
+    if spec.path is not None and spec.name != "builtin":
+        spec = dataclasses.replace(spec, path=os.path.abspath(spec.path))  # normalised: no "work/../data"
+    if implicit and spec.info.download and spec.path is not None and not Path(spec.path).exists():
+        raise DataError(f"corpus {spec.name} not found in its download location {spec.path}; fetch it with "
+                        f"`txl data download {spec.info.download}` or point at your copy with --data "
+                        f"{spec.name}:DIR")
+    return spec.canonical()
+
+
+def load_initial_weights(model, source: str | Path, vocab) -> Path:
+    """Fine-tuning (`--init-from`): copy trained weights into a new run's model. The vocabulary must be
+    the same one (ids mean the same symbols); the error says how the two differ."""
+    from txl.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(source)
+    if ckpt.vocab is not None and ckpt.vocab.fingerprint != vocab.fingerprint:
+        raise DataError(f"--init-from {source}: {vocab_difference(ckpt.vocab, vocab)}; fine-tune on data with the "
+                        "checkpoint's vocabulary (same tokenizer and symbols)")
+    if ckpt.vocab is None and ckpt.model.config.vocab_size != vocab.size:
+        raise DataError(f"--init-from {source}: the checkpoint has {ckpt.model.config.vocab_size} ids but the data has "
+                        f"{vocab.size}")
+    weights = ckpt.model.state_dict()
+    check_state_dict(model.state_dict(), weights, ckpt.path)
+    model.load_state_dict(weights)
+    return ckpt.path
+
+
+def vocab_difference(old, new) -> str:
+    """How two vocabularies differ, in words (kind, size, the first symbols only one of them has)."""
+    if old.kind != new.kind:
+        return f"the checkpoint has a {old.kind} vocabulary, the data a {new.kind} vocabulary"
+    text = f"the checkpoint's {old.kind} vocabulary has {old.size} ids, the data's {new.size}"
+    if old.symbols is not None and new.symbols is not None:
+        missing = [s for s in new.symbols if s not in set(old.symbols)][:5]
+        extra = [s for s in old.symbols if s not in set(new.symbols)][:5]
+        if missing:
+            text += f"; the data has symbols the checkpoint lacks ({', '.join(map(repr, missing))})"
+        if extra:
+            text += f"; the checkpoint has symbols the data lacks ({', '.join(map(repr, extra))})"
+        if not missing and not extra:
+            text += "; the same symbols in a different order"
+    return text
+
+
+def write_run_file(trainer: Trainer) -> None:
+    data = {"config": trainer.run.to_dict(), "model": trainer.model_config.to_dict(), "world_size": trainer.dist.world,
+            "data": trainer.cfg.data, "data_as_typed": trainer.data_as_typed, "metric": trainer.metric,
+            "parameters": trainer.model.num_parameters(), "torch": torch.__version__,
+            "init_from": trainer.init_from, "validation": trainer.validates}
+    write_json(trainer.out / "run.json", data)
+
+
+def trainer_state(trainer: Trainer) -> dict:
+    """trainer_state.json of `last`: the counters, data position and configuration of the run."""
+    return {"step": trainer.step, "tokens_seen": trainer.tokens_seen, "elapsed": trainer.elapsed,
+            "best_valid": trainer.best_valid if math.isfinite(trainer.best_valid) else None,
+            "nonfinite_streak": trainer.nonfinite_streak, "world_size": trainer.dist.world,
+            "grad_accum": trainer.cfg.grad_accum, "data": trainer.cfg.data,
+            "vocab_fingerprint": trainer.corpus.vocab.fingerprint, "iterator": trainer.train_iter.state_dict(),
+            "scaler": trainer.scaler.state_dict(), "metric": trainer.metric, "run": trainer.run.to_dict()}
+
+
+def save_checkpoint(trainer: Trainer, path: Path) -> None:
+    """Everything for an exact resume, written atomically by rank 0 (others contribute their
+    memory and RNG state through all_gather)."""
+    extra: dict[str, torch.Tensor] = {}
+    for j, memory in enumerate(trainer.memories):
+        if memory is None:
+            continue
+        for layer, hidden in enumerate(memory.hidden):
+            for rank, part in enumerate(trainer.dist.gather(hidden)):
+                extra[f"memory.rank{rank}.chunk{j}.layer{layer}"] = part
+    for rank, part in enumerate(trainer.dist.gather(torch.get_rng_state())):
+        extra[f"rng.cpu.rank{rank}"] = part
+    if trainer.dist.device.type == "cuda":
+        for rank, part in enumerate(trainer.dist.gather(torch.cuda.get_rng_state(trainer.dist.device).to(trainer.dist.device))):
+            extra[f"rng.cuda.rank{rank}"] = part.cpu()
+    if not trainer.dist.main:
+        return
+    opt_tensors, opt_plain = optimizer_state_split(trainer.optimizer)
+    with atomic_directory(path) as tmp:
+        write_model_files(trainer.model, tmp)
+        trainer.corpus.vocab.save(tmp / "vocab.json")
+        save_tensors(tmp / "optimizer.safetensors", opt_tensors, {"txl_kind": "optimizer"})
+        save_tensors(tmp / "trainer.safetensors", extra, {"txl_kind": "trainer"})
+        write_json(tmp / "optimizer.json", opt_plain)
+        write_json(tmp / STATE_FILE, trainer_state(trainer))
+
+
+def save_best(trainer: Trainer, result: EvalResult) -> None:
+    with atomic_directory(trainer.out / BEST) as tmp:
+        write_model_files(trainer.model, tmp)
+        trainer.corpus.vocab.save(tmp / "vocab.json")
+        write_json(tmp / STATE_FILE, {"step": trainer.step, "valid": result.to_dict(), "metric": trainer.metric,
+                                      "data": trainer.cfg.data})
+
+
+def restore_checkpoint(trainer: Trainer, path: Path) -> None:
+    """Restore everything `save_checkpoint` wrote. The files may be damaged or come from another
+    run: every value is checked before it is used, and any mismatch is one `CheckpointError`."""
+    if not (path / STATE_FILE).is_file():
+        raise CheckpointError(f"{path.parent} is not a txl training run (no {LAST}/{STATE_FILE}); "
+                              "pass the --out directory of an earlier `txl train`")
+    state = check_trainer_state(read_json(path / STATE_FILE, "trainer state"), path / STATE_FILE)
+    if state["vocab_fingerprint"] != trainer.corpus.vocab.fingerprint:
+        raise CheckpointError(f"{path} was trained on a different vocabulary than {trainer.cfg.data!r} has now "
+                              "(the corpus files changed); restore them or start a new run")
+    saved_config = load_config(path)
+    if saved_config.to_dict() != trainer.model_config.to_dict():
+        raise CheckpointError(f"{path}/config.json does not match this run's model config; resume with the "
+                              "same configuration (only max_steps/max_minutes may change)")
+    weights, _ = load_tensors(path / WEIGHTS_NAME, "checkpoint weights")
+    check_state_dict(trainer.model.state_dict(), weights, path)
+    trainer.model.load_state_dict(weights)
+    _load_optimizer(trainer, path)
+    damaged = f"{path / STATE_FILE} is damaged"
+    try:
+        trainer.scaler.load_state_dict(state["scaler"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"{damaged}: its gradient-scaler state is unusable ({err})") from None
+    try:
+        trainer.train_iter.load_state_dict(state["iterator"])
+    except DataError as err:
+        raise CheckpointError(f"{damaged} or was saved for other data: {err}") from None
+    trainer.step, trainer.tokens_seen = state["step"], state["tokens_seen"]
+    trainer.elapsed = float(state["elapsed"])
+    trainer.best_valid = math.inf if state["best_valid"] is None else float(state["best_valid"])
+    trainer.nonfinite_streak = state["nonfinite_streak"]
+    extra, _ = load_tensors(path / "trainer.safetensors", "trainer state")
+    same_layout = state["world_size"] == trainer.dist.world and state["grad_accum"] == trainer.cfg.grad_accum
+    if same_layout:
+        _load_memory_and_rng(trainer, extra, path)
+    elif trainer.dist.main:
+        print(f"note: {path} was written with world size {state['world_size']} × grad_accum "
+              f"{state['grad_accum']}; memory and RNG restart (the resume is not bit-exact)",
+              file=sys.stderr)
+
+
+def _load_optimizer(trainer: Trainer, path: Path) -> None:
+    opt_tensors, _ = load_tensors(path / "optimizer.safetensors", "optimizer state")
+    opt_plain = read_json(path / "optimizer.json", "optimizer state")
+    unusable = f"{path}: the optimizer state does not fit this model (the checkpoint is damaged or from another run)"
+    if not (isinstance(opt_plain, dict) and isinstance(opt_plain.get("param_groups"), list)
+            and isinstance(opt_plain.get("state", {}), dict)):
+        raise CheckpointError(f"{path}/optimizer.json is damaged: expected an object with param_groups and "
+                              "state; restore the file or start a new run")
+    fresh_groups = trainer.optimizer.state_dict()["param_groups"]
+    try:
+        joined = optimizer_state_join(opt_tensors, opt_plain)
+        _check_param_groups(fresh_groups, joined["param_groups"])
+        trainer.optimizer.load_state_dict(joined)
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as err:
+        raise CheckpointError(f"{unusable}: {type(err).__name__}: {err}") from None
+    # torch compares neither state keys nor shapes with the parameters; a mismatch would only fail
+    # at the first step, deep inside the optimiser
+    for group in trainer.optimizer.param_groups:
+        for param in group["params"]:
+            state = trainer.optimizer.state.get(param, {})  # empty: the parameter never had a gradient
+            if state and set(state) != OPTIMIZER_STATE_KEYS:
+                raise CheckpointError(f"{unusable}: a parameter's state holds {sorted(state)}, expected "
+                                      f"{sorted(OPTIMIZER_STATE_KEYS)}")
+            for key, value in state.items():
+                ok = isinstance(value, torch.Tensor) and value.dtype.is_floating_point and (
+                    value.numel() == 1 if key == "step" else tuple(value.shape) == tuple(param.shape))
+                if not ok:
+                    got = f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(
+                        value, torch.Tensor) else repr(value)
+                    raise CheckpointError(f"{unusable}: {key!r} of a parameter of shape {tuple(param.shape)} "
+                                          f"is {got}")
+
+
+def _load_memory_and_rng(trainer: Trainer, extra: dict[str, torch.Tensor], path: Path) -> None:
+    rank = trainer.dist.rank
+    rows = trainer.cfg.batch_size // trainer.dist.world // trainer.cfg.grad_accum
+    width, mem_len = trainer.model_config.d_model, trainer.model_config.mem_len
+    for j in range(trainer.cfg.grad_accum):
+        names = [f"memory.rank{rank}.chunk{j}.layer{i}" for i in range(trainer.model_config.n_layer)]
+        layers = [extra[n] for n in names if n in extra]
+        if layers and (len(layers) != len(names) or any(
+                t.dim() != 3 or t.shape[0] != rows or t.shape[1] > mem_len or t.shape[2] != width
+                or not t.dtype.is_floating_point for t in layers)):
+            raise CheckpointError(f"{path}/trainer.safetensors: the saved memory does not fit this model "
+                                  f"(expected {trainer.model_config.n_layer} float tensors of shape ({rows}, <= {mem_len}, "
+                                  f"{width})); the checkpoint is damaged or from another run")
+        trainer.memories[j] = Memory(tuple(t.to(trainer.dist.device) for t in layers)) if layers else None
+    try:
+        torch.set_rng_state(extra[f"rng.cpu.rank{rank}"])
+        if trainer.dist.device.type == "cuda" and f"rng.cuda.rank{rank}" in extra:
+            torch.cuda.set_rng_state(extra[f"rng.cuda.rank{rank}"], trainer.dist.device)
+    except (KeyError, TypeError, RuntimeError) as err:
+        raise CheckpointError(f"{path}/trainer.safetensors: the saved random-number state is missing or "
+                              f"unusable ({type(err).__name__}: {err}); the checkpoint is damaged") from None
+
+
+# Types of the trainer_state.json fields `restore_checkpoint` reads (JSON gives us untyped values).
+_STATE_FIELDS: dict[str, tuple[type, ...]] = {
+    "step": (int,), "tokens_seen": (int,), "elapsed": (int, float), "best_valid": (int, float, type(None)),
+    "nonfinite_streak": (int,), "world_size": (int,), "grad_accum": (int,), "vocab_fingerprint": (str,),
+    "iterator": (dict,), "scaler": (dict,), "run": (dict,),
+}
+
+
+def check_trainer_state(state, where: Path) -> dict:
+    """trainer_state.json must be an object holding every field `restore_checkpoint` reads, typed."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{where} is damaged: it holds a JSON {type(state).__name__}, not an object")
+    for key, types in _STATE_FIELDS.items():
+        value = state.get(key)
+        if key not in state or not isinstance(value, types) or isinstance(value, bool):
+            raise CheckpointError(f"{where} is damaged: {key!r} is missing or has the wrong type (expected "
+                                  f"{' or '.join(t.__name__ for t in types)}); restore the file or start a new run")
+        if isinstance(value, int | float) and (value < 0 or not math.isfinite(value)):
+            raise CheckpointError(f"{where} is damaged: {key!r} is {value!r}; restore the file or start a new run")
+    return state
+
+
+def _check_param_groups(fresh: list[dict], saved) -> None:
+    """The saved optimiser hyperparameters must have the types of a freshly built optimiser's:
+    torch copies them unchecked and only fails (or silently misbehaves) at the next step."""
+    if not isinstance(saved, list) or len(saved) != len(fresh):
+        raise ValueError(f"{len(fresh)} parameter group(s) expected")
+    for want, got in zip(fresh, saved):
+        if not isinstance(got, dict):
+            raise TypeError("a parameter group is not an object")
+        for key, value in want.items():
+            if key == "params":
+                continue
+            if key not in got or not _same_kind(value, got[key]):
+                raise TypeError(f"hyperparameter {key!r} is {got.get(key)!r}, expected a value like {value!r}")
+
+
+def _same_kind(want, got) -> bool:
+    if want is None or isinstance(want, bool):
+        return got is None or isinstance(got, bool) if want is None else isinstance(got, bool)
+    if isinstance(want, int | float):
+        return isinstance(got, int | float) and not isinstance(got, bool) and math.isfinite(got)
+    if isinstance(want, tuple | list):
+        return isinstance(got, tuple | list) and len(got) == len(want) and all(map(_same_kind, want, got))
+    return type(got) is type(want)
+
+
+def resume_config(run_dir: Path, *, max_steps: int | None = None, max_minutes: float | None = None) -> RunConfig:
+    """The configuration saved in RUN/last (after crash recovery), with a new step or time budget."""
+    recover_directory(run_dir / LAST)
+    where = run_dir / LAST / STATE_FILE
+    if not where.is_file():
+        raise CheckpointError(f"{run_dir} is not a txl training run (no {LAST}/{STATE_FILE}); pass the --out "
+                              "directory of an earlier `txl train`")
+    saved = check_trainer_state(read_json(where, "training state"), where)
+    try:
+        run = RunConfig.from_dict(saved["run"], str(where))
+    except ConfigError as err:
+        raise CheckpointError(f"{where} is damaged: {err}") from None
+    budget = {"max_steps": max_steps, "max_minutes": max_minutes}
+    merge(run, {"train": {k: v for k, v in budget.items() if v is not None}}, "command-line flags")
+    return run
