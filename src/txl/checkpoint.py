@@ -294,9 +294,18 @@ def load_config(directory: str | Path):
         raise CheckpointError(f"{directory / CONFIG_NAME}: {err}") from None
 
 
-def load_model(directory: str | Path, *, map_location: str | torch.device = "cpu", **overrides):
+def build_model(config):
+    """The model class of `config.arch`: `TransformerXL` (decoder) or `txl.seq2seq.EncoderDecoder`."""
+    if config.arch == "encoder-decoder":
+        from txl.seq2seq.model import EncoderDecoder
+
+        return EncoderDecoder(config)
     from txl.model import TransformerXL
 
+    return TransformerXL(config)
+
+
+def load_model(directory: str | Path, *, map_location: str | torch.device = "cpu", **overrides):
     directory = resolve_model_directory(directory)
     config = load_config(directory)
     if overrides:
@@ -305,7 +314,7 @@ def load_model(directory: str | Path, *, map_location: str | torch.device = "cpu
         except (ConfigError, TypeError) as err:
             raise CheckpointError(f"cannot apply {sorted(overrides)} to {directory}: {err}") from None
     tensors, _ = load_tensors(directory / WEIGHTS_NAME, "checkpoint weights")
-    model = TransformerXL(config)
+    model = build_model(config)
     state = model.state_dict()
     check_state_dict(state, tensors, directory)
     model.load_state_dict({k: v.to(state[k].dtype) for k, v in tensors.items()}, strict=True)
