@@ -391,7 +391,12 @@ def load_checkpoint(path: str | Path, *, device: torch.device | str = "cpu", req
     vocab = None
     if (directory / "vocab.json").is_file():
         try:
-            vocab = Vocab.load(directory / "vocab.json")
+            if load_config(directory).arch == "encoder-decoder":  # source and target vocabularies
+                from txl.seq2seq.data import PairVocab
+
+                vocab = PairVocab.load(directory / "vocab.json")
+            else:
+                vocab = Vocab.load(directory / "vocab.json")
         except DataError as err:
             raise CheckpointError(f"{directory}/vocab.json: {err}") from None
     elif require_vocab:
