@@ -48,6 +48,16 @@ def run_eval(args: argparse.Namespace, ckpt, device) -> int:
     out = {"checkpoint": str(ckpt.path), "data": corpus.spec, "split": split, "pairs": forced.pairs,
            "loss": forced.loss, "ppl": forced.value, "token_accuracy": forced.token_accuracy,
            "decoded": [d.to_dict() for d in decoded]}
+    baseline = None
+    if corpus.name == "pydoc-summaries":  # the trivial summary: the function's name split into words
+        from txl.seq2seq.metrics import exact_match, rouge
+        from txl.seq2seq.pydoc import name_baseline
+
+        guesses = name_baseline(corpus, split, args.max_pairs)
+        references = [t for _, t in corpus.references(split)][: len(guesses)]
+        baseline = {"method": "function name", "exact_match": exact_match(guesses, references),
+                    **(rouge(guesses, references) or {})}
+        out["baseline"] = baseline
     if args.json:
         print(json.dumps(out, indent=2, ensure_ascii=False))
         return 0
@@ -58,6 +68,9 @@ def run_eval(args: argparse.Namespace, ckpt, device) -> int:
     for d in decoded:
         rouge = " | ".join("-" if d.rouge is None else f"{100 * d.rouge[k]:.2f}" for k in ("rouge1", "rouge2", "rougeL"))
         print(f"| {d.method} | {100 * d.exact_match:.2f}% | {rouge} | {d.seconds:.1f} |")
+    if baseline is not None:
+        rouge = " | ".join(f"{100 * baseline[k]:.2f}" if k in baseline else "-" for k in ("rouge1", "rouge2", "rougeL"))
+        print(f"| baseline: function name in words | {100 * baseline['exact_match']:.2f}% | {rouge} | - |")
     if decoded[0].rouge is None:
         print("(ROUGE needs the optional package rouge-score: pip install 'txl[seq2seq]')")
     if args.samples:

@@ -119,3 +119,14 @@ def pydoc_rows() -> dict[str, list[dict]]:
 
 def pydoc_pairs() -> dict[str, list[tuple[str, str]]]:
     return {split: [(r["source"], r["target"]) for r in rows] for split, rows in pydoc_rows().items()}
+
+
+def name_baseline(corpus, split: str, max_pairs: int = 0) -> list[str]:
+    """The trivial summary of each pair of `split`: its function's name split into words
+    (`read_config_file` -> "read config file"), in the corpus's order."""
+    from txl.seq2seq.metrics import split_identifier
+
+    names = {(r["source"], r["target"]): r["name"] for r in pydoc_rows()[split]}
+    texts = corpus.references(split)
+    texts = texts[:max_pairs] if max_pairs else texts
+    return [split_identifier(names.get(pair, "")) for pair in texts]

@@ -10,11 +10,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from txl.checkpoint import write_json
+from txl.checkpoint import load_model, write_json
 from txl.display import for_stream, json_text
 from txl.errors import ConfigError, DataError, OutputError, describe_os_error
 from txl.evaluate import metric_value
-from txl.checkpoint import load_model
 from txl.train.state import BEST, LAST
 
 if TYPE_CHECKING:
