@@ -212,3 +212,16 @@ def test_training_step_learns_a_copy_task():
     src = torch.randint(3, 23, (8, 5))
     out = greedy(model, src, bos=BOS, eos=EOS, max_len=8)
     assert sum(t == s for t, s in zip(out.tokens, src.tolist())) >= 6
+
+
+def test_bf16_autocast_forward_and_backward():
+    model = build()
+    model.train()
+    src, mask = padded([[5, 6, 7], [8]])
+    dec = torch.tensor([[BOS, 4, 5], [BOS, 6, PAD]])
+    labels = torch.tensor([[4, 5, EOS], [6, EOS, -100]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(src, mask, dec, labels, label_smoothing=0.1)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and out.nll.dtype == torch.float32
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())

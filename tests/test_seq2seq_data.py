@@ -170,4 +170,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert "--input FILE" in capsys.readouterr().err
     assert main(["train", "--preset", "tiny", "--data", "reverse", "--out", str(tmp_path / "x"), "--quiet"]) != 0
     assert "encoder-decoder" in capsys.readouterr().err
+    assert main(["train", "--preset", "seq2seq-reverse", "--data", "builtin", "--out", str(tmp_path / "x"),
+                 "--quiet"]) != 0
+    assert "trains on a pair corpus" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
