@@ -120,6 +120,7 @@ def test_journey(kind, preset, corpora, workdir, capsys, tmp_path, monkeypatch):
     assert json.loads((run / "result.json").read_text())["steps"] == 5
     ok(capsys, "train", "--init-from", run, "--preset", preset, "--data", spec_template.format(root=corpora),
        "--out", "tuned", *SMALL)
+    ok(capsys, "train", "--resume", "tuned", "--max-steps", 4)
     tuned = json.loads((elsewhere / "tuned" / "run.json").read_text())
     assert tuned["init_from"] and (elsewhere / "tuned" / "result.json").is_file()
     ok(capsys, "plot", run, elsewhere / "tuned", "--out", "curves.png")
@@ -133,6 +134,18 @@ def test_tiny_on_ptb_char_exits_zero_with_result_and_sample(corpora, workdir, ca
     result = json.loads((workdir / "run" / "result.json").read_text())
     assert result["steps"] == 20 and result["sample"] and (workdir / "run" / "sample.txt").is_file()
     assert result["best_valid_loss_nats"] > 0 and result["best_valid_bpc"] > 0
+
+
+@pytest.mark.parametrize("preset", ["tiny", "ptb-word-small"])
+def test_presets_on_a_corpus_their_old_prompts_could_not_encode(preset, workdir, capsys):
+    """Before: tiny's prompt "def " and ptb-word-small's "the company said" failed after training on a DNA
+    file of characters (no result.json)."""
+    rng = random.Random(0)
+    (workdir / "dna.txt").write_text("".join("".join(rng.choice("ACGT") for _ in range(60)) + "\n" for _ in range(300)))
+    model = ["--set", "model.cutoffs=[]"] if preset == "ptb-word-small" else []  # 4 symbols: no adaptive softmax
+    ok(capsys, "train", "--preset", preset, "--data", "text:dna.txt?tokenizer=chars", "--out", "run", *SMALL, *model)
+    result = json.loads((workdir / "run" / "result.json").read_text())
+    assert set(result["sample"]) <= set("ACGT\n")
 
 
 def test_a_preset_corpus_that_is_not_downloaded_names_the_fix_and_leaves_nothing(corpora, workdir, capsys, tmp_path):
@@ -205,6 +218,13 @@ def test_resume_refuses_out_and_accepts_the_corpus_moved(corpora, workdir, capsy
     code, _, err = txl(capsys, "train", "--resume", "run", "--max-steps", 7, "--data",
                        f"text:{corpora / 'plain.txt'}")  # another corpus: the fingerprints differ
     assert code == 2 and "different vocabulary" in err
+    edited = tmp_path / "edited"
+    shutil.copytree(tmp_path / "moved", edited)
+    train = edited / "ptb.char.train.txt"
+    lines = train.read_text().splitlines(keepends=True)
+    train.write_text("".join(lines[:-100] + lines[:-101:-1]))  # the same counts of the same symbols, other text
+    code, _, err = txl(capsys, "train", "--resume", "run", "--max-steps", 7, "--data", f"ptb-char:{edited}")
+    assert code == 2 and "other text" in err
 
 
 def test_a_longer_schedule_on_resume_is_stated(corpora, workdir, capsys):

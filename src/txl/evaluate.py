@@ -540,7 +540,13 @@ def open_eval_corpus(ckpt: LoadedCheckpoint, data: str | None, split: str, text:
         raise UsageError(f"{ckpt.path} does not record its training data; pass --data SPEC")
     corpus = open_corpus(spec)
     if ckpt.vocab is not None:
-        corpus.vocab.check_same(ckpt.vocab, what=f"the checkpoint {ckpt.path}")
+        try:
+            corpus.vocab.check_same(ckpt.vocab, what=f"the checkpoint {ckpt.path}")
+        except DataError as err:
+            if _text_file_of(spec) is None:
+                raise
+            raise DataError(f"{err}; to score this file with the checkpoint's own vocabulary use --text FILE "
+                            "(or --split all)") from None
     else:
         corpus.vocab.check_matches(ckpt.model.config.vocab_size)
         print(f"note: {ckpt.path} has no vocab.json; only the vocabulary size was checked against {spec}",

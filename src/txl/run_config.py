@@ -208,8 +208,15 @@ def apply_sets(run: RunConfig, assignments: list[str]) -> None:
         if section not in ("model", "train"):
             raise ConfigError(f"unknown section {section!r} in --set {key} (sections: model, train)")
         values[section][name] = parse_value(value)
-    if assignments:
-        merge(run, values, "--set " + " --set ".join(assignments))
+    if not assignments:
+        return
+    try:
+        merge(run, values, "--set")
+    except ConfigError as err:  # name the --set flags the message is about, not all of them
+        message = str(err).removesuffix(" (in --set)")
+        last = {item.partition("=")[0].strip().rpartition(".")[2]: item for item in assignments}  # later wins
+        named = [item for name, item in last.items() if name in message]
+        raise ConfigError(f"{message} (in --set {' --set '.join(named or last.values())})") from None
 
 
 # ---------------------------------------------------------------------------------------------

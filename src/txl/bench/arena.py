@@ -298,7 +298,8 @@ def plot(report: dict, path: Path) -> None:
     ax.set_ylabel(f"train {report['rows'][0]['metric']} (running mean)")
     ax.set_title("arena on PTB-char: same parameters, same CPU budget (final valid in the legend)")
     ends = [r["curve"][-1][1] for r in report["rows"] if r["curve"]]
-    ax.set_ylim(min(ends) - 0.1, max(ends) + 0.5)
+    if ends:  # a run shorter than one log interval has no curve (a smoke run on a busy machine)
+        ax.set_ylim(min(ends) - 0.1, max(ends) + 0.5)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -72,6 +72,9 @@ def run_cli(args: argparse.Namespace) -> int:
         run = build_run_config(preset=preset, config_file=args.config, flags=flags)
         if args.init_from:
             run.model = init_model_section(args.init_from)
+            if args.preset or args.config:
+                print(f"note: --init-from: the model section is {args.init_from}'s; the [model] of "
+                      f"{args.preset or args.config} is not used (--set model.KEY=VALUE still applies)", file=sys.stderr)
         apply_sets(run, args.set)
         name = preset or Path(args.config).stem
         if args.init_from:

@@ -160,8 +160,9 @@ def print_summary(trainer: Trainer, summary: dict) -> None:
     print(f"\nwritten: {out / 'result.json'} (scores), {weights} (weights), {out / LAST} (resumable), "
           f"{out / 'metrics.jsonl'} (curves)" + (f", {out / 'sample.txt'}" if summary.get("sample_text") else ""))
     run = shlex.quote(str(out))
-    print("next:\n"
-          f"  txl eval {run}                      score it again (--split test, --text FILE for new text)\n"
-          f"  txl generate {run} --prompt TEXT    continue a prompt\n"
-          f"  txl plot {run}                      training curves as a PNG\n"
-          f"  txl train --resume {run} --max-steps N    train longer")
+    steps = [(f"txl eval {run}", "score it again (--split test; --text FILE scores new text)"),
+             (f"txl generate {run} --prompt TEXT", "continue a prompt (--num-samples, --stop, --json)"),
+             (f"txl plot {run}", "training curves as a PNG"),
+             (f"txl train --resume {run} --max-steps N", "train longer")]
+    width = max(len(command) for command, _ in steps)
+    print("next:\n" + "\n".join(f"  {command.ljust(width)}  # {what}" for command, what in steps))

@@ -36,6 +36,7 @@ from txl.train.state import (
     check_out_dir,
     create_out_dir,
     load_initial_weights,
+    previous_run_record,
     resolve_data,
     restore_checkpoint,
     save_best,
@@ -95,6 +96,8 @@ class Trainer:
         self.init_from = None
         if init_from is not None and not resume:
             self.init_from = str(load_initial_weights(self.model, init_from, self.corpus.vocab))
+        elif resume:  # keep the record of where a fine-tuned run started
+            self.init_from = previous_run_record(self.out).get("init_from")
         torch.manual_seed(self.cfg.seed + self.dist.rank)  # distinct dropout streams per rank
         self.ddp = self.model
         if self.dist.world > 1:

@@ -125,6 +125,15 @@ def vocab_difference(old, new) -> str:
     return text
 
 
+def previous_run_record(out: Path) -> dict:
+    """run.json of an existing run ({} when absent or unreadable: it is a record, not state)."""
+    try:
+        data = read_json(out / "run.json", "run record")
+    except CheckpointError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def write_run_file(trainer: Trainer) -> None:
     data = {"config": trainer.run.to_dict(), "model": trainer.model_config.to_dict(), "world_size": trainer.dist.world,
             "data": trainer.cfg.data, "data_as_typed": trainer.data_as_typed, "metric": trainer.metric,
@@ -139,7 +148,8 @@ def trainer_state(trainer: Trainer) -> dict:
             "best_valid": trainer.best_valid if math.isfinite(trainer.best_valid) else None,
             "nonfinite_streak": trainer.nonfinite_streak, "world_size": trainer.dist.world,
             "grad_accum": trainer.cfg.grad_accum, "data": trainer.cfg.data,
-            "vocab_fingerprint": trainer.corpus.vocab.fingerprint, "iterator": trainer.train_iter.state_dict(),
+            "vocab_fingerprint": trainer.corpus.vocab.fingerprint, "corpus_fingerprint": trainer.corpus.fingerprint,
+            "iterator": trainer.train_iter.state_dict(),
             "scaler": trainer.scaler.state_dict(), "metric": trainer.metric, "run": trainer.run.to_dict()}
 
 
@@ -188,6 +198,11 @@ def restore_checkpoint(trainer: Trainer, path: Path) -> None:
     if state["vocab_fingerprint"] != trainer.corpus.vocab.fingerprint:
         raise CheckpointError(f"{path} was trained on a different vocabulary than {trainer.cfg.data!r} has now "
                               "(the corpus files changed); restore them or start a new run")
+    saved_corpus = state.get("corpus_fingerprint")  # absent in runs saved before it was recorded
+    if isinstance(saved_corpus, str) and saved_corpus != trainer.corpus.fingerprint:
+        raise CheckpointError(f"{path} was trained on other text than {trainer.cfg.data!r} holds now (same vocabulary, "
+                              "different content); resume with the corpus the run trained on, or start a new run "
+                              "with --init-from")
     saved_config = load_config(path)
     if saved_config.to_dict() != trainer.model_config.to_dict():
         raise CheckpointError(f"{path}/config.json does not match this run's model config; resume with the "
