@@ -285,6 +285,15 @@ class PairCorpus:
             raise DataError(f"{self.name} has no split {split!r}; known splits: {', '.join(self.splits)}")
         return self.ids[split]
 
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the pairs kept in every split (what a resume must find again)."""
+        h = hashlib.sha256(self.spec.encode("utf-8"))
+        for split in SPLITS:
+            for src, tgt in self.texts.get(split, []):
+                h.update(f"{split}\0{src}\0{tgt}\0".encode("utf-8", "surrogatepass"))
+        return h.hexdigest()
+
     def references(self, split: str) -> list[tuple[str, str]]:
         self.pairs(split)
         return self.texts[split]
