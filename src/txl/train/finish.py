@@ -164,5 +164,8 @@ def print_summary(trainer: Trainer, summary: dict) -> None:
              (f"txl generate {run} --prompt TEXT", "continue a prompt (--num-samples, --stop, --json)"),
              (f"txl plot {run}", "training curves as a PNG"),
              (f"txl train --resume {run} --max-steps N", "train longer")]
+    if trainer.seq2seq:
+        steps[:2] = [(f"txl eval {run} --split test", "loss, token accuracy, exact match, ROUGE, sample outputs"),
+                     (f"txl generate {run} --input FILE", "decode one source per line of FILE")]
     width = max(len(command) for command, _ in steps)
     print("next:\n" + "\n".join(f"  {command.ljust(width)}  # {what}" for command, what in steps))
