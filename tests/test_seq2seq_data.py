@@ -80,6 +80,8 @@ def test_separate_vocabularies_and_length_filter(tmp_path):
     assert sum(corpus.dropped.values()) > 0
     with pytest.raises(DataError, match="raise the limits"):
         open_pair_corpus(f"pairs:{path}?tokenizer=chars&max_source_len=1")
+    cut = open_pair_corpus(f"pairs:{path}?tokenizer=chars&shared=0&max_source_len=4&truncate=1")
+    assert sum(cut.dropped.values()) == 0 and max(len(s) for s, _ in cut.pairs("train")) == 4
 
 
 def test_collate_pads_on_the_right_with_teacher_forcing():

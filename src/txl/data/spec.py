@@ -56,6 +56,8 @@ _PAIR_OPTIONS = {
     "target": OptionSpec(str, "", help="target column (default: target, else headlines, else the second)"),
     "max_source_len": OptionSpec(int, 0, minimum=0, help="drop pairs whose source has more tokens (0 = keep all)"),
     "max_target_len": OptionSpec(int, 0, minimum=0, help="drop pairs whose target has more tokens (0 = keep all)"),
+    "truncate": OptionSpec(int, 0, minimum=0, help="1: cut sources to max_source_len tokens instead of dropping "
+                                                    "the pair (the seed's truncating='post')"),
 }
 SEQ2SEQ_CORPORA = ("pairs", "reverse", "pydoc-summaries")
 

@@ -336,6 +336,8 @@ def open_pair_corpus(spec_text: str | DataSpec, *, vocab: PairVocab | None = Non
                     raise
                 raise DataError(f"{split} pair {src[:40]!r}: {err} (the vocabulary comes from the train split; "
                                 "use tokenizer=bpe, which reads any text)") from None
+            if max_src and opts.get("truncate", 0):
+                s_ids = s_ids[:max_src]
             if not s_ids or (max_src and len(s_ids) > max_src) or (max_tgt and len(t_ids) + 1 > max_tgt):
                 dropped += 1
                 continue
