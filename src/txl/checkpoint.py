@@ -396,12 +396,21 @@ def load_config(directory: str | Path):
         raise CheckpointError(f"{directory / CONFIG_NAME}: {err}") from None
 
 
+def build_model(config):
+    """The model class of `config.arch`: `TransformerXL` (decoder) or `txl.seq2seq.EncoderDecoder`."""
+    if config.arch == "encoder-decoder":
+        from txl.seq2seq.model import EncoderDecoder
+
+        return EncoderDecoder(config)
+    from txl.model import TransformerXL
+
+    return TransformerXL(config)
+
+
 def load_model(directory: str | Path, *, map_location: str | torch.device = "cpu", **overrides):
     """Build a model from config.json and model.safetensors. The weights' header is checked against the
     shapes and dtypes the config implies *before* anything is allocated: a config.json that declares a
     model far larger than its weights fails at once instead of exhausting memory."""
-    from txl.model import TransformerXL
-
     directory = resolve_model_directory(directory)
     config = load_config(directory)
     if overrides:
@@ -423,7 +432,7 @@ def load_model(directory: str | Path, *, map_location: str | torch.device = "cpu
                               f"{held:,}; the weights and config.json disagree")
     check_header(expected_tensors(config), header, directory)
     tensors, _ = load_tensors(weights, "checkpoint weights")
-    model = TransformerXL(config)
+    model = build_model(config)
     state = model.state_dict()
     check_state_dict(state, tensors, directory)
     model.load_state_dict({k: v.to(state[k].dtype) for k, v in tensors.items()}, strict=True)
@@ -432,10 +441,8 @@ def load_model(directory: str | Path, *, map_location: str | torch.device = "cpu
 
 def expected_tensors(config) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """name -> (dtype, shape) of a model's state dict, from a model built on the meta device (no memory)."""
-    from txl.model import TransformerXL
-
     with torch.device("meta"):
-        model = TransformerXL(config)
+        model = build_model(config)
     return {k: (v.dtype, tuple(v.shape)) for k, v in model.state_dict().items()}
 
 
@@ -522,7 +529,12 @@ def load_checkpoint(path: str | Path, *, device: torch.device | str = "cpu", req
     vocab = None
     if (directory / "vocab.json").is_file():
         try:
-            vocab = Vocab.load(directory / "vocab.json")
+            if load_config(directory).arch == "encoder-decoder":  # source and target vocabularies
+                from txl.seq2seq.data import PairVocab
+
+                vocab = PairVocab.load(directory / "vocab.json")
+            else:
+                vocab = Vocab.load(directory / "vocab.json")
         except DataError as err:
             raise CheckpointError(f"{directory}/vocab.json: {err}") from None
     elif require_vocab:

@@ -34,6 +34,7 @@ CompressionName = Literal["conv", "mean", "max"]
 LinearFeature = Literal["elu", "relu"]
 SynthesizerMode = Literal["dense", "random"]
 PositionMerge = Literal["add", "mul", "concat"]
+Arch = Literal["decoder", "encoder-decoder"]
 
 POSITIONAL_NAMES: tuple[str, ...] = get_args(PositionalName)
 ATTENTION_NAMES: tuple[str, ...] = get_args(AttentionName)
@@ -61,6 +62,10 @@ UPPER_BOUNDS: dict[str, int] = {
 @dataclass
 class TransformerXLConfig:
     REGISTRY_FIELDS: ClassVar[tuple[str, ...]] = REGISTRY_FIELDS
+    # decoder = the Transformer-XL LM (`TransformerXL`); encoder-decoder = Vaswani et al. 2017 for
+    # sequence-to-sequence tasks (`txl.seq2seq.EncoderDecoder`): n_layer decoder blocks with
+    # cross-attention over n_encoder_layer bidirectional blocks.
+    arch: Arch = "decoder"
     # --- shape --------------------------------------------------------------------------------
     vocab_size: int = 256
     n_layer: int = 12
@@ -143,6 +148,10 @@ class TransformerXLConfig:
     div_val: int = 1  # cluster i has d_embed // div_val**i dims
     tie_weight: bool = True  # output cluster weights = input embedding weights
     tie_projs: tuple[bool, ...] | None = None  # per cluster; None = (False, True, True, ...) as wt103
+    # --- encoder-decoder (arch = "encoder-decoder") --------------------------------------------
+    n_encoder_layer: int = 0  # encoder blocks; 0 = n_layer
+    source_vocab_size: int = 0  # source ids; 0 = one vocabulary shared with the target (vocab_size)
+    share_embeddings: bool = True  # one vocabulary: source and target read one embedding table
     # --- initialisation (reference: normal init) ----------------------------------------------
     init_std: float = 0.02
     proj_init_std: float = 0.01
@@ -259,6 +268,41 @@ class TransformerXLConfig:
         if self.universal and self.cmem_len:
             raise ConfigError("config.cmem_len (compressive memory) is not available with universal=true")
         self._validate_arena()
+        self._validate_arch()
+
+    def _validate_arch(self) -> None:
+        """The encoder-decoder's own fields, and what it cannot take (yet): memory, adaptive softmax."""
+        for name in ["n_encoder_layer", "source_vocab_size"]:
+            if getattr(self, name) < 0:
+                raise ConfigError(f"config.{name} must be >= 0, got {getattr(self, name)}")
+        if self.arch == "decoder":
+            for name, default in [("n_encoder_layer", 0), ("source_vocab_size", 0)]:
+                if getattr(self, name) != default:
+                    raise ConfigError(f"config.{name} only applies to arch='encoder-decoder'")
+            return
+        from txl.attention.registry import SPECS
+        from txl.positional import POSITIONAL_ENCODINGS
+
+        for name in ["mem_len", "cmem_len"]:
+            if getattr(self, name):
+                raise ConfigError(f"config.{name} must be 0 with arch='encoder-decoder' (no segment memory); "
+                                  f"set {name}=0")
+        if self.cutoffs:
+            raise ConfigError("config.cutoffs (adaptive softmax) does not apply to arch='encoder-decoder'; set cutoffs=[]")
+        if not self.causal:
+            raise ConfigError("config.causal must be true with arch='encoder-decoder' (its decoder is causal, its "
+                              "encoder bidirectional by construction)")
+        if POSITIONAL_ENCODINGS[self.pos_encoding].causal_only:
+            allowed = ", ".join(name for name, cls in POSITIONAL_ENCODINGS.items() if not cls.causal_only)
+            raise ConfigError(f"config.pos_encoding={self.pos_encoding!r} is defined for causal distances only; "
+                              f"the encoder of arch='encoder-decoder' is bidirectional: use one of {allowed}")
+        if not SPECS[self.attention].bidirectional:
+            able = ", ".join(sorted(name for name, spec in SPECS.items() if spec.bidirectional and spec.causal))
+            raise ConfigError(f"config.attention={self.attention!r} cannot run the bidirectional encoder and "
+                              f"cross-attention of arch='encoder-decoder'; use one of {able}")
+        if self.share_embeddings and self.source_vocab_size not in (0, self.vocab_size):
+            raise ConfigError(f"config.share_embeddings needs one vocabulary, but source_vocab_size="
+                              f"{self.source_vocab_size} != vocab_size={self.vocab_size}; set share_embeddings=false")
 
     def _validate_arena(self) -> None:
         """The long-text attention variants and the bidirectional encoder (README "The arena"). What a

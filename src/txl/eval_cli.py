@@ -117,6 +117,11 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
     mlm = parser.add_argument_group("masked LM (a bidirectional checkpoint, trained with --objective mlm)")
     mlm.add_argument("--mask-prob", type=float, help="share of positions masked (default: the run's mask_prob)")
     mlm.add_argument("--mask-seed", type=int, default=0, help="which positions are masked (default 0)")
+    seq2seq = parser.add_argument_group("sequence-to-sequence runs (arch = encoder-decoder)")
+    seq2seq.add_argument("--beam-size", type=int, default=4, help="beam search width next to greedy (default 4)")
+    seq2seq.add_argument("--length-penalty", type=float, default=0.6, help="GNMT alpha of beam search (default 0.6)")
+    seq2seq.add_argument("--samples", type=int, default=10, help="sample outputs printed next to references")
+    seq2seq.add_argument("--max-pairs", type=int, default=0, help="score only the first N pairs (0 = all)")
     vanilla = parser.add_argument_group("vanilla baseline (Al-Rfou et al. 2018)")
     vanilla.add_argument("--vanilla", action="store_true",
                          help="score every token with a fresh window of --attn-len tokens and no memory")
@@ -153,6 +158,12 @@ def run_eval(args: argparse.Namespace) -> int:
 
     device = _device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device=device)
+    if ckpt.model.config.arch == "encoder-decoder":
+        from txl.seq2seq.cli import run_eval as run_seq2seq_eval
+
+        _check_nonnegative(args, "samples", "max_pairs")
+        _check_positive(args, "beam_size")
+        return run_seq2seq_eval(args, ckpt, device)
     progress = not args.quiet and sys.stderr.isatty()
     common = dict(data=args.data, split="all" if args.text else args.split, text=args.text, tgt_len=args.tgt_len, clamp_len=args.clamp_len,
                   same_length=args.same_length, batch_size=args.batch_size, warm_memory=args.warm_memory,
@@ -282,6 +293,11 @@ def configure_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-echo", dest="echo", action="store_false", help="do not print the prompt first")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="where to run (default: auto, a GPU when there is one)")
+    seq2seq = parser.add_argument_group("sequence-to-sequence runs (arch = encoder-decoder)")
+    seq2seq.add_argument("--input", metavar="FILE", help="decode one source per line of FILE, one output per line "
+                                                         "(--max-new-tokens caps each output)")
+    seq2seq.add_argument("--beam-size", type=int, default=4, help="beam search width (1 = greedy; default 4)")
+    seq2seq.add_argument("--length-penalty", type=float, default=0.6, help="GNMT alpha of beam search (default 0.6)")
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -331,6 +347,10 @@ def write_text(text: str) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    if args.input:
+        from txl.seq2seq.cli import run_generate as run_seq2seq_generate
+
+        return run_seq2seq_generate(args)
     from txl.generate import check_sampling, check_seed
 
     prompts = read_prompts(args)
@@ -349,6 +369,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     device = _device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device=device, require_vocab=True)
+    if ckpt.model.config.arch == "encoder-decoder":
+        raise UsageError(f"{ckpt.path} is a sequence-to-sequence model: decode sources with --input FILE")
     check_causal(ckpt.model)  # before anything is printed
     for prompt in prompts:  # every prompt is checked before anything is printed
         encode_prompt(ckpt.vocab, prompt)

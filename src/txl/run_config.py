@@ -73,10 +73,18 @@ class TrainConfig:
     # vocabulary id, the mask token
     objective: Literal["lm", "mlm"] = "lm"
     mask_prob: float = 0.15  # mlm: positions picked per segment (80% mask, 10% random, 10% kept)
+    adam_betas: tuple[float, float] = (0.9, 0.999)  # adam/adamw/lamb; Vaswani et al. 2017: (0.9, 0.98)
+    adam_eps: float = 1e-8  # Vaswani et al. 2017: 1e-9
+    # sequence-to-sequence runs (arch = "encoder-decoder", a pair corpus)
+    label_smoothing: float = 0.0  # Szegedy et al. 2016; Vaswani et al. 2017 use 0.1
+    beam_size: int = 4  # final decoding of the final splits (1 = greedy)
+    length_penalty: float = 0.6  # GNMT's alpha for beam search (0 = summed log-probability)
 
     def __post_init__(self) -> None:
         if isinstance(self.final_splits, list):
             self.final_splits = tuple(self.final_splits)
+        if isinstance(self.adam_betas, list):
+            self.adam_betas = tuple(self.adam_betas)
         check_dataclass_types(self)
         for name in ("tgt_len", "batch_size", "grad_accum", "max_steps", "log_interval", "eval_interval",
                      "eval_batch_size", "max_nonfinite"):
@@ -97,6 +105,16 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} must be a finite number >= 0, got {getattr(self, name)}")
         if not 0 <= self.seed < 2**63:  # numpy and torch seeds are unsigned 64-bit
             raise ConfigError(f"train.seed must be in [0, 2**63), got {self.seed}")
+        if not all(0 <= b < 1 for b in self.adam_betas):
+            raise ConfigError(f"train.adam_betas must be two numbers in [0, 1), got {list(self.adam_betas)}")
+        if not 0 < self.adam_eps < 1:
+            raise ConfigError(f"train.adam_eps must be in (0, 1), got {self.adam_eps}")
+        if not 0 <= self.label_smoothing < 1:
+            raise ConfigError(f"train.label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        if self.beam_size < 1:
+            raise ConfigError(f"train.beam_size must be >= 1, got {self.beam_size}")
+        if not 0 <= self.length_penalty < math.inf:
+            raise ConfigError(f"train.length_penalty must be a finite number >= 0, got {self.length_penalty}")
         if self.lr == 0:
             raise ConfigError("train.lr must be > 0")
         if self.batch_size % self.grad_accum:

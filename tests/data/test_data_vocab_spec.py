@@ -157,6 +157,9 @@ def test_parse_spec_forms(tmp_path):
         "lm1b",
         "text",
         "builtin",
+        "pairs",  # sequence-to-sequence pair corpora (txl.seq2seq)
+        "reverse",
+        "pydoc-summaries",
     }
 
 

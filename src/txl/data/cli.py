@@ -95,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
             min_rate=args.min_rate,
         )
         return 0
+    from txl.data.spec import SEQ2SEQ_CORPORA, parse_spec
+
+    if parse_spec(args.spec).name in SEQ2SEQ_CORPORA:  # pair corpora (txl.seq2seq)
+        return _pairs(args, action)
     from txl.data.corpus import open_corpus
 
     quiet = getattr(args, "quiet", False) or action == "stats" and args.json
@@ -112,6 +116,31 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(stats, indent=2))
     else:
         print(format_stats(stats))
+    return 0
+
+
+def _pairs(args: argparse.Namespace, action: str) -> int:
+    """prepare / stats of a pair corpus: pairs per split, what the length limits dropped, vocabularies."""
+    from txl.data.spec import parse_spec
+    from txl.seq2seq.data import open_pair_corpus
+
+    spec = parse_spec(args.spec)
+    if spec.name == "pydoc-summaries":
+        from txl.seq2seq.pydoc import prepare
+
+        path, _ = prepare(force=getattr(args, "force", False))
+        if not (getattr(args, "quiet", False) or args.json):
+            _log(f"pydoc-summaries: pairs cached in {path}")
+    corpus = open_pair_corpus(spec)
+    vocab = corpus.vocab
+    stats = {"spec": corpus.spec, "name": corpus.name, "pairs": {s: len(corpus.ids[s]) for s in corpus.splits},
+             "dropped_by_length": corpus.dropped, "vocabulary": vocab.kind, "shared_vocabulary": vocab.shared,
+             "source_vocab_size": vocab.source.size, "target_vocab_size": vocab.target.size,
+             "vocab_fingerprint": vocab.fingerprint}
+    if args.json:
+        print(json.dumps(stats, indent=2))
+    else:
+        print("\n".join(f"{k:18} {v}" for k, v in stats.items()))
     return 0
 
 

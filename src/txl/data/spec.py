@@ -48,6 +48,19 @@ _TEXT_OPTIONS = {
     "min_freq": OptionSpec(int, 1, minimum=1, help="words: drop words seen fewer times in train"),
 }
 
+_PAIR_OPTIONS = {
+    "tokenizer": OptionSpec(str, "bpe", ("chars", "bpe"), help="chars | bpe (byte-level, HF tokenizers)"),
+    "vocab_size": OptionSpec(int, 8000, minimum=0, help="bpe: target size of each vocabulary"),
+    "shared": OptionSpec(int, 1, minimum=0, help="1: one vocabulary for source and target; 0: one each"),
+    "source": OptionSpec(str, "", help="source column (default: source, else text, else the first)"),
+    "target": OptionSpec(str, "", help="target column (default: target, else headlines, else the second)"),
+    "max_source_len": OptionSpec(int, 0, minimum=0, help="drop pairs whose source has more tokens (0 = keep all)"),
+    "max_target_len": OptionSpec(int, 0, minimum=0, help="drop pairs whose target has more tokens (0 = keep all)"),
+    "truncate": OptionSpec(int, 0, minimum=0, help="1: cut sources to max_source_len tokens instead of dropping "
+                                                    "the pair (the seed's truncating='post')"),
+}
+SEQ2SEQ_CORPORA = ("pairs", "reverse", "pydoc-summaries")
+
 KNOWN: dict[str, CorpusInfo] = {
     info.name: info
     for info in [
@@ -97,6 +110,35 @@ KNOWN: dict[str, CorpusInfo] = {
             "your own text: FILE (split 90/5/5) or DIR with train.txt [valid.txt test.txt]",
             "bpc",
             options=_TEXT_OPTIONS,
+        ),
+        CorpusInfo(
+            "pairs",
+            "your own sequence-to-sequence pairs: FILE (.tsv, .jsonl or the Inshorts .csv; split 90/5/5) or DIR "
+            "with train.* [valid.* test.*] (txl.seq2seq)",
+            "ppl",
+            options=_PAIR_OPTIONS,
+        ),
+        CorpusInfo(
+            "reverse",
+            "synthetic sequence-to-sequence sanity task: reverse a random lower-case string (no download)",
+            "ppl",
+            options={
+                "size": OptionSpec(int, 20000, minimum=10, help="training pairs (valid and test: 1000 each)"),
+                "min_len": OptionSpec(int, 4, minimum=1, help="shortest string"),
+                "max_len": OptionSpec(int, 16, minimum=1, help="longest string"),
+                "seed": OptionSpec(int, 0, minimum=0, help="the generator's seed"),
+            },
+            path_required=False,
+        ),
+        CorpusInfo(
+            "pydoc-summaries",
+            "function source -> first line of its docstring, from this interpreter's standard library "
+            "(split by module; no download)",
+            "ppl",
+            options={**_PAIR_OPTIONS, "max_source_len": OptionSpec(int, 400, minimum=0, help=_PAIR_OPTIONS[
+                "max_source_len"].help), "max_target_len": OptionSpec(int, 48, minimum=0, help=_PAIR_OPTIONS[
+                "max_target_len"].help)},
+            path_required=False,
         ),
         CorpusInfo(
             "builtin",
@@ -184,6 +226,8 @@ def parse_spec(spec: str | DataSpec) -> DataSpec:
         path_value = path_value or "python-stdlib"
         if path_value not in BUILTIN_NAMES:
             raise DataError(f"unknown builtin corpus {path_value!r}; known: {', '.join(BUILTIN_NAMES)}")
+    elif path_value is None and not info.path_required and info.download is None:
+        pass  # generated (reverse, pydoc-summaries): nothing to point at
     elif path_value is None:
         if info.download is None:
             raise DataError(f"spec {text!r} needs a path: write {name}:PATH")

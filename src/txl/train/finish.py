@@ -10,11 +10,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from txl.checkpoint import write_json
+from txl.checkpoint import load_model, write_json
 from txl.display import for_stream, json_text
 from txl.errors import ConfigError, DataError
 from txl.evaluate import metric_value
-from txl.model import TransformerXL
 from txl.rundir import write_text
 from txl.train.state import BEST, LAST
 
@@ -73,13 +72,15 @@ def finish(trainer: Trainer, summary: dict) -> dict:
     if trainer.dist.world > 1:
         dist.barrier()  # rank 0 has finished writing `best`
     if (trainer.out / BEST).is_dir():
-        best = TransformerXL.from_pretrained(trainer.out / BEST, map_location=trainer.dist.device)
+        best = load_model(trainer.out / BEST, map_location=trainer.dist.device)
         trainer.model.load_state_dict(best.state_dict())
     for split in cfg.final_splits:
         if split not in trainer.corpus.splits:
             continue
         result = trainer.evaluate_split(split, max_tokens=cfg.eval_max_tokens, progress=True)
         results[split] = result.to_dict()
+        if trainer.seq2seq and trainer.dist.main:
+            results[split]["decoded"] = decode_final(trainer, split)
     best_valid = summary.pop("best_valid", math.inf)
     metric = trainer.metric
     summary = {**summary, "final": results, "metric": metric, "parameters": trainer.model.num_parameters(),
@@ -90,7 +91,7 @@ def finish(trainer: Trainer, summary: dict) -> dict:
         summary["note"] = "the corpus has no valid split: validation was off"
     if trainer.dist.main:
         write_json(trainer.out / "result.json", summary)
-        if cfg.sample_tokens:
+        if cfg.sample_tokens and not trainer.seq2seq:
             text, ids = write_sample(trainer)
             summary["sample"] = json_text(text)  # valid UTF-8: undecodable bytes as \xNN escapes
             summary["sample_ids"] = ids
@@ -98,6 +99,19 @@ def finish(trainer: Trainer, summary: dict) -> dict:
             summary["sample_text"] = text
         print_summary(trainer, summary)
     return summary
+
+
+def decode_final(trainer: Trainer, split: str) -> list[dict]:
+    """A sequence-to-sequence run's final splits, decoded greedily and with beam search (train.beam_size)."""
+    from txl.seq2seq.evaluate import decode_split
+
+    cfg = trainer.cfg
+    out = []
+    for beam in sorted({1, cfg.beam_size}):
+        result = decode_split(trainer.model, trainer.corpus, split, beam_size=beam, alpha=cfg.length_penalty,
+                              batch_size=max(cfg.eval_batch_size, 32), device=trainer.dist.device)
+        out.append(result.to_dict())
+    return out
 
 
 def write_sample(trainer: Trainer) -> tuple[str, list[int]]:
@@ -131,6 +145,15 @@ def print_summary(trainer: Trainer, summary: dict) -> None:
         print(f"\n| split | {metric} | loss (nats) | tokens scored |\n|---|---|---|---|")
         for split, r in summary["final"].items():
             print(f"| {split} | {r[metric]:.4f} | {r['loss']:.4f} | {r['tokens']:,} |")
+        decoded = [(split, d) for split, r in summary["final"].items() for d in r.get("decoded", [])]
+        if decoded:
+            print("\n| split | decoding | exact match | ROUGE-1 | ROUGE-2 | ROUGE-L | token accuracy | pairs |\n"
+                  "|---|---|---|---|---|---|---|---|")
+            for split, d in decoded:
+                rouge = " | ".join(f"{100 * d[k]:.2f}" if k in d else "-" for k in ("rouge1", "rouge2", "rougeL"))
+                accuracy = summary["final"][split].get("token_accuracy")
+                print(f"| {split} | {d['method']} | {100 * d['exact_match']:.2f}% | {rouge} | "
+                      f"{100 * accuracy:.2f}% | {d['pairs']:,} |")
         if cap:
             print(f"(scored on the first {cap:,} tokens of each split; train.eval_max_tokens=0 scores them whole)")
     elif not trainer.validates:
@@ -147,5 +170,8 @@ def print_summary(trainer: Trainer, summary: dict) -> None:
              (f"txl train --resume {run} --max-steps N", "train longer")]
     if mlm:  # an encoder generates no text
         steps.pop(1)
+    elif trainer.seq2seq:
+        steps[:2] = [(f"txl eval {run} --split test", "loss, token accuracy, exact match, ROUGE, sample outputs"),
+                     (f"txl generate {run} --input FILE", "decode one source per line of FILE")]
     width = max(len(command) for command, _ in steps)
     print("next:\n" + "\n".join(f"  {command.ljust(width)}  # {what}" for command, what in steps))

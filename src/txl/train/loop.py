@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
+from txl.checkpoint import build_model
 from txl.errors import ConfigError, DataError, TrainingError
 from txl.evaluate import EvalResult, autocast, evaluate, evaluate_mlm, metric_value
 from txl.masked_lm import mask_tokens
 from txl.memory import Memory
-from txl.model import TransformerXL
 from txl.optim import build_optimizer, lr_at, set_lr
 from txl.run_config import RunConfig
 from txl.train.distributed import init_distributed
@@ -75,20 +75,33 @@ class Trainer:
             self._unlock = weakref.finalize(self, lock.release)  # runs once, whichever comes first
 
     def _build(self, run: RunConfig, *, resume: bool, init_from) -> None:
-        from txl.data import StreamIterator, open_corpus
+        from txl.data import StreamIterator, open_corpus, parse_spec
+        from txl.data.spec import SEQ2SEQ_CORPORA
 
         self.data_as_typed = self.cfg.data
         self.cfg.data = resolve_data(self.cfg.data)  # absolute: the run works from any directory
-        self.corpus = open_corpus(self.cfg.data)
+        # a pair corpus trains an encoder-decoder (txl.seq2seq) through this same loop
+        self.seq2seq = parse_spec(self.cfg.data).name in SEQ2SEQ_CORPORA
+        if self.seq2seq:
+            from txl.seq2seq.data import open_pair_corpus
+
+            self.corpus = open_pair_corpus(self.cfg.data)
+        else:
+            self.corpus = open_corpus(self.cfg.data)
         self.metric = self.corpus.metric
         self.validates = "valid" in self.corpus.splits
         if not self.validates and self.dist.main and not resume:
             print(f"note: {self.cfg.data} has no valid split: validation is off, so there is no `best` checkpoint "
                   "and no final score (add a valid.txt to the corpus directory to get them)", file=sys.stderr)
-        self.sample_prompt = sample_prompt_ids(self.corpus, self.cfg)
+        self.sample_prompt = [] if self.seq2seq else sample_prompt_ids(self.corpus, self.cfg)
         self.model_config = run.model_config(vocab_size=len(self.corpus.vocab))
+        if self.seq2seq:
+            self.model_config = seq2seq_model_config(self.model_config, self.corpus)
+        elif self.model_config.arch != "decoder":
+            raise ConfigError(f"model.arch={self.model_config.arch!r} trains on a pair corpus (pairs:, reverse, "
+                              f"pydoc-summaries), not {self.cfg.data!r}; pick one with --data")
         torch.manual_seed(self.cfg.seed)
-        self.model = TransformerXL(self.model_config).to(self.dist.device)
+        self.model = build_model(self.model_config).to(self.dist.device)
         self.init_from = None
         if init_from is not None and not resume:
             self.init_from = str(load_initial_weights(self.model, init_from, self.corpus.vocab))
@@ -108,11 +121,18 @@ class Trainer:
             )
         self.forward = torch.compile(self.ddp) if self.cfg.compile else self.ddp
         self.optimizer = build_optimizer(self.cfg.optimizer, self.model.parameters(), lr=self.cfg.lr,
-                                         weight_decay=self.cfg.weight_decay)
+                                         weight_decay=self.cfg.weight_decay, betas=self.cfg.adam_betas,
+                                         eps=self.cfg.adam_eps)
         self.scaler = torch.amp.GradScaler(self.dist.device.type, enabled=self.cfg.precision == "fp16")
-        self.train_iter = StreamIterator(self.corpus.split("train"), batch_size=self.cfg.batch_size,
-                                         tgt_len=self.cfg.tgt_len, varlen=self.cfg.varlen, roll=self.cfg.roll,
-                                         seed=self.cfg.seed)
+        if self.seq2seq:  # batch_size pairs per step, bucketed by length
+            from txl.seq2seq.data import PairBatches
+
+            self.train_iter = PairBatches(self.corpus.pairs("train"), self.corpus.vocab,
+                                          batch_size=self.cfg.batch_size, seed=self.cfg.seed)
+        else:
+            self.train_iter = StreamIterator(self.corpus.split("train"), batch_size=self.cfg.batch_size,
+                                             tgt_len=self.cfg.tgt_len, varlen=self.cfg.varlen, roll=self.cfg.roll,
+                                             seed=self.cfg.seed)
         self.memories: list[Memory | None] = [None] * self.cfg.grad_accum
         self.step = 0
         self.tokens_seen = 0
@@ -138,6 +158,8 @@ class Trainer:
         tokens, their count); the NLL is NaN when any micro-batch loss was not finite. One host sync per
         step. Masked LM (`objective = "mlm"`): the segment's tokens are masked by BERT's recipe and only
         the picked positions are scored (labels = the original tokens there, no shift)."""
+        if self.seq2seq:
+            return self.seq2seq_step(batch)
         rows = self.dist.rows(self.cfg.batch_size)
         inputs = batch.inputs[rows]
         targets = batch.targets[rows]
@@ -164,6 +186,29 @@ class Trainer:
             # the loss, not the per-token NLL, decides finiteness (a caller may poison either)
             nll_sum += out.nll.detach().double().sum() + out.loss.detach().double() * 0
         return float(nll_sum), inputs.shape[0] * inputs.shape[1] if scored is None else scored
+
+    def seq2seq_step(self, batch) -> tuple[float, int]:
+        """`train_step` for a pair batch: teacher forcing (the decoder reads the target shifted right),
+        label smoothing in the loss that is minimised, the unsmoothed NLL in the records."""
+        rows = self.dist.rows(batch.source.shape[0]) if batch.source.shape[0] >= self.dist.world else slice(None)
+        device = self.dist.device
+        tensors = [t[rows].to(device, non_blocking=True) for t in
+                   (batch.source, batch.attention_mask, batch.decoder_input, batch.labels)]
+        micro = max(tensors[0].shape[0] // self.cfg.grad_accum, 1)
+        count = int((tensors[3] != -100).sum())
+        nll_sum = torch.zeros((), dtype=torch.float64, device=device)
+        chunks = list(zip(*(t.split(micro) for t in tensors)))
+        for j, (src, mask, dec, labels) in enumerate(chunks):
+            last = j == len(chunks) - 1
+            sync = contextlib.nullcontext() if last or self.dist.world == 1 else self.ddp.no_sync()
+            with sync:
+                with autocast(device, self.cfg.precision):
+                    out = self.forward(src, mask, dec, labels, label_smoothing=self.cfg.label_smoothing)
+                # mean over the step's scored tokens, whatever their split into micro-batches
+                scale = int((labels != -100).sum()) / max(count, 1)
+                self.scaler.scale(out.loss * scale).backward()
+            nll_sum += out.nll.detach().double().sum() + out.loss.detach().double() * 0
+        return float(nll_sum), count
 
     def optimizer_step(self, lr: float, finite: bool) -> None:
         if not finite:
@@ -198,7 +243,8 @@ class Trainer:
             while self.step < cfg.max_steps:
                 batch = next(batches)
                 # inputs[:, 1:] == targets[:, :-1]: the targets and the first column cover every id
-                self.check_token_ids(max(int(batch.targets.max()), int(batch.inputs[:, 0].max())), "train")
+                if not self.seq2seq:  # (pair ids are encoded in memory by this run's own vocabulary)
+                    self.check_token_ids(max(int(batch.targets.max()), int(batch.inputs[:, 0].max())), "train")
                 if batch.step == 0:
                     self.memories = [None] * cfg.grad_accum  # memory does not cross epochs
                 lr = lr_at(self.step, schedule=cfg.schedule, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
@@ -294,6 +340,11 @@ class Trainer:
 
     def evaluate_split(self, split: str, *, max_tokens: int = 0, progress: bool = False) -> EvalResult:
         cfg = self.cfg
+        if self.seq2seq:  # teacher-forced NLL and token accuracy (decoding scores come at the end)
+            from txl.seq2seq.evaluate import teacher_forced
+
+            return teacher_forced(self.model, self.corpus, split, batch_size=cfg.eval_batch_size,
+                                  device=self.dist.device, precision=cfg.precision)
         tokens = self.corpus.split(split)
         if split not in self._checked_splits and len(tokens):  # once per split: one pass over <= 5% of the corpus
             self.check_token_ids(int(tokens[: max_tokens + 1 if max_tokens else None].max()), split)
@@ -343,3 +394,13 @@ class Trainer:
     def _restore_signal_handlers(previous) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def seq2seq_model_config(config, corpus):
+    """The model config of a pair corpus: an encoder-decoder whose vocabularies are the corpus's."""
+    if config.arch != "encoder-decoder":
+        raise ConfigError(f"{corpus.name} is a sequence-to-sequence corpus: it trains model.arch='encoder-decoder' "
+                          "(e.g. --preset seq2seq-reverse), not a decoder-only LM")
+    vocab = corpus.vocab
+    return config.replace(source_vocab_size=0 if vocab.shared else vocab.source.size,
+                          share_embeddings=config.share_embeddings and vocab.shared)
