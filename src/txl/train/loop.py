@@ -257,7 +257,8 @@ class Trainer:
                 finite = bad == 0
                 self.optimizer_step(lr, finite)
                 self.step += 1
-                processed = cfg.batch_size * batch.inputs.shape[1]  # over all ranks
+                # over all ranks (a pair batch: its scored target tokens)
+                processed = int(total_count) if self.seq2seq else cfg.batch_size * batch.inputs.shape[1]
                 self.tokens_seen += processed
                 self.elapsed = elapsed_before + time.perf_counter() - session_start
                 if finite:
