@@ -365,3 +365,22 @@ def test_text_stream_decodes_in_bounded_windows_and_matches_whole_decoding():
         stream.push(int(token))
     stream.close()
     assert "".join(pieces) == text
+
+
+@pytest.mark.parametrize("entry", ["stream_tokens", "sample", "generate_rerun"])
+def test_generation_records_no_autograd_graph(entry):
+    """Every generation entry point runs its forwards under no_grad: with autograd on, token-level
+    inference would build a graph per token and skip the fast backend's projection cache (3x slower)."""
+    import txl.generate as gen
+
+    model = tiny_model(mem_len=16)
+    seen = []
+    model.register_forward_pre_hook(lambda module, args: seen.append(torch.is_grad_enabled()))
+    prompt = [1, 2, 3, 4]
+    if entry == "sample":
+        gen.sample(model, [prompt], max_new_tokens=3, temperature=0.0)
+    elif entry == "generate_rerun":
+        gen.generate_rerun(model, prompt, max_new_tokens=3)
+    else:
+        list(gen.stream_tokens(model, prompt, max_new_tokens=3, temperature=0.0))
+    assert seen and not any(seen)

@@ -74,7 +74,6 @@ def check_seed(seed: int | None) -> None:
                          f"seed must be in [0, 2**63), got {seed}")
 
 
-@torch.no_grad()
 def check_causal(model) -> None:
     if not getattr(model, "config", None) or model.config.causal:
         return
@@ -82,6 +81,7 @@ def check_causal(model) -> None:
                      "it predicts masked tokens and cannot generate text; use a causal LM")
 
 
+@torch.no_grad()
 def stream_tokens(
     model,
     prompt: Sequence[int] | Tensor,
