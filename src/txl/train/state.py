@@ -131,10 +131,14 @@ def open_run_dir(out: Path, *, resume: bool, force: bool = False) -> RunLock:
         check_out_dir(out)  # the parent: a file, or not writable
     elif not out.is_dir():
         raise OutputError(f"output directory {out} exists and is not a directory; pick a new --out")
-    created = not out.exists()
-    if created:
+    created = False
+    if not out.exists():
         try:
             out.mkdir(parents=True)
+            created = True
+        except FileExistsError:  # another txl made it this instant: the lock below decides who writes
+            if not out.is_dir():
+                raise OutputError(f"output directory {out} exists and is not a directory; pick a new --out") from None
         except OSError as err:
             raise OutputError(f"cannot write to output directory {out}: {describe_os_error(err)}") from None
     lock = RunLock.acquire(out, created_dir=created)
