@@ -149,3 +149,22 @@ class HostileServer:
     def close(self):
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def stranger_bpe_vocab(change, *, vocab_size: int) -> dict:
+    """A txl BPE vocab.json (as a dict) whose inner tokenizer JSON `change(inner)` has edited: what a
+    stranger's file can hold (tests/test_hostile.py, tests/test_robustness.py)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from txl.data.vocab import Vocab
+
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["attention is all you need"] * 20, trainer=trainer)
+    inner = json.loads(tok.to_str())
+    change(inner)
+    outer = json.loads(Vocab("bpe", bpe=tok.to_str()).to_json())
+    outer["bpe"] = json.dumps(inner)
+    return outer

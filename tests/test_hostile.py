@@ -411,19 +411,7 @@ def test_eval_values_out_of_range_end_in_one_line(argv, trained):
 
 
 def _bpe_vocab_json(tmp_path: Path, change) -> Path:
-    tokenizers = pytest.importorskip("tokenizers")
-    from txl.data.vocab import Vocab
-
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=280, show_progress=False,
-                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["attention is all you need"] * 20, trainer=trainer)
-    inner = json.loads(tok.to_str())
-    change(inner)
-    outer = json.loads(Vocab("bpe", bpe=tok.to_str()).to_json())
-    outer["bpe"] = json.dumps(inner)
+    outer = helpers.stranger_bpe_vocab(change, vocab_size=280)
     outer.pop("size", None)
     path = tmp_path / "vocab.json"
     path.write_text(json.dumps(outer))

@@ -1384,20 +1384,9 @@ def _(ctx):
 
 
 def _stranger_bpe(ctx: Ctx, change) -> Outcome:
-    tokenizers = pytest.importorskip("tokenizers")
     from txl.data.vocab import Vocab
 
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=270, show_progress=False,
-                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["attention is all you need"] * 20, trainer=trainer)
-    inner = json.loads(tok.to_str())
-    change(inner)
-    outer = json.loads(Vocab("bpe", bpe=tok.to_str()).to_json())
-    outer["bpe"] = json.dumps(inner)
-    path = ctx.write("vocab.json", json.dumps(outer))
+    path = ctx.write("vocab.json", json.dumps(helpers.stranger_bpe_vocab(change, vocab_size=270)))
     return api(lambda: Vocab.load(path), DataError)
 
 
