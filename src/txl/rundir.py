@@ -19,6 +19,7 @@ import errno
 import os
 import re
 import stat
+import time
 from pathlib import Path
 
 from txl.errors import OutputError, UsageError, describe_os_error
@@ -149,6 +150,22 @@ def read_text_nofollow(path: str | Path) -> str | None:
         return f.read().decode("utf-8", "replace")
 
 
+def _lock_holder(fd: int, wait: float = 2.0) -> str:
+    """" (pid N)" of the process holding the lock on `fd`'s file, or "" when it does not say.
+
+    The holder writes its pid just after it takes the lock: a loser of a race that reads the file in
+    between sees it empty, so it looks again for up to `wait` seconds."""
+    deadline = time.monotonic() + wait
+    while True:
+        with contextlib.suppress(OSError, ValueError):
+            text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            if text.isdigit():
+                return f" (pid {int(text)})"
+        if time.monotonic() >= deadline:
+            return ""
+        time.sleep(0.01)
+
+
 class RunLock:
     """An exclusive advisory lock on a run directory, held until `release()` or the process ends.
 
@@ -198,10 +215,7 @@ class RunLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as err:
-                holder = ""
-                with contextlib.suppress(OSError, ValueError):
-                    text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-                    holder = f" (pid {int(text)})" if text.isdigit() else ""
+                holder = _lock_holder(fd)
                 os.close(fd)
                 if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise UsageError(f"{self.directory} is in use by another txl process{holder}; wait for it to "
@@ -220,8 +234,10 @@ class RunLock:
         else:  # pragma: no cover - the file changed under us a hundred times
             raise OutputError(f"cannot lock {path}: it keeps changing; is another program deleting it?")
         with contextlib.suppress(OSError):
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            # pid first, then cut to its length: a reader never sees the file empty once it held a pid
+            pid = f"{os.getpid()}\n".encode()
+            os.pwrite(fd, pid, 0)
+            os.ftruncate(fd, len(pid))
         self.fd = fd
 
     def release(self) -> None:
