@@ -188,13 +188,13 @@ def clear_for_training(run_dir: Path) -> None:
         raise UsageError(f"{run_dir} exists and is not an arena run directory; move it or pick another --runs")
 
 
-def train_variants(plan: list[dict], args: argparse.Namespace) -> None:
+def train_variants(plan: list[dict], args: argparse.Namespace, *, desc: str = "arena") -> None:
     """Run the planned trainings, `args.jobs` at a time; record each child's peak RSS (wait4)."""
     from tqdm.auto import tqdm
 
     todo = [p for p in plan if p.get("peak_rss_mb") is None]
     running: dict[int, tuple[dict, subprocess.Popen, object]] = {}
-    bar = tqdm(total=len(todo), desc="arena", unit="run", dynamic_ncols=True)
+    bar = tqdm(total=len(todo), desc=desc, unit="run", dynamic_ncols=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
     try:
         while todo or running:
@@ -217,7 +217,7 @@ def train_variants(plan: list[dict], args: argparse.Namespace) -> None:
             log.close()
             if proc.returncode != 0:
                 tail = Path(log.name).read_text(errors="replace").strip().splitlines()[-1:]
-                raise UsageError(f"arena run {item['name']} failed (exit {proc.returncode}): "
+                raise UsageError(f"{desc} run {item['name']} failed (exit {proc.returncode}): "
                                  f"{tail[0] if tail else 'no output'}; log {log.name}")
             item["peak_rss_mb"] = usage.ru_maxrss / 1024  # KiB on Linux
             write_text(Path(item["run_dir"]) / "arena.json", json.dumps(

@@ -18,6 +18,7 @@ BENCHES: dict[str, str] = {
     "eval-speedup": "txl.bench.eval_speedup",
     "attention-scaling": "txl.bench.attention_scaling",
     "arena": "txl.bench.arena",
+    "claims": "txl.bench.claims",
 }
 
 
@@ -61,6 +62,7 @@ SUMMARIES: dict[str, str] = {
     "eval-speedup": "Transformer-XL evaluation against the vanilla Transformer per scored token (paper Table 9)",
     "attention-scaling": "time and peak memory of one attention layer of each arena variant against length",
     "arena": "train every attention kernel and positional encoding on PTB-char under one CPU budget",
+    "claims": "the paper's claims at CPU scale: RECL against LSTM/SHA-RNN/vanilla, the ablation, longer evaluation memory",
     "all": "train, eval, generate, mfu, kernel and curve in one go; writes benchmarks.md, benchmarks.json, plots",
 }
 
@@ -120,7 +122,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         module = importlib.import_module(module_name)
         summary = SUMMARIES.get(name) or (module.__doc__ or name).strip().splitlines()[0]
         doc = {"arena": "docs/arena.md", "attention-scaling": "docs/attention_scaling.md",
-               "eval-speedup": "docs/evaluation.md"}.get(name, "docs/benchmarks.md")
+               "eval-speedup": "docs/evaluation.md",
+               "claims": "docs/claims.md"}.get(name, "docs/benchmarks.md")
         p = sub.add_parser(name, help=summary, description=f"txl bench {name}: {summary}. Method and results: {doc}.")
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         if has_own_cli(module):

@@ -1,0 +1,93 @@
+"""`txl bench claims` (issue 19): parameter matching, the paired standard error, the report's tables."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import numpy as np
+import pytest
+
+import helpers
+from txl.bench import claims
+
+
+def test_paired_difference_is_in_bits_with_batch_means_error():
+    rng = np.random.default_rng(0)
+    base = rng.exponential(1.0, size=1000).astype(np.float32)
+    # a difference that is constant inside each of 10 blocks: batch means see its spread exactly
+    step = np.repeat(np.linspace(-0.5, 0.4, 10), 100).astype(np.float32)
+    diff, se = claims.paired(base + step, base, blocks=10)
+    block_means = np.linspace(-0.5, 0.4, 10) / math.log(2)
+    assert diff == pytest.approx(block_means.mean(), abs=1e-6)
+    assert se == pytest.approx(block_means.std(ddof=1) / math.sqrt(10), rel=1e-5)
+    # a uniform shift has no spread: error 0, difference exactly the shift in bits
+    diff, se = claims.paired(base + 0.25, base, blocks=10)
+    assert diff == pytest.approx(0.25 / math.log(2), rel=1e-5)
+    assert se == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["shaw", "vanilla", "xl-m32"])
+def test_d_inner_matching_keeps_parameters_within_two_percent(variant):
+    target = claims.parameter_count([], vocab_size=65)
+    sets = [f"model.{s}" for s in claims.VARIANTS[variant].sets]
+    d_inner, count = claims.match_d_inner(sets, target, vocab_size=65)
+    assert count == claims.parameter_count([*sets, f"model.d_inner={d_inner}"], vocab_size=65)
+    assert abs(count - target) / target < 0.02
+    # the closest: one step either way is no closer
+    for other in (d_inner - 1, d_inner + 1):
+        assert abs(claims.parameter_count([*sets, f"model.d_inner={other}"], 65) - target) >= abs(count - target)
+
+
+def _fake_run(tmp_path, corpus, variant, seed, nll_by_mode):
+    run_dir = tmp_path / corpus / f"{variant}-s{seed}"
+    run_dir.mkdir(parents=True)
+    (run_dir / "result.json").write_text(json.dumps({"tokens": 1000, "steps": 10, "tokens_per_second": 100.0}))
+    for name, values in nll_by_mode.items():
+        np.save(run_dir / f"claims_nll_{name}.npy", values)
+    return {"name": f"{corpus}/{variant}-s{seed}", "corpus": corpus, "variant": variant, "seed": seed,
+            "d_inner": 512, "parameters": 1000, "command": f"txl train {variant} {seed}", "peak_rss_mb": 1.0,
+            "run_dir": str(run_dir)}
+
+
+def test_report_tables_rank_the_ablation_and_pair_the_sweep(tmp_path):
+    rng = np.random.default_rng(1)
+    base = rng.exponential(1.0, size=400).astype(np.float32)
+    plan, evals = [], {}
+    bpc = {"xl": 1.0, "shaw": 1.1, "xl-mem0": 1.2, "vanilla": 1.3}
+    for seed in (1, 2):
+        for variant, value in bpc.items():
+            if variant == "vanilla":
+                item = _fake_run(tmp_path, "c", variant, seed, {"window": base})
+                evals[item["name"]] = {"mems": {}, "window": value + seed / 100, "state": None}
+            else:
+                longer = base - 0.01  # evaluation at mem 128 is better by 0.01 nats on every token
+                item = _fake_run(tmp_path, "c", variant, seed, {"mem64": base, "mem128": longer, "mem0": base + 0.1})
+                evals[item["name"]] = {"mems": {"0": value + 0.1, "64": value + seed / 100, "128": value - 0.01},
+                                       "window": None, "state": None}
+            plan.append(item)
+    args = argparse.Namespace(corpora=[("c", "text:x")], steps=10, seeds=(1, 2), eval_tokens=400,
+                              eval_mems=(0, 64, 128), blocks=4)
+    report = claims.build_report(args, plan, evals, recl={})
+    ablation = report["ablation"]["c"]
+    assert [row["variant"] for row in ablation["rows"]] == ["xl", "shaw", "xl-mem0", "vanilla"]
+    assert ablation["rank_per_seed"] == [["xl", "shaw", "xl-mem0", "vanilla"]] * 2
+    assert ablation["rows"][0]["mean"] == pytest.approx(1.015)
+    xl = next(row for row in report["sweep"]["c"] if row["variant"] == "xl" and row["seed"] == 1)
+    cell = next(c for c in xl["cells"] if c["mem"] == 128)
+    assert cell["diff"] == pytest.approx(-0.01 / math.log(2), rel=1e-4)
+    assert "diff" not in next(c for c in xl["cells"] if c["mem"] == 64)  # the training memory itself
+    mem0 = next(row for row in report["sweep"]["c"] if row["variant"] == "xl-mem0")
+    assert mem0["trained_mem"] == 0
+    text = claims.markdown(report)
+    assert "xl < shaw < xl-mem0 < vanilla" in text
+    assert "| xl | mem 64 |" in text
+
+
+def test_claims_without_a_corpus_is_one_clear_line(tmp_path):
+    code, text = helpers.finish(helpers.txl("bench", "claims", "--out", str(tmp_path / "o"), cwd=tmp_path))
+    assert code == 2
+    assert "Traceback" not in text
+    assert text.strip().splitlines()[-1].startswith("txl bench: error: txl bench claims needs at least one --corpus")
+    assert not (tmp_path / "o").exists()
