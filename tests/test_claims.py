@@ -31,13 +31,14 @@ def test_paired_difference_is_in_bits_with_batch_means_error():
 @pytest.mark.parametrize("variant", ["shaw", "vanilla", "xl-m32"])
 def test_d_inner_matching_keeps_parameters_within_two_percent(variant):
     target = claims.parameter_count([], vocab_size=65)
-    sets = [f"model.{s}" for s in claims.VARIANTS[variant].sets]
-    d_inner, count = claims.match_d_inner(sets, target, vocab_size=65)
-    assert count == claims.parameter_count([*sets, f"model.d_inner={d_inner}"], vocab_size=65)
+    spec = claims.VARIANTS[variant]
+    sets = [f"model.{s}" for s in spec.sets]
+    size, count = claims.match_size(spec, sets, target, vocab_size=65)
+    assert count == claims.parameter_count([*sets, *spec.size_sets(size)], vocab_size=65)
     assert abs(count - target) / target < 0.02
     # the closest: one step either way is no closer
-    for other in (d_inner - 1, d_inner + 1):
-        assert abs(claims.parameter_count([*sets, f"model.d_inner={other}"], 65) - target) >= abs(count - target)
+    for other in (size - 1, size + 1):
+        assert abs(claims.parameter_count([*sets, *spec.size_sets(other)], 65) - target) >= abs(count - target)
 
 
 def _fake_run(tmp_path, corpus, variant, seed, nll_by_mode):
@@ -47,7 +48,7 @@ def _fake_run(tmp_path, corpus, variant, seed, nll_by_mode):
     for name, values in nll_by_mode.items():
         np.save(run_dir / f"claims_nll_{name}.npy", values)
     return {"name": f"{corpus}/{variant}-s{seed}", "corpus": corpus, "variant": variant, "seed": seed,
-            "d_inner": 512, "parameters": 1000, "command": f"txl train {variant} {seed}", "peak_rss_mb": 1.0,
+            "size": "d_inner 512", "parameters": 1000, "command": f"txl train {variant} {seed}", "peak_rss_mb": 1.0,
             "run_dir": str(run_dir)}
 
 
@@ -60,12 +61,12 @@ def test_report_tables_rank_the_ablation_and_pair_the_sweep(tmp_path):
         for variant, value in bpc.items():
             if variant == "vanilla":
                 item = _fake_run(tmp_path, "c", variant, seed, {"window": base})
-                evals[item["name"]] = {"mems": {}, "window": value + seed / 100, "state": None}
+                evals[item["name"]] = {"mems": {}, "window": value + seed / 100}
             else:
                 longer = base - 0.01  # evaluation at mem 128 is better by 0.01 nats on every token
                 item = _fake_run(tmp_path, "c", variant, seed, {"mem64": base, "mem128": longer, "mem0": base + 0.1})
                 evals[item["name"]] = {"mems": {"0": value + 0.1, "64": value + seed / 100, "128": value - 0.01},
-                                       "window": None, "state": None}
+                                       "window": None}
             plan.append(item)
     args = argparse.Namespace(corpora=[("c", "text:x")], steps=10, seeds=(1, 2), eval_tokens=400,
                               eval_mems=(0, 64, 128), blocks=4)

@@ -10,9 +10,9 @@
    error from batch means over contiguous blocks of targets (per-token losses are correlated).
 
 Every model is one ordinary `txl train --preset claims-char` run in its own process (its command is in
-the report), trained for the same number of steps on the same tokens, with d_inner chosen so the
-parameter count is the closest to the Transformer-XL row's (the lstm's hidden size, the sha-rnn's Boom
-width). The budget is in steps, so runs side by side on a loaded machine give the same models. Finished
+the report), trained for the same number of steps on the same tokens, with one size chosen so the
+parameter count is the closest to the Transformer-XL row's (d_inner: the Transformers' feed-forward
+width, the lstm's hidden size; the sha-rnn's width d_model with its Boom at 4 × d_model). The budget is in steps, so runs side by side on a loaded machine give the same models. Finished
 runs and evaluations are reused when their command is unchanged (an interrupted run continues).
 
 Writes claims.json, claims_tables.md and claims_<corpus>.png to `--out`.
@@ -44,9 +44,13 @@ LN2 = math.log(2.0)
 @dataclass(frozen=True)
 class Variant:
     name: str
-    sets: tuple[str, ...]  # model.* overrides; d_inner is added by the parameter matching
+    sets: tuple[str, ...]  # model.* overrides; the size (knob) is added by the parameter matching
     about: str
     role: str  # "ablation", "sweep" or "rnn"
+    knob: str = "d_inner"  # what the parameter matching scales: "d_inner", or "width" = d_model k, d_inner 4k
+
+    def size_sets(self, k: int) -> list[str]:
+        return [f"model.d_inner={k}"] if self.knob == "d_inner" else [f"model.d_model={k}", f"model.d_inner={4 * k}"]
 
 
 VARIANTS: dict[str, Variant] = {v.name: v for v in [
@@ -57,13 +61,17 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
             "vanilla: absolute sinusoidal positions, mem 0 (Al-Rfou et al. 2018 style)", "ablation"),
     Variant("xl-m32", ("mem_len=32",), "Transformer-XL trained with mem 32", "sweep"),
     Variant("xl-m128", ("mem_len=128",), "Transformer-XL trained with mem 128", "sweep"),
-    Variant("lstm", ("arch=lstm", "n_layer=3", "mem_len=0"),
+    Variant("lstm", ("arch=lstm", "n_layer=3", "dropout=0.1", "dropout_input=0.1", "dropout_hidden=0.1",
+                     "dropout_embed=0.0", "weight_drop=0.1"),
             "AWD-LSTM (Merity et al. 2018): 3 layers, weight drop, tied embeddings, state carried", "rnn"),
-    Variant("sha-rnn", ("arch=sha-rnn", "n_layer=4", "mem_len=64"),
-            "SHA-RNN (Merity 2019): LSTM + single-head attention over 64 past states + Boom", "rnn"),
+    Variant("sha-rnn", ("arch=sha-rnn", "n_layer=4", "mem_len=64", "dropout=0.1", "dropout_input=0.1",
+                        "dropout_hidden=0.1", "dropout_embed=0.0", "weight_drop=0.1"),
+            "SHA-RNN (Merity 2019): 4 LSTM blocks, single-head attention over 64 past states, Boom ×4", "rnn",
+            knob="width"),
 ]}
 REFERENCE = "xl"
-TRAINED_MEM = {"xl": 64, "shaw": 64, "xl-mem0": 0, "vanilla": 0, "xl-m32": 32, "xl-m128": 128, "sha-rnn": 64}
+TRAINED_MEM = {"xl": 64, "shaw": 64, "xl-mem0": 0, "vanilla": 0, "xl-m32": 32, "xl-m128": 128, "sha-rnn": 64,
+               "lstm": 64}
 RECL_GROUP = ("xl", "lstm", "sha-rnn", "vanilla")
 ABLATION = ("xl", "shaw", "xl-mem0", "vanilla")
 
@@ -136,10 +144,10 @@ def parameter_count(sets: list[str], vocab_size: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def match_d_inner(sets: list[str], target: int, vocab_size: int) -> tuple[int, int]:
-    """The d_inner whose parameter count is closest to `target` (monotone in d_inner: bisection)."""
-    def count(d):
-        return parameter_count([*sets, f"model.d_inner={d}"], vocab_size)
+def match_size(variant: Variant, sets: list[str], target: int, vocab_size: int) -> tuple[int, int]:
+    """The size (the variant's knob) whose parameter count is closest to `target`; counts grow with it."""
+    def count(k):
+        return parameter_count([*sets, *variant.size_sets(k)], vocab_size)
 
     low, high = 1, 8
     while count(high) < target:
@@ -147,7 +155,7 @@ def match_d_inner(sets: list[str], target: int, vocab_size: int) -> tuple[int, i
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (mid, high) if count(mid) < target else (low, mid)
-    best = min((low, high), key=lambda d: abs(count(d) - target))
+    best = min((low, high), key=lambda k: abs(count(k) - target))
     return best, count(best)
 
 
@@ -162,17 +170,17 @@ def plan_runs(args: argparse.Namespace) -> list[dict]:
         for name in args.variants:
             variant = VARIANTS[name]
             sets = base_sets + [f"model.{s}" for s in variant.sets]
-            d_inner, params = match_d_inner(sets, target, vocab_size)
+            size, params = match_size(variant, sets, target, vocab_size)
             seeds = args.seeds[: args.sweep_seeds] if variant.role == "sweep" else args.seeds
             for seed in seeds:
                 run_dir = Path(args.runs) / corpus / f"{name}-s{seed}"
                 argv = ["txl", "train", "--preset", PRESET, "--data", spec, "--quiet"]
-                for s in [*sets, f"model.d_inner={d_inner}", f"train.seed={seed}"]:
+                for s in [*sets, *variant.size_sets(size), f"train.seed={seed}"]:
                     argv += ["--set", s]
                 argv += ["--out", str(run_dir)]
                 line = shell_line(argv, args.threads)
                 item = {"name": f"{corpus}/{name}-s{seed}", "corpus": corpus, "spec": spec, "variant": name,
-                        "seed": seed, "about": variant.about, "d_inner": d_inner, "parameters": params,
+                        "seed": seed, "about": variant.about, "size": f"{variant.knob} {size}", "parameters": params,
                         "target_parameters": target, "argv": argv, "command": line, "run_dir": str(run_dir),
                         "peak_rss_mb": None}
                 stamp = _finished(run_dir, line)
@@ -202,12 +210,10 @@ def evaluate_run(item: dict, args: argparse.Namespace) -> dict:
         cache = {}
     ckpt = None
     variant = item["variant"]
-    arch_rnn = VARIANTS[variant].role == "rnn"
-    todo: list[tuple[str, int | None]] = []
-    if variant == "lstm":
-        todo.append(("state", None))  # an LSTM has no memory length: its state is carried
+    if variant == "lstm":  # any mem_len > 0 carries the LSTM state, 0 starts each segment afresh
+        todo: list[tuple[str, int | None]] = [("mem", 0), ("mem", TRAINED_MEM["lstm"])]
     else:
-        todo += [("mem", m) for m in args.eval_mems if not (arch_rnn and m == 0 and variant == "lstm")]
+        todo = [("mem", m) for m in args.eval_mems]
     if variant == "vanilla":
         todo.append(("window", None))
     for mode, mem in todo:
@@ -221,15 +227,13 @@ def evaluate_run(item: dict, args: argparse.Namespace) -> dict:
         if mode == "window":
             tgt = ckpt.train_setting("tgt_len") or 64
             result, nll = evaluate_checkpoint(ckpt, vanilla=True, attn_len=tgt, stride=max(1, tgt // 4), **common)
-        elif mode == "state":
-            result, nll = evaluate_checkpoint(ckpt, **common)
         else:
             result, nll = evaluate_checkpoint(ckpt, mem_len=mem, **common)
         np.save(npy, nll)
         cache[key] = {"mode": mode, "mem": mem, "bpc": result.loss / LN2, "tokens": result.tokens,
                       "file": npy.name}
         write_text(cache_path, json.dumps(cache, indent=2) + "\n")
-    out = {"mems": {}, "window": None, "state": None}
+    out = {"mems": {}, "window": None}
     for mode, mem in todo:
         entry = cache[_eval_key(item, args, mode, mem)]
         if mode == "mem":
@@ -310,7 +314,7 @@ def build_report(args: argparse.Namespace, plan: list[dict], evals: dict[str, di
                     "runs": [], "ablation": {}, "sweep": {}, "recl": recl}
     for item in plan:
         result = json.loads((Path(item["run_dir"]) / "result.json").read_text())
-        report["runs"].append({k: item[k] for k in ("name", "corpus", "variant", "seed", "d_inner", "parameters",
+        report["runs"].append({k: item[k] for k in ("name", "corpus", "variant", "seed", "size", "parameters",
                                                     "command", "peak_rss_mb")}
                               | {"tokens": result["tokens"], "steps": result["steps"],
                                  "tokens_per_second": result["tokens_per_second"], "eval": evals[item["name"]]})
@@ -337,7 +341,7 @@ def build_report(args: argparse.Namespace, plan: list[dict], evals: dict[str, di
         report["ablation"][corpus] = {"rows": rows, "rank_per_seed": ranks}
         # the sweep: paired differences against the training memory
         sweep = []
-        for name in ("xl-mem0", "xl-m32", "xl", "xl-m128", "sha-rnn"):
+        for name in ("xl-mem0", "xl-m32", "xl", "xl-m128", "sha-rnn", "lstm"):
             for r in (r for r in runs if r["variant"] == name):
                 item = next(i for i in plan if i["name"] == r["name"])
                 train_mem = TRAINED_MEM[name]
@@ -410,9 +414,9 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {name} | " + " | ".join(cells) + " |")
             lines += ["", "Each cell: RECL of each seed's group (contexts "
                       f"{recl_rows[0]['contexts']}; \"≥ c\": still gaining at the longest context).", ""]
-        lines += ["### Runs", "", "| run | parameters | d_inner | tokens | tokens/s | command |", "|---|---:|---:|---:|---:|---|"]
+        lines += ["### Runs", "", "| run | parameters | size | tokens | tokens/s | command |", "|---|---:|---:|---:|---:|---|"]
         for r in (r for r in report["runs"] if r["corpus"] == corpus):
-            lines.append(f"| {r['name']} | {r['parameters']:,} | {r['d_inner']} | {r['tokens']:,} | "
+            lines.append(f"| {r['name']} | {r['parameters']:,} | {r['size']} | {r['tokens']:,} | "
                          f"{r['tokens_per_second']:,.0f} | `{r['command']}` |")
         lines.append("")
     return "\n".join(lines) + "\n"
@@ -469,7 +473,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.time()
     plan = plan_runs(args)
     for item in plan:
-        print(f"{item['name']}: d_inner {item['d_inner']}, {item['parameters']:,} parameters "
+        print(f"{item['name']}: {item['size']}, {item['parameters']:,} parameters "
               f"(target {item['target_parameters']:,})", flush=True)
     train_variants(plan, args, desc="claims")
     if args.phase == "train":
