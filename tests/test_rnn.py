@@ -8,9 +8,11 @@ import json
 
 import pytest
 import torch
+from helpers import make_corpus, train_losses
 
 from txl import TransformerXLConfig
-from txl.checkpoint import build_model, load_model
+from txl.checkpoint import build_model, load_model, load_tensors
+from txl.cli import main
 from txl.errors import CheckpointError, ConfigError, UsageError
 from txl.rnn import DropConnectLSTM, RecurrentLM, RecurrentMemory, embedding_dropout, locked_dropout
 
@@ -293,3 +295,69 @@ def test_transformer_runtime_options_end_in_one_line(arch):
         from txl.memory import Memory
 
         model(x, memory=Memory((torch.zeros(2, 3, 16),)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI journey: train -> eval -> generate -> recl on both archs
+
+
+def cli(capsys, *args) -> tuple[int, str]:
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out + err
+
+
+def rnn_sets(arch: str) -> list[str]:
+    width = ["model.d_inner=24"] if arch == "lstm" else ["model.d_inner=64", "model.dropatt=0.1"]
+    sets = [f"model.arch={arch}", "model.n_layer=2", "model.d_model=16", "model.mem_len=12", "model.dropout_input=0.1",
+            "model.dropout_embed=0.1", "model.weight_drop=0.2", "model.dropout_hidden=0.1", *width,
+            "train.tgt_len=12", "train.batch_size=4", "train.eval_interval=1000", "train.eval_max_tokens=400",
+            "train.log_interval=1", "train.sample_tokens=8", "train.schedule=constant"]
+    return [arg for item in sets for arg in ("--set", item)]
+
+
+@pytest.fixture(scope="module")
+def chars(tmp_path_factory):
+    path = make_corpus(tmp_path_factory.mktemp("rnn-corpus") / "corpus.txt", lines=400)
+    return f"text:{path}?tokenizer=chars"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cli_journey(arch, chars, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    # over the default preset (tiny, a Transformer): its heads etc. are dropped by the arch switch
+    code, out = cli(capsys, "train", "--data", chars, "--out", run, "--max-steps", 4, *rnn_sets(arch))
+    assert code == 0, out
+    assert load_model(run).config.arch == arch
+    code, out = cli(capsys, "eval", run, "--max-tokens", 300, "--per-token", tmp_path / "nll.npy")
+    assert code == 0 and "bpc" in out, out
+    code, out = cli(capsys, "eval", run, "--max-tokens", 300, "--mem-len", 4, "--json")
+    assert code == 0 and json.loads(out)["mem_len"] == 4, out
+    code, out = cli(capsys, "eval", run, "--max-tokens", 200, "--sweep-mem", "0,4,12", "--sweep-out", tmp_path / "sweep")
+    assert code == 0, out
+    code, out = cli(capsys, "generate", run, "--prompt", "the ", "--max-new-tokens", 10, "--seed", 0)
+    assert code == 0 and out.startswith("the "), out
+    code, out = cli(capsys, "recl", run, "--mode", "window", "--contexts", "4,8", "--max-tokens", 150,
+                    "--out", tmp_path / "recl")
+    assert code == 0 and "4→8" in out, out
+    for option in (["--clamp-len", "4"], ["--same-length"]):  # Transformer-only options: one line, exit != 0
+        code, out = cli(capsys, "eval", run, "--max-tokens", 100, *option)
+        assert code != 0 and "is a Transformer setting" in out and "Traceback" not in out, (option, out)
+        assert out.strip().splitlines()[-1].startswith("txl eval: error:")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_resume_is_exact_with_the_carried_state(arch, chars, tmp_path, capsys):
+    """4 + 4 steps with --resume = 8 steps: the LSTM states and attention memory are saved and restored."""
+    code, out = cli(capsys, "train", "--data", chars, "--out", tmp_path / "a", "--max-steps", 8, "--quiet",
+                    *rnn_sets(arch))
+    assert code == 0, out
+    code, out = cli(capsys, "train", "--data", chars, "--out", tmp_path / "b", "--max-steps", 4, "--quiet",
+                    *rnn_sets(arch))
+    assert code == 0, out
+    saved, _ = load_tensors(tmp_path / "b" / "last" / "trainer.safetensors")
+    assert sum(name.startswith("memory.") and ".state" in name for name in saved) == 4  # h, c of 2 layers
+    code, out = cli(capsys, "train", "--resume", tmp_path / "b", "--max-steps", 8, "--quiet")
+    assert code == 0, out
+    assert train_losses(tmp_path / "a") == train_losses(tmp_path / "b")
