@@ -8,8 +8,8 @@ import json
 
 import pytest
 import torch
-from helpers import make_corpus, train_losses
 
+from helpers import make_corpus, train_losses
 from txl import TransformerXLConfig
 from txl.checkpoint import build_model, load_model, load_tensors
 from txl.cli import main
@@ -345,6 +345,18 @@ def test_cli_journey(arch, chars, tmp_path, capsys, monkeypatch):
         code, out = cli(capsys, "eval", run, "--max-tokens", 100, *option)
         assert code != 0 and "is a Transformer setting" in out and "Traceback" not in out, (option, out)
         assert out.strip().splitlines()[-1].startswith("txl eval: error:")
+    from serve_helpers import request, running
+    from txl.serve.app import create_app
+    from txl.serve.engine import open_run
+
+    with running(create_app([open_run(run)])) as url:
+        status, body, _ = request(url, "POST", "/api/score", {"text": "the memory of the"})
+        assert status == 200 and len(body["nll"]) == 16, body
+        status, body, _ = request(url, "POST", "/api/score",
+                                  {"text": "the memory", "attention": {"token": 3, "layer": 0, "head": 0}})
+        assert status == 422 and "attention views are for Transformer runs" in body["error"], body
+        status, body, _ = request(url, "POST", "/api/generate", {"prompt": "the ", "max_new_tokens": 4})
+        assert status == 200 and "event: done" in body, body
 
 
 @pytest.mark.parametrize("arch", ARCHS)
