@@ -341,6 +341,8 @@ def test_cli_journey(arch, chars, tmp_path, capsys, monkeypatch):
     code, out = cli(capsys, "recl", run, "--mode", "window", "--contexts", "4,8", "--max-tokens", 150,
                     "--out", tmp_path / "recl")
     assert code == 0 and "4→8" in out, out
+    code, out = cli(capsys, "recl", run, "--mode", "memory", "--contexts", "4,8", "--max-tokens", 150)
+    assert code != 0 and "use --mode window" in out and "Traceback" not in out, out
     for option in (["--clamp-len", "4"], ["--same-length"]):  # Transformer-only options: one line, exit != 0
         code, out = cli(capsys, "eval", run, "--max-tokens", 100, *option)
         assert code != 0 and "is a Transformer setting" in out and "Traceback" not in out, (option, out)
