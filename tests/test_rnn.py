@@ -225,8 +225,11 @@ def test_weight_drop_changes_only_the_hidden_to_hidden_matrix_in_training():
     torch.testing.assert_close(h, h_ref[0])
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("field", ["dropout_embed", "dropout_input", "dropout_hidden", "weight_drop", "dropout"])
+DROPOUTS = [(arch, field) for arch in ARCHS
+            for field in ["dropout_embed", "dropout_input", "dropout_hidden", "weight_drop", "dropout"]]
+
+
+@pytest.mark.parametrize(("arch", "field"), [*DROPOUTS, ("sha-rnn", "dropatt")])
 def test_each_dropout_is_active_in_training_and_identity_in_eval(arch, field):
     model = build(arch, **{field: 0.5})
     plain = build(arch)  # the same weights (same seed), no dropout
@@ -295,6 +298,11 @@ def test_transformer_runtime_options_end_in_one_line(arch):
         from txl.memory import Memory
 
         model(x, memory=Memory((torch.zeros(2, 3, 16),)))
+    other = build(arch, n_layer=2)(x).memory
+    with pytest.raises(UsageError, match="another model's memory"):
+        model(x, memory=other)
+    with pytest.raises(UsageError, match="memory holds batch 2"):
+        model(x[:1], memory=model(x).memory)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -296,6 +296,11 @@ class RecurrentLM(nn.Module):
             raise UsageError(f"arch={arch!r} takes the memory its own forward returned (a RecurrentMemory), "
                              f"not a {type(memory).__name__}")
         batch, q_len = input_ids.shape
+        if memory is not None and (len(memory.states) != 2 * len(self.layers)
+                                   or len(memory.hidden) not in (0, len(self.attention_layers))):
+            raise UsageError(f"memory holds {len(memory.states)} LSTM states and {len(memory.hidden)} attention "
+                             f"memories; this model carries {2 * len(self.layers)} and {len(self.attention_layers)} "
+                             "(is it another model's memory?)")
         if memory is not None and memory.batch_size != batch:
             raise UsageError(f"memory holds batch {memory.batch_size} but input_ids has batch {batch}")
         cfg = self.config
