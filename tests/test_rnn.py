@@ -349,6 +349,10 @@ def test_cli_journey(arch, chars, tmp_path, capsys, monkeypatch):
     code, out = cli(capsys, "recl", run, "--mode", "window", "--contexts", "4,8", "--max-tokens", 150,
                     "--out", tmp_path / "recl")
     assert code == 0 and "4→8" in out, out
+    code, out = cli(capsys, "eval", run, "--vanilla", "--attn-len", 8, "--max-tokens", 100, "--json")
+    assert code == 0 and json.loads(out)["attn_len"] == 8, out  # fresh windows: as defined for an RNN as for a Transformer
+    code, out = cli(capsys, "generate", run, "--prompt", "the ", "--max-new-tokens", 5, "--mem-len", 0, "--greedy")
+    assert code == 0 and out.startswith("the "), out
     code, out = cli(capsys, "recl", run, "--mode", "memory", "--contexts", "4,8", "--max-tokens", 150)
     assert code != 0 and "use --mode window" in out and "Traceback" not in out, out
     for option in (["--clamp-len", "4"], ["--same-length"]):  # Transformer-only options: one line, exit != 0
