@@ -136,8 +136,8 @@ def test_save_load_round_trip(arch, tmp_path):
     model = build(arch, dropout_embed=0.1, weight_drop=0.2)
     model.save_pretrained(tmp_path / "ckpt")
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors"]
-    loaded = load_model(tmp_path / "ckpt")
-    assert isinstance(loaded, RecurrentLM) and loaded.config == model.config
+    loaded = RecurrentLM.from_pretrained(tmp_path / "ckpt")
+    assert isinstance(loaded, RecurrentLM) and loaded.config == model.config and not loaded.training
     x = ids(model)
     with torch.no_grad():
         a, b = model(x), loaded(x)

@@ -346,9 +346,21 @@ class RecurrentLM(nn.Module):
         return generate_tokens(self, input_ids, max_new_tokens, **kwargs)
 
     def save_pretrained(self, directory) -> None:
+        """`config.json` + `model.safetensors`, as `TransformerXL.save_pretrained`."""
         from txl.checkpoint import save_model
 
         save_model(self, directory)
+
+    @classmethod
+    def from_pretrained(cls, directory, *, map_location="cpu", **overrides) -> RecurrentLM:
+        """Load what `save_pretrained` or `txl train` wrote (checked as `TransformerXL.from_pretrained`)."""
+        from txl.checkpoint import load_model
+
+        model = load_model(directory, map_location=map_location, **overrides)
+        if not isinstance(model, cls):
+            raise UsageError(f"{directory} holds arch={model.config.arch!r}, not a recurrent LM; load it with "
+                             "TransformerXL.from_pretrained")
+        return model
 
 
 __all__ = ["RecurrentLM", "RecurrentMemory", "RNN_ARCHS", "embedding_dropout", "locked_dropout"]
