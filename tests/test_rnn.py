@@ -281,6 +281,18 @@ def test_rnn_fields_are_checked(field):
         rnn_config("sha-rnn", d_inner=40)
 
 
+def test_switching_a_preset_to_an_rnn_arch():
+    """--set model.arch=lstm over a Transformer preset drops the preset's heads etc.; the same --set
+    group asking for heads is refused by name."""
+    from txl.run_config import build_run_config
+
+    run = build_run_config(preset="tiny", sets=["model.arch=lstm"])
+    config = run.model_config(vocab_size=50)
+    assert config.arch == "lstm" and config.d_model == 128 and config.n_head == TransformerXLConfig().n_head
+    with pytest.raises(ConfigError, match="config.n_head does not apply to arch='lstm'"):
+        build_run_config(preset="tiny", sets=["model.arch=lstm", "model.n_head=2"])
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_transformer_runtime_options_end_in_one_line(arch):
     model = build(arch)
