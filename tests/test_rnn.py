@@ -262,7 +262,7 @@ def test_parameter_estimate_is_exact(arch):
     ("lstm", "n_head", 4), ("lstm", "pos_encoding", "rope"), ("lstm", "attention", "sliding"),
     ("lstm", "cutoffs", (10,)), ("lstm", "backend", "reference"), ("lstm", "dropatt", 0.1),
     ("lstm", "rnn_attention", "all"), ("sha-rnn", "same_length", True), ("sha-rnn", "clamp_len", 8),
-    ("sha-rnn", "pre_lnorm", True), ("sha-rnn", "attention_impl", "eager"),
+    ("sha-rnn", "pre_lnorm", True), ("sha-rnn", "attention_impl", "eager"), ("lstm", "init_std", 0.05),
 ])
 def test_transformer_settings_are_refused_for_rnn_archs(arch, field, value):
     with pytest.raises(ConfigError, match=f"config.{field} does not apply to arch='{arch}'"):

@@ -39,10 +39,10 @@ RNNAttention = Literal["penultimate", "all"]
 RNN_ARCHS = ("lstm", "sha-rnn")
 # What the recurrent LMs (txl.rnn) read; any other field set away from its default is refused for them.
 RNN_FIELDS = {
-    "lstm": {"arch", "vocab_size", "n_layer", "d_model", "d_inner", "dropout", "mem_len", "tie_weight", "init_std",
+    "lstm": {"arch", "vocab_size", "n_layer", "d_model", "d_inner", "dropout", "mem_len", "tie_weight",
              "dropout_embed", "dropout_input", "dropout_hidden", "weight_drop"},
     "sha-rnn": {"arch", "vocab_size", "n_layer", "d_model", "d_inner", "dropout", "dropatt", "mem_len", "tie_weight",
-                "init_std", "layer_norm_eps", "dropout_embed", "dropout_input", "dropout_hidden", "weight_drop",
+                "layer_norm_eps", "dropout_embed", "dropout_input", "dropout_hidden", "weight_drop",
                 "rnn_attention"},
 }
 RNN_ONLY_FIELDS = ("dropout_embed", "dropout_input", "dropout_hidden", "weight_drop", "rnn_attention")
