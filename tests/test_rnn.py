@@ -76,6 +76,21 @@ def test_carried_state_equals_one_pass(arch):
     assert (fresh - full[:, 6:12]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_evaluation_in_row_groups_keeps_the_state(arch, monkeypatch):
+    """`evaluate` runs wide batches in row groups and joins their memories: the recurrent kind survives."""
+    import numpy as np
+
+    from txl import evaluate as ev
+
+    model = build(arch)
+    tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, 400)
+    whole = ev.evaluate(model, tokens, metric="bpc", batch_size=4, tgt_len=10, mem_len=20)
+    monkeypatch.setattr(ev, "EVAL_GROUP_ELEMENTS", 30 * 16)  # one row per group
+    grouped = ev.evaluate(model, tokens, metric="bpc", batch_size=4, tgt_len=10, mem_len=20)
+    assert grouped.loss == pytest.approx(whole.loss, abs=1e-6) and grouped.tokens == whole.tokens
+
+
 def test_sha_rnn_memory_keeps_exactly_mem_len():
     model = build("sha-rnn")
     x = ids(model, length=30)

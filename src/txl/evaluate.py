@@ -309,7 +309,7 @@ def forward_segment(model, inputs, labels, memory, *, mem_len: int, settings: Ru
         in_place &= part is not None and out.memory is part
     if in_place:
         return torch.cat(nlls), memory
-    return torch.cat(nlls), None if parts[0] is None else Memory.cat(parts)
+    return torch.cat(nlls), None if parts[0] is None else type(parts[0]).cat(parts)  # (a recurrent LM's kind too)
 
 
 # ---------------------------------------------------------------------------------------------
