@@ -288,7 +288,6 @@ EVAL_GROUP_ELEMENTS = 1 << 23  # (rows × keys × d_model) per group: 32 MiB of 
 def forward_segment(model, inputs, labels, memory, *, mem_len: int, settings: RuntimeSettings | None = None):
     """One no-grad segment for every stream: (nll (b, t), next memory). The memory passed in is given
     up (it may be overwritten in place)."""
-    from txl.memory import Memory
 
     inner = getattr(model, "module", model)
     extra = {} if settings is None else {"clamp_len": settings.clamp_len, "same_length": settings.same_length}
