@@ -14,18 +14,20 @@ from txl.errors import CheckpointError, ConfigError, DataError, TxlError, UsageE
 if TYPE_CHECKING:
     from txl.memory import Memory
     from txl.model import TransformerXL, TransformerXLOutput
+    from txl.rnn import RecurrentLM
     from txl.seq2seq.model import EncoderDecoder
 
 __version__ = "0.1.0"
 
 _LAZY = {"TransformerXL": "txl.model", "TransformerXLOutput": "txl.model", "Memory": "txl.memory",
-         "EncoderDecoder": "txl.seq2seq.model"}
+         "EncoderDecoder": "txl.seq2seq.model", "RecurrentLM": "txl.rnn"}
 
 __all__ = [
     "TransformerXLConfig",
     "TransformerXL",
     "TransformerXLOutput",
     "EncoderDecoder",
+    "RecurrentLM",
     "Memory",
     "TxlError",
     "ConfigError",

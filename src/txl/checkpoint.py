@@ -397,7 +397,12 @@ def load_config(directory: str | Path):
 
 
 def build_model(config):
-    """The model class of `config.arch`: `TransformerXL` (decoder) or `txl.seq2seq.EncoderDecoder`."""
+    """The model class of `config.arch`: `TransformerXL` (decoder), `txl.seq2seq.EncoderDecoder`, or
+    `txl.rnn.RecurrentLM` (lstm, sha-rnn)."""
+    if config.arch in ("lstm", "sha-rnn"):
+        from txl.rnn import RecurrentLM
+
+        return RecurrentLM(config)
     if config.arch == "encoder-decoder":
         from txl.seq2seq.model import EncoderDecoder
 

@@ -34,7 +34,18 @@ CompressionName = Literal["conv", "mean", "max"]
 LinearFeature = Literal["elu", "relu"]
 SynthesizerMode = Literal["dense", "random"]
 PositionMerge = Literal["add", "mul", "concat"]
-Arch = Literal["decoder", "encoder-decoder"]
+Arch = Literal["decoder", "encoder-decoder", "lstm", "sha-rnn"]
+RNNAttention = Literal["penultimate", "all"]
+RNN_ARCHS = ("lstm", "sha-rnn")
+# What the recurrent LMs (txl.rnn) read; any other field set away from its default is refused for them.
+RNN_FIELDS = {
+    "lstm": {"arch", "vocab_size", "n_layer", "d_model", "d_inner", "dropout", "mem_len", "tie_weight",
+             "dropout_embed", "dropout_input", "dropout_hidden", "weight_drop"},
+    "sha-rnn": {"arch", "vocab_size", "n_layer", "d_model", "d_inner", "dropout", "dropatt", "mem_len", "tie_weight",
+                "layer_norm_eps", "dropout_embed", "dropout_input", "dropout_hidden", "weight_drop",
+                "rnn_attention"},
+}
+RNN_ONLY_FIELDS = ("dropout_embed", "dropout_input", "dropout_hidden", "weight_drop", "rnn_attention")
 
 POSITIONAL_NAMES: tuple[str, ...] = get_args(PositionalName)
 ATTENTION_NAMES: tuple[str, ...] = get_args(AttentionName)
@@ -64,7 +75,10 @@ class TransformerXLConfig:
     REGISTRY_FIELDS: ClassVar[tuple[str, ...]] = REGISTRY_FIELDS
     # decoder = the Transformer-XL LM (`TransformerXL`); encoder-decoder = Vaswani et al. 2017 for
     # sequence-to-sequence tasks (`txl.seq2seq.EncoderDecoder`): n_layer decoder blocks with
-    # cross-attention over n_encoder_layer bidirectional blocks.
+    # cross-attention over n_encoder_layer bidirectional blocks. lstm = AWD-LSTM (Merity et al. 2018),
+    # sha-rnn = SHA-RNN (Merity 2019), both `txl.rnn.RecurrentLM`: n_layer LSTMs, d_model = embedding and
+    # softmax width, d_inner = the LSTM width of all but the last lstm layer / sha-rnn's Boom width,
+    # mem_len = sha-rnn's attention memory (0: nothing carried across segments), dropout = on the output.
     arch: Arch = "decoder"
     # --- shape --------------------------------------------------------------------------------
     vocab_size: int = 256
@@ -152,6 +166,12 @@ class TransformerXLConfig:
     n_encoder_layer: int = 0  # encoder blocks; 0 = n_layer
     source_vocab_size: int = 0  # source ids; 0 = one vocabulary shared with the target (vocab_size)
     share_embeddings: bool = True  # one vocabulary: source and target read one embedding table
+    # --- recurrent LMs (arch = "lstm" | "sha-rnn", txl/rnn.py; AWD-LSTM's dropoute/dropouti/dropouth/wdrop)
+    dropout_embed: float = 0.0  # whole-word dropout: a dropped word's embedding is zero everywhere in the batch
+    dropout_input: float = 0.0  # locked (variational) dropout on the embeddings: one mask per sequence
+    dropout_hidden: float = 0.0  # lstm: locked dropout between layers; sha-rnn: dropout inside the blocks
+    weight_drop: float = 0.0  # DropConnect on the LSTM hidden-to-hidden matrices (training only)
+    rnn_attention: RNNAttention = "penultimate"  # sha-rnn: attention on the penultimate block (the paper) or all
     # --- initialisation (reference: normal init) ----------------------------------------------
     init_std: float = 0.02
     proj_init_std: float = 0.01
@@ -275,6 +295,9 @@ class TransformerXLConfig:
         for name in ["n_encoder_layer", "source_vocab_size"]:
             if getattr(self, name) < 0:
                 raise ConfigError(f"config.{name} must be >= 0, got {getattr(self, name)}")
+        self._validate_rnn()
+        if self.arch in RNN_ARCHS:
+            return
         if self.arch == "decoder":
             for name, default in [("n_encoder_layer", 0), ("source_vocab_size", 0)]:
                 if getattr(self, name) != default:
@@ -303,6 +326,27 @@ class TransformerXLConfig:
         if self.share_embeddings and self.source_vocab_size not in (0, self.vocab_size):
             raise ConfigError(f"config.share_embeddings needs one vocabulary, but source_vocab_size="
                               f"{self.source_vocab_size} != vocab_size={self.vocab_size}; set share_embeddings=false")
+
+    def _validate_rnn(self) -> None:
+        """The recurrent LMs' fields (txl/rnn.py); a Transformer setting given to them is refused by name
+        rather than silently ignored."""
+        for name in ["dropout_embed", "dropout_input", "dropout_hidden", "weight_drop"]:
+            p = getattr(self, name)
+            if not 0.0 <= p < 1.0:
+                raise ConfigError(f"config.{name} must be in [0, 1), got {p}")
+        if self.arch not in RNN_ARCHS:
+            for f in dataclasses.fields(self):
+                if f.name in RNN_ONLY_FIELDS and getattr(self, f.name) != f.default:
+                    raise ConfigError(f"config.{f.name} only applies to arch='lstm' or 'sha-rnn' (recurrent LMs)")
+            return
+        used = RNN_FIELDS[self.arch]
+        for f in dataclasses.fields(self):
+            if f.name not in used and getattr(self, f.name) != f.default:
+                raise ConfigError(f"config.{f.name} does not apply to arch={self.arch!r} (the recurrent LM reads "
+                                  f"only {', '.join(sorted(used - {'arch'}))}); remove it")
+        if self.arch == "sha-rnn" and self.d_inner % self.d_model:
+            raise ConfigError(f"config.d_inner must be a multiple of d_model with arch='sha-rnn' (the Boom sums "
+                              f"d_inner/d_model chunks back to d_model), got {self.d_inner} and {self.d_model}")
 
     def _validate_arena(self) -> None:
         """The long-text attention variants and the bidirectional encoder (README "The arena"). What a
@@ -414,8 +458,27 @@ class TransformerXLConfig:
         """A lower bound of the non-embedding parameter count (attention and feed-forward weights), in
         Python integers: a checkpoint loader compares it with the weights on disk before building
         anything (an absurd config.json is refused without allocating)."""
+        if self.arch in RNN_ARCHS:
+            return self._rnn_parameters()
         per_layer = 4 * self.d_model * self.n_head * self.d_head + 2 * self.d_model * self.d_inner
         return self.n_layer * per_layer
+
+    def _rnn_parameters(self) -> int:
+        """Exactly `txl.rnn.RecurrentLM(self).num_parameters(exclude_embeddings=True)`."""
+        d, n = self.d_model, self.n_layer
+
+        def lstm(inputs: int, hidden: int) -> int:  # W_ih, W_hh, two biases
+            return 4 * hidden * (inputs + hidden) + 8 * hidden
+
+        if self.arch == "lstm":
+            sizes = [self.d_inner] * (n - 1) + [d]
+            return sum(lstm(i, o) for i, o in zip([d] + sizes[:-1], sizes))
+        # q projection + its LayerNorm, three gates, the value over-parameterisation, ln_mem, ln_mid
+        attention = (d * d + d) + 2 * d + 3 * d + (2 * d * d + 2 * d) + 2 * 2 * d
+        blocks_with_attention = n if self.rnn_attention == "all" else 1
+        # ln_start, LSTM, ln_ff, ln_xff, Boom's up-projection
+        block = 2 * d + lstm(d, d) + 2 * 2 * d + (d * self.d_inner + self.d_inner)
+        return n * block + blocks_with_attention * attention
 
 
 # ---------------------------------------------------------------------------------------------

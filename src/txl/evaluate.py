@@ -288,7 +288,6 @@ EVAL_GROUP_ELEMENTS = 1 << 23  # (rows × keys × d_model) per group: 32 MiB of 
 def forward_segment(model, inputs, labels, memory, *, mem_len: int, settings: RuntimeSettings | None = None):
     """One no-grad segment for every stream: (nll (b, t), next memory). The memory passed in is given
     up (it may be overwritten in place)."""
-    from txl.memory import Memory
 
     inner = getattr(model, "module", model)
     extra = {} if settings is None else {"clamp_len": settings.clamp_len, "same_length": settings.same_length}
@@ -309,7 +308,7 @@ def forward_segment(model, inputs, labels, memory, *, mem_len: int, settings: Ru
         in_place &= part is not None and out.memory is part
     if in_place:
         return torch.cat(nlls), memory
-    return torch.cat(nlls), None if parts[0] is None else Memory.cat(parts)
+    return torch.cat(nlls), None if parts[0] is None else type(parts[0]).cat(parts)  # (a recurrent LM's kind too)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -201,6 +201,11 @@ def context_losses(
 
     if mode not in MODES:
         raise UsageError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    arch = getattr(getattr(model, "module", model), "config", None)
+    arch = getattr(arch, "arch", None)
+    if mode == "memory" and arch in ("lstm", "sha-rnn"):
+        raise UsageError(f"mode 'memory' measures a Transformer's attention length (same_length); this model is "
+                         f"arch={arch!r}: use --mode window (a fresh forward over the c tokens)")
     out: dict[int, np.ndarray] = {}
     for c in contexts:
         path = None

@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-from txl.config import TransformerXLConfig, check_dataclass_types
+from txl.config import RNN_FIELDS, TransformerXLConfig, check_dataclass_types
 from txl.errors import ConfigError, describe_os_error, did_you_mean
 
 if sys.version_info >= (3, 11):
@@ -200,6 +200,12 @@ def merge(run: RunConfig, data: dict[str, Any], where: str) -> None:
     for key in train_values:
         if key not in TRAIN_KEYS:
             raise ConfigError(f"unknown key train.{key} in {where}{did_you_mean(str(key), TRAIN_KEYS)}")
+    arch = model.get("arch")
+    if arch in RNN_FIELDS and arch != run.model.get("arch"):
+        # switching to a recurrent LM drops what earlier sources (a preset) set that it does not read
+        # (heads, attention...), so `--set model.arch=lstm` works over any preset; this source's own
+        # Transformer settings are still refused by name
+        run.model = {k: v for k, v in run.model.items() if k in RNN_FIELDS[arch]}
     run.model.update(model)
     try:
         run.train = TrainConfig(**{**dataclasses.asdict(run.train), **train_values})

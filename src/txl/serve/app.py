@@ -382,6 +382,9 @@ def create_app(runs: list[ServedRun], limits: Limits | None = None, *, allowed_h
         if args["attention"] is not None:
             attention = parse_fields(args["attention"], ATTENTION_FIELDS)
             config = run.model.config
+            if config.arch in ("lstm", "sha-rnn"):
+                raise ApiError(422, f"attention views are for Transformer runs; this run is arch={config.arch!r} "
+                                    "(a recurrent LM): score without 'attention'")
             if attention["token"] is None or attention["token"] >= len(ids):
                 raise ApiError(422, f"attention.token must be a token position in 1…{len(ids) - 1} (the query "
                                     "before it is the one shown)")

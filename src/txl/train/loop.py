@@ -97,7 +97,7 @@ class Trainer:
         self.model_config = run.model_config(vocab_size=len(self.corpus.vocab))
         if self.seq2seq:
             self.model_config = seq2seq_model_config(self.model_config, self.corpus)
-        elif self.model_config.arch != "decoder":
+        elif self.model_config.arch == "encoder-decoder":
             raise ConfigError(f"model.arch={self.model_config.arch!r} trains on a pair corpus (pairs:, reverse, "
                               f"pydoc-summaries), not {self.cfg.data!r}; pick one with --data")
         torch.manual_seed(self.cfg.seed)

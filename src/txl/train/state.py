@@ -30,6 +30,7 @@ from txl.checkpoint import (
     write_json,
     write_model_files,
 )
+from txl.config import RNN_ARCHS
 from txl.errors import CheckpointError, ConfigError, DataError, OutputError, UsageError, describe_os_error
 from txl.memory import Memory
 from txl.optim import optimizer_state_join, optimizer_state_split
@@ -247,6 +248,9 @@ def save_checkpoint(trainer: Trainer, path: Path) -> None:
         for layer, hidden in enumerate(memory.hidden):
             for rank, part in enumerate(trainer.dist.gather(hidden)):
                 extra[f"memory.rank{rank}.chunk{j}.layer{layer}"] = part
+        for k, state in enumerate(getattr(memory, "states", ())):  # a recurrent LM's LSTM states (txl.rnn)
+            for rank, part in enumerate(trainer.dist.gather(state)):
+                extra[f"memory.rank{rank}.chunk{j}.state{k}"] = part
     for rank, part in enumerate(trainer.dist.gather(torch.get_rng_state())):
         extra[f"rng.cpu.rank{rank}"] = part
     if trainer.dist.device.type == "cuda":
@@ -351,20 +355,51 @@ def _load_optimizer(trainer: Trainer, path: Path) -> None:
                                           f"is {got}")
 
 
+def _load_recurrent_memory(trainer: Trainer, extra: dict[str, torch.Tensor], path: Path, rows: int) -> None:
+    """The carried state of a recurrent LM (txl.rnn.RecurrentMemory): per layer h and c (rows, hidden
+    size), and per attention layer its memory (rows, <= mem_len, d_model); checked against the model."""
+    from txl.rnn import RecurrentMemory
+
+    model, rank = trainer.model, trainer.dist.rank
+    sizes = [layer.hidden_size if hasattr(layer, "hidden_size") else layer.rnn.hidden_size for layer in model.layers]
+    state_shapes = [(rows, size) for size in sizes for _ in (0, 1)]
+    width, mem_len = trainer.model_config.d_model, trainer.model_config.mem_len
+    for j in range(trainer.cfg.grad_accum):
+        states = [extra.get(f"memory.rank{rank}.chunk{j}.state{k}") for k in range(len(state_shapes))]
+        hidden = [extra.get(f"memory.rank{rank}.chunk{j}.layer{i}") for i in range(len(model.attention_layers))]
+        if all(t is None for t in states + hidden):
+            trainer.memories[j] = None
+            continue
+        fits = all(t is not None and t.dtype.is_floating_point for t in states + hidden) and all(
+            tuple(t.shape) == shape for t, shape in zip(states, state_shapes)) and all(
+            t.dim() == 3 and t.shape[0] == rows and t.shape[1] <= mem_len and t.shape[2] == width for t in hidden)
+        if not fits:
+            raise CheckpointError(f"{path}/trainer.safetensors: the saved recurrent state does not fit this model "
+                                  f"(expected LSTM states of shapes {state_shapes} and {len(hidden)} attention "
+                                  f"memories of shape ({rows}, <= {mem_len}, {width})); the checkpoint is damaged "
+                                  "or from another run")
+        device = trainer.dist.device
+        trainer.memories[j] = RecurrentMemory(tuple(t.to(device) for t in hidden),
+                                              states=tuple(t.to(device) for t in states))
+
+
 def _load_memory_and_rng(trainer: Trainer, extra: dict[str, torch.Tensor], path: Path) -> None:
     rank = trainer.dist.rank
     rows = trainer.cfg.batch_size // trainer.dist.world // trainer.cfg.grad_accum
     width, mem_len = trainer.model_config.d_model, trainer.model_config.mem_len
-    for j in range(trainer.cfg.grad_accum):
-        names = [f"memory.rank{rank}.chunk{j}.layer{i}" for i in range(trainer.model_config.n_layer)]
-        layers = [extra[n] for n in names if n in extra]
-        if layers and (len(layers) != len(names) or any(
-                t.dim() != 3 or t.shape[0] != rows or t.shape[1] > mem_len or t.shape[2] != width
-                or not t.dtype.is_floating_point for t in layers)):
-            raise CheckpointError(f"{path}/trainer.safetensors: the saved memory does not fit this model "
-                                  f"(expected {trainer.model_config.n_layer} float tensors of shape ({rows}, <= {mem_len}, "
-                                  f"{width})); the checkpoint is damaged or from another run")
-        trainer.memories[j] = Memory(tuple(t.to(trainer.dist.device) for t in layers)) if layers else None
+    if trainer.model_config.arch in RNN_ARCHS:
+        _load_recurrent_memory(trainer, extra, path, rows)
+    else:
+        for j in range(trainer.cfg.grad_accum):
+            names = [f"memory.rank{rank}.chunk{j}.layer{i}" for i in range(trainer.model_config.n_layer)]
+            layers = [extra[n] for n in names if n in extra]
+            if layers and (len(layers) != len(names) or any(
+                    t.dim() != 3 or t.shape[0] != rows or t.shape[1] > mem_len or t.shape[2] != width
+                    or not t.dtype.is_floating_point for t in layers)):
+                raise CheckpointError(f"{path}/trainer.safetensors: the saved memory does not fit this model "
+                                      f"(expected {trainer.model_config.n_layer} float tensors of shape ({rows}, <= {mem_len}, "
+                                      f"{width})); the checkpoint is damaged or from another run")
+            trainer.memories[j] = Memory(tuple(t.to(trainer.dist.device) for t in layers)) if layers else None
     try:
         torch.set_rng_state(extra[f"rng.cpu.rank{rank}"])
         if trainer.dist.device.type == "cuda" and f"rng.cuda.rank{rank}" in extra:
