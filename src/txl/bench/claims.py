@@ -244,7 +244,7 @@ def evaluate_run(item: dict, args: argparse.Namespace) -> dict:
 
 
 def per_token(item: dict, mode: str, mem: int | None = None) -> np.ndarray:
-    return np.load(Path(item["run_dir"]) / f"claims_nll_{mode}{'' if mem is None else mem}.npy")
+    return np.load(Path(item["run_dir"]) / f"claims_nll_{mode}{'' if mem is None else mem}.npy", allow_pickle=False)
 
 
 def paired(a: np.ndarray, b: np.ndarray, blocks: int) -> tuple[float, float]:
