@@ -526,9 +526,87 @@ def test_bigbird_global_mask_equals_its_dense_reference_and_a_hand_built_mask(ca
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_global_mask_in_a_model_reaches_far_and_stays_causal():
-    model = build(config_for("bigbird", bigbird_block=2, bigbird_window=0, bigbird_global=0, bigbird_random=0,
-                             n_layer=1))
+def sliding_visible(n: int, i: int, *, window: int, dilation: int, causal: bool, chosen=None) -> torch.Tensor:
+    """(b|1, 1, i, n) by hand: the (two-sided, bidirectional) dilated window, plus the chosen tokens'
+    rows and columns within causality."""
+    offset = n - i
+    visible = torch.zeros(1 if chosen is None else len(chosen), 1, i, n, dtype=torch.bool)
+    for b in range(visible.shape[0]):
+        for p in range(i):
+            for j in range(n):
+                dist = p + offset - j
+                if causal and dist < 0:
+                    continue
+                local = abs(dist) % dilation == 0 and abs(dist) < window * dilation
+                glob = chosen is not None and (chosen[b, p] or (j >= offset and chosen[b, j - offset]))
+                visible[b, 0, p, j] = local or bool(glob)
+    return visible
+
+
+@pytest.mark.parametrize(("causal", "n", "i"), [(True, 23, 23), (True, 31, 17), (False, 22, 22), (False, 40, 40)])
+@pytest.mark.parametrize("dilation", [1, 2])
+def test_sliding_global_mask_equals_its_dense_reference_and_a_hand_built_mask(causal, n, i, dilation):
+    config = config_for("sliding", causal=causal, sliding_window=3, sliding_dilation=(dilation,))
+    fast, eager = kernel_pair(config)
+    chosen = chosen_tokens(i)
+    mask = AttentionMask(causal=causal, global_mask=chosen)
+    q, k, v = qkv(n, i, grad=True)
+    got = attend(fast, q, k, v, mask)
+    torch.testing.assert_close(got, attend(eager, q, k, v, mask), atol=1e-5, rtol=1e-5)
+    visible = sliding_visible(n, i, window=3, dilation=dilation, causal=causal, chosen=chosen)
+    scores = (q @ k.transpose(-1, -2)) * 8**-0.5
+    expected = scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    got.square().sum().backward()  # gradients reach the chosen keys through the gathered part
+    assert k.grad[0, :, n - i + 5].abs().sum() > 0
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("impl", ["eager", "fast"])
+def test_sliding_global_mask_all_false_is_plain_sliding_and_all_true_is_full_attention(causal, impl):
+    kernel = KERNELS[("sliding", impl)](config_for("sliding", causal=causal, sliding_window=3,
+                                                   sliding_dilation=(1, 2, 1, 3)))
+    n, i = (31, 17) if causal else (22, 22)
+    q, k, v = qkv(n, i)
+    none, every = torch.zeros(2, i, dtype=torch.bool), torch.ones(2, i, dtype=torch.bool)
+    plain = attend(kernel, q, k, v, AttentionMask(causal=causal))
+    torch.testing.assert_close(attend(kernel, q, k, v, AttentionMask(causal=causal, global_mask=none)), plain)
+    full = attend(eager_attention, q, k, v, AttentionMask(causal=causal))
+    assert not torch.allclose(plain, full, atol=1e-3)
+    torch.testing.assert_close(attend(kernel, q, k, v, AttentionMask(causal=causal, global_mask=every)), full,
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["eager", "fast"])
+@pytest.mark.parametrize(("window", "dilation"), [(3, 1), (2, 3), (30, 1)])
+def test_bidirectional_sliding_sees_the_window_on_both_sides(impl, window, dilation):
+    """`causal=false`: each query sees `window` keys on each side of it (itself counted once),
+    dilated; a window longer than the sequence is full bidirectional attention."""
+    kernel = KERNELS[("sliding", impl)](config_for("sliding", causal=False, sliding_window=window,
+                                                   sliding_dilation=(dilation,)))
+    q, k, v = qkv(40, 40)
+    visible = sliding_visible(40, 40, window=window, dilation=dilation, causal=False)
+    scores = (q @ k.transpose(-1, -2)) * 8**-0.5
+    expected = scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v
+    got = attend(kernel, q, k, v, AttentionMask(causal=False))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    if window >= 40:
+        torch.testing.assert_close(got, full_attention(q, k, v, causal=False), atol=1e-5, rtol=1e-5)
+
+
+def test_bidirectional_sliding_refuses_score_terms_and_global_tokens_with_a_mask():
+    with pytest.raises(ConfigError, match="pos_encoding='shaw'.*bidirectional sliding window.*rope"):
+        config_for("sliding", causal=False, pos_encoding="shaw")
+    x = torch.randint(0, 61, (2, 8))
+    with pytest.raises(UsageError, match="global_tokens or a global_mask, not both"):
+        build(config_for("sliding", global_tokens=2))(x, mem_len=0, global_mask=torch.ones_like(x))
+
+
+@pytest.mark.parametrize("name", ["bigbird", "sliding"])
+def test_global_mask_in_a_model_reaches_far_and_stays_causal(name):
+    narrow = dict(bigbird_block=2, bigbird_window=0, bigbird_global=0, bigbird_random=0) if name == "bigbird" else \
+        dict(sliding_window=2)
+    model = build(config_for(name, n_layer=1, **narrow))
     x = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(4))
     chosen = torch.zeros(2, 16, dtype=torch.long)
     chosen[:, 1] = 1
@@ -546,8 +624,8 @@ def test_global_mask_in_a_model_reaches_far_and_stays_causal():
 
 def test_global_mask_is_refused_by_kernels_that_cannot_take_it_and_checked_for_shape():
     x = torch.randint(0, 61, (2, 8))
-    with pytest.raises(UsageError, match="global_mask is not available with attention='sliding'.*bigbird"):
-        build(config_for("sliding"))(x, global_mask=torch.ones_like(x))
+    with pytest.raises(UsageError, match="global_mask is not available with attention='lsh'.*bigbird"):
+        build(config_for("lsh"))(x, global_mask=torch.ones_like(x))
     with pytest.raises(UsageError, match="global_mask must have the shape of input_ids"):
         build(config_for("bigbird"))(x, global_mask=torch.ones(2, 7))
     full = build(config_for("full"))

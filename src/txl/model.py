@@ -199,7 +199,7 @@ class TransformerXL(nn.Module):
         the bidirectional encoder and for causal models run without memory; padded positions are
         never attended to and never scored. mem_len / clamp_len / same_length: this call's settings
         (default: the model's attributes). global_mask: (b, t), nonzero for global tokens (chosen
-        positions that see and are seen by all, e.g. a [CLS]); for kernels that take it (bigbird)."""
+        positions that see and are seen by all, e.g. a [CLS]); for kernels that take it (bigbird, sliding)."""
         if input_ids.dim() != 2:
             raise UsageError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
         mem_len = self.mem_len if mem_len is None else mem_len

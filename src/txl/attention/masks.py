@@ -65,7 +65,7 @@ class AttentionMask:
         Longformer / BigBird global attention on chosen positions, e.g. a [CLS] or question tokens). A
         global query sees every key it may see (causal: every earlier key, memory included), and every
         query sees the global keys (causal: the earlier ones). Only kernels registered with
-        `global_mask=True` take it (bigbird; full, where it changes nothing). None = none.
+        `global_mask=True` take it (bigbird, sliding; full, where it changes nothing). None = none.
     """
 
     causal: bool = True
