@@ -26,7 +26,7 @@ from txl.attention.routing import RoutingAttention
 from txl.attention.sinkhorn import SinkhornAttention, SinkhornReference, sinkhorn
 from txl.attention.synthesizer import SynthesizerAttention
 from txl.model import TransformerXL
-from txl.positional import CONTENT_ONLY
+from txl.positional import CONTENT_ONLY, rel_shift_pad
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -684,3 +684,125 @@ def test_every_causal_kernel_generates_with_memory_as_a_rerun_does(name):
     prompt = [1, 2, 3, 4, 5]
     fast = list(stream_tokens(model, prompt, max_new_tokens=10, temperature=0))
     assert fast == list(generate_rerun(model, prompt, max_new_tokens=10))
+
+
+# ---------------------------------------------------------------------------------------------
+# memory tokens (config.memory_tokens: learned keys and values before [memory ; segment])
+
+
+def with_tokens(q, k, v, m: int, *, seed: int = 5):
+    """k and v with m random token rows in front, and the tokens."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randn(2, 1, k.shape[1], m, k.shape[-1], generator=g).expand(-1, k.shape[0], -1, -1, -1)
+    return torch.cat([tokens[0], k], dim=2), torch.cat([tokens[1], v], dim=2), tokens
+
+
+@pytest.mark.parametrize("pos", ["xl", "rope", "alibi", "t5", "shaw"])
+@pytest.mark.parametrize("impl", ["eager", "fast"])
+@pytest.mark.parametrize(("causal", "n", "i"), [(True, 31, 17), (True, 9, 1), (False, 22, 22)])
+def test_memory_tokens_equal_a_dense_softmax_over_tokens_memory_and_segment(pos, impl, causal, n, i):
+    """softmax over [tokens ; memory ; segment]: the tokens' columns are the plain content score q·k
+    (no position term, no u), always visible; the other columns are the encoding's usual scores."""
+    if not causal and pos in ("xl", "alibi"):
+        pytest.skip(f"{pos} is causal only")
+    model = build(config_for("full", causal=causal, pos_encoding=pos, shaw_values=pos == "shaw"))
+    state = model.pos.prepare(k_len=n, clamp_len=0, device=torch.device("cpu"), dtype=torch.float32)
+    positions = model.pos.layer(0, state)
+    q, k, v = qkv(n, i)
+    k_all, v_all, tokens = with_tokens(q, k, v, 3)
+    mask = AttentionMask(causal=causal, memory_tokens=3)
+    with torch.no_grad():
+        got, probs = KERNELS[("full", impl)](q, k_all, v_all, positions=positions, mask=mask, dropatt=0.0,
+                                             training=False, need_weights=True)
+        q_content, k_content = positions.content(q, k)
+        scores = q_content @ k_content.transpose(-1, -2)
+        bias = positions.score_bias(q, k_len=n, rel_shift=rel_shift_pad)
+        scores = scores if bias is None else scores + bias
+        visible = AttentionMask(causal=causal).visible(i, n, q.device).expand(2, 4, i, n)
+        scores = scores.masked_fill(~visible, float("-inf") * 8**0.5)
+        scores = torch.cat([q @ tokens[0].transpose(-1, -2), scores], dim=-1) * 8**-0.5
+        expected_probs = scores.softmax(-1)
+        expected = expected_probs @ v_all
+        value_term = positions.value_term(expected_probs[..., 3:])
+        expected = expected if value_term is None else expected + value_term
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(probs, expected_probs, atol=1e-6, rtol=1e-5)
+    assert probs[..., :3].sum() > 0.05 * probs.sum()  # the tokens take a real share of attention
+
+
+@pytest.mark.parametrize("impl", ["eager", "fast"])
+def test_memory_tokens_whose_scores_vanish_change_nothing(impl):
+    """Token keys pushed to -inf scores (exp underflows to 0): the plain kernel's output exactly."""
+    q, k, v = qkv(31, 17)
+    q[..., 0] = q[..., 0].abs() + 1.0
+    k_all, v_all, tokens = with_tokens(q, k, v, 3)
+    k_all[:, :, :3] = 0.0
+    k_all[:, :, :3, 0] = -1e6
+    kernel = KERNELS[("full", impl)]
+    got = attend(kernel, q, k_all, v_all, AttentionMask(memory_tokens=3))
+    torch.testing.assert_close(got, attend(kernel, q, k, v), atol=0.0, rtol=0.0)
+
+
+@pytest.mark.parametrize("impl", ["eager", "fast"])
+@pytest.mark.parametrize("pos", ["xl", "rope"])
+def test_memory_tokens_keep_causality_and_segment_invariance(impl, pos):
+    model = build(config_for("full", memory_tokens=3, attention_impl=impl, pos_encoding=pos))
+    x = torch.randint(0, 61, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = model(x, mem_len=0).logits
+        for t in (0, 7, 19):
+            y = x.clone()
+            y[:, t:] = (y[:, t:] * 7 + 3) % 61
+            changed = model(y, mem_len=0).logits
+            torch.testing.assert_close(changed[:, :t], base[:, :t], atol=1e-5, rtol=1e-5)
+            assert not torch.allclose(changed[:, t], base[:, t])
+        full = model(x, mem_len=20).logits
+        first = model(x[:, :8], mem_len=20)
+        second = model(x[:, 8:], memory=first.memory, mem_len=20)
+        assert first.memory.length == 8  # the segment memory holds the segment only, never the tokens
+    torch.testing.assert_close(torch.cat([first.logits, second.logits], dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_memory_tokens_are_parameters_that_train_save_and_load(tmp_path):
+    config = config_for("full", memory_tokens=4)
+    model = build(config)
+    tokens = model.blocks[1].attn.memory_tokens
+    assert tokens.shape == (2, 4, 4, 8) and tokens.std() > 0.01  # keys and values, per head, initialised
+    x = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(3))
+    model.train()(x, labels=x).loss.backward()
+    assert tokens.grad is not None and tokens.grad.abs().sum() > 0
+    plain = build(config_for("full"))
+    assert model.num_parameters() - plain.num_parameters() == 2 * 2 * 4 * 4 * 8
+    assert not any("memory_tokens" in name for name in plain.state_dict())  # m = 0: no parameter at all
+    model.eval().save_pretrained(tmp_path / "m")
+    loaded = TransformerXL.from_pretrained(tmp_path / "m")
+    torch.testing.assert_close(loaded.blocks[1].attn.memory_tokens, tokens)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, model(x).logits)
+        out = model(x, mem_len=0, output_attentions=True)
+    assert out.attentions[0].shape == (2, 4, 12, 4 + 12)  # over [tokens ; segment]
+    torch.testing.assert_close(out.attentions[0].sum(-1), torch.ones(2, 4, 12))
+
+
+def test_memory_tokens_in_the_bidirectional_encoder_with_padding():
+    model = build(config_for("full", causal=False, memory_tokens=2, mem_len=0))
+    lengths = (11, 6)
+    sequences = [torch.randint(1, 61, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    ids = torch.zeros(2, 11, dtype=torch.long)
+    attention_mask = torch.zeros(2, 11, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = seq
+        attention_mask[row, : len(seq)] = 1
+    with torch.no_grad():
+        batch = model(ids, attention_mask=attention_mask).logits
+        for row, seq in enumerate(sequences):
+            torch.testing.assert_close(batch[row, : len(seq)], model(seq[None]).logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_memory_tokens_are_refused_by_kernels_that_cannot_take_them():
+    with pytest.raises(ConfigError, match=r"config.memory_tokens needs an attention kernel that takes them \(full"):
+        config_for("lsh", memory_tokens=2)
+    with pytest.raises(ConfigError, match="config.memory_tokens must be >= 0"):
+        config_for("full", memory_tokens=-1)
+    with pytest.raises(ConfigError, match="config.memory_tokens must be 0 with arch='encoder-decoder'"):
+        TransformerXLConfig(**{**BASE, "mem_len": 0}, arch="encoder-decoder", memory_tokens=2, pos_encoding="rope")

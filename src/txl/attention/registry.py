@@ -48,6 +48,7 @@ class KernelSpec:
     score_terms: bool = True  # forms a score matrix, so encodings that add to it (xl, shaw, alibi) apply
     check: Callable[[Any], None] | None = None  # more checks of the config options it reads
     global_mask: bool = False  # takes a per-token global mask (`AttentionMask.global_mask`)
+    memory_tokens: bool = False  # takes learned memory tokens before the keys (`AttentionMask.memory_tokens`)
 
 
 SPECS: dict[str, KernelSpec] = {}
@@ -68,6 +69,7 @@ def register(
     score_terms: bool = True,
     check: Callable[[Any], None] | None = None,
     global_mask: bool = False,
+    memory_tokens: bool = False,
 ) -> Callable[[Kernel], Kernel]:
     """Decorator: make `kernel` the `impl` ("eager" or "fast") of attention `name`. The keyword
     arguments describe what the kernel can take (`KernelSpec`); the last registration of a name sets them."""
@@ -77,7 +79,7 @@ def register(
     def add(kernel: Kernel) -> Kernel:
         KERNELS[(name, impl)] = kernel
         SPECS[name] = KernelSpec(causal=causal, bidirectional=bidirectional, score_terms=score_terms, check=check,
-                                 global_mask=global_mask)
+                                 global_mask=global_mask, memory_tokens=memory_tokens)
         return kernel
 
     return add
@@ -127,6 +129,12 @@ def check_config(config: Any) -> None:
         able = ", ".join(name for name in kernel_names() if SPECS[name].bidirectional)
         raise ConfigError(
             f"config.causal=false (bidirectional) supports attention {able}, not {config.attention!r}"
+        )
+    if getattr(config, "memory_tokens", 0) and not spec.memory_tokens:
+        able = ", ".join(name for name in kernel_names() if SPECS[name].memory_tokens)
+        raise ConfigError(
+            f"config.memory_tokens needs an attention kernel that takes them ({able}), not {config.attention!r}; "
+            f"set memory_tokens=0 or change attention"
         )
     if config.causal and not spec.causal:
         raise ConfigError(f"config.attention={config.attention!r} cannot be causal; set causal=false")
