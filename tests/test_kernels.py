@@ -806,3 +806,31 @@ def test_memory_tokens_are_refused_by_kernels_that_cannot_take_them():
         config_for("full", memory_tokens=-1)
     with pytest.raises(ConfigError, match="config.memory_tokens must be 0 with arch='encoder-decoder'"):
         TransformerXLConfig(**{**BASE, "mem_len": 0}, arch="encoder-decoder", memory_tokens=2, pos_encoding="rope")
+
+
+@pytest.mark.parametrize(("name", "window", "weights"), [
+    ("linear", "same_length is not available with attention='linear' (no window over prefix sums)",
+     "output_attentions is not available with attention='linear': it never forms the attention probabilities"),
+    ("performer", "same_length is not available with attention='performer' (no window over prefix sums)",
+     "output_attentions is not available with attention='performer': it never forms the attention probabilities"),
+    ("compressed", "same_length is not available with attention='compressed'",
+     "output_attentions is not available with attention='compressed': it attends over compressed rows, not keys"),
+    ("sinkhorn", "same_length is not available with attention='sinkhorn'",
+     "output_attentions is not available with attention='sinkhorn': it attends over sorted (mixed) blocks, not keys"),
+    ("inducing", None,
+     "output_attentions is not available with attention='inducing': it attends over inducing-point summaries, not keys"),
+    ("linformer", None,
+     "output_attentions is not available with attention='linformer': it attends over projected rows, not keys"),
+])
+def test_kernel_refusals_name_the_kernel_and_the_reason(name, window, weights):
+    """The refusals written once (`registry.refuse`) keep each kernel's message, word for word."""
+    causal = SPECS[name].causal
+    kernel = KERNELS[(name, "eager" if (name, "fast") not in KERNELS else "fast")](config_for(name, causal=causal))
+    q, k, v = qkv(12, 12)
+    with pytest.raises(UsageError) as err:
+        attend(kernel, q, k, v, AttentionMask(causal=causal), need_weights=True)
+    assert str(err.value) == weights
+    if window is not None:
+        with pytest.raises(UsageError) as err:
+            attend(kernel, q, k, v, AttentionMask(window=4))
+        assert str(err.value) == window

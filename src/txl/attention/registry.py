@@ -115,6 +115,45 @@ def resolve_kernel(attention: str, impl: str) -> Kernel:
     )
 
 
+def refuse(
+    name: str,
+    mask: Any,
+    *,
+    need_weights: bool = False,
+    padding: bool = False,
+    same_length: str | None = None,
+    weights: str | None = None,
+) -> None:
+    """The one home of a kernel's refusals of what it cannot honour in a call, each one line naming
+    the kernel (`UsageError`): `padding=True` refuses a padding mask; `same_length` (a reason, "" for
+    none) refuses a `same_length` window; `weights` (why) refuses `output_attentions`."""
+    from txl.errors import UsageError
+
+    if padding and mask.key_padding is not None:
+        raise UsageError(f"attention={name!r} does not take a padding mask (attention_mask); use attention='full'")
+    if same_length is not None and mask.window is not None:
+        reason = f" ({same_length})" if same_length else ""
+        raise UsageError(f"same_length is not available with attention={name!r}{reason}")
+    if weights is not None and need_weights:
+        raise UsageError(f"output_attentions is not available with attention={name!r}: {weights}")
+
+
+def no_padding(name: str, mask: Any) -> None:
+    refuse(name, mask, padding=True)
+
+
+def check_no_probabilities(config: Any) -> None:
+    """Config checks of a kernel that never forms a score matrix (linear, performer): no same_length
+    window, no dropout on probabilities."""
+    from txl.errors import ConfigError
+
+    if config.same_length:
+        raise ConfigError(f"config.same_length needs a windowed score matrix; attention={config.attention!r} has none")
+    if config.dropatt > 0:
+        raise ConfigError(f"config.dropatt must be 0 with attention={config.attention!r}: it never forms the "
+                          "attention probabilities that dropatt would drop")
+
+
 def check_config(config: Any) -> None:
     """Whether the config's attention kernel exists and can run it: causal or bidirectional, its
     positional encoding, and the kernel's own option checks. Raises `ConfigError` naming the field."""

@@ -61,7 +61,7 @@ from torch import Tensor, nn
 from txl.attention.eager import eager_attention
 from txl.attention.masks import AttentionMask, additive_mask, distances
 from txl.attention.pattern import gathered_attention, merge_by_lse
-from txl.attention.registry import register
+from txl.attention.registry import no_padding, register
 from txl.errors import ConfigError, UsageError
 from txl.positional import LayerPositions
 
@@ -473,11 +473,6 @@ def check_sliding(config: TransformerXLConfig) -> None:
                             if not cls.score_terms and not cls.causal_only)
         raise ConfigError(f"config.pos_encoding={config.pos_encoding!r} adds a term to the attention scores, "
                           f"which the bidirectional sliding window does not form; use one of {allowed}")
-
-
-def no_padding(name: str, mask: AttentionMask) -> None:
-    if mask.key_padding is not None:
-        raise UsageError(f"attention={name!r} does not take a padding mask (attention_mask); use attention='full'")
 
 
 @register("sliding", "fast", bidirectional=True, check=check_sliding, global_mask=True)
