@@ -743,10 +743,11 @@ def test_memory_tokens_whose_scores_vanish_change_nothing(impl):
     torch.testing.assert_close(got, attend(kernel, q, k, v), atol=0.0, rtol=0.0)
 
 
+@pytest.mark.parametrize("name", ["full", "sliding"])
 @pytest.mark.parametrize("impl", ["eager", "fast"])
 @pytest.mark.parametrize("pos", ["xl", "rope"])
-def test_memory_tokens_keep_causality_and_segment_invariance(impl, pos):
-    model = build(config_for("full", memory_tokens=3, attention_impl=impl, pos_encoding=pos))
+def test_memory_tokens_keep_causality_and_segment_invariance(name, impl, pos):
+    model = build(config_for(name, memory_tokens=3, attention_impl=impl, pos_encoding=pos))
     x = torch.randint(0, 61, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         base = model(x, mem_len=0).logits
@@ -799,8 +800,34 @@ def test_memory_tokens_in_the_bidirectional_encoder_with_padding():
             torch.testing.assert_close(batch[row, : len(seq)], model(seq[None]).logits[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("causal", "n", "i"), [(True, 31, 17), (True, 23, 23), (False, 22, 22)])
+@pytest.mark.parametrize("options", [dict(), dict(sliding_dilation=(1, 2, 1, 3)), dict(global_tokens=2),
+                                     dict(chosen=True)])
+def test_sliding_with_memory_tokens_equals_its_dense_reference(causal, n, i, options):
+    options = dict(options)
+    chosen = chosen_tokens(i) if options.pop("chosen", False) else None
+    fast, eager = kernel_pair(config_for("sliding", causal=causal, sliding_window=3, **options))
+    q, k, v = qkv(n, i, grad=True)
+    k_all, v_all, _ = with_tokens(q, k, v, 3)
+    mask = AttentionMask(causal=causal, memory_tokens=3, global_mask=chosen)
+    got = attend(fast, q, k_all, v_all, mask)
+    torch.testing.assert_close(got, attend(eager, q, k_all, v_all, mask), atol=1e-5, rtol=1e-5)
+    got.square().sum().backward()
+    assert k.grad is not None and torch.isfinite(k.grad).all()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_sliding_with_memory_tokens_and_a_window_covering_everything_is_full_attention_with_them(causal):
+    q, k, v = qkv(22, 22)
+    k_all, v_all, _ = with_tokens(q, k, v, 3)
+    mask = AttentionMask(causal=causal, memory_tokens=3)
+    kernel = KERNELS[("sliding", "fast")](config_for("sliding", causal=causal, sliding_window=40))
+    torch.testing.assert_close(attend(kernel, q, k_all, v_all, mask), attend(eager_attention, q, k_all, v_all, mask),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_memory_tokens_are_refused_by_kernels_that_cannot_take_them():
-    with pytest.raises(ConfigError, match=r"config.memory_tokens needs an attention kernel that takes them \(full"):
+    with pytest.raises(ConfigError, match=r"config.memory_tokens needs an attention kernel that takes them \(full, sliding\)"):
         config_for("lsh", memory_tokens=2)
     with pytest.raises(ConfigError, match="config.memory_tokens must be >= 0"):
         config_for("full", memory_tokens=-1)

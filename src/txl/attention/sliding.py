@@ -29,6 +29,9 @@ convention of `txl.attention`).
   query, where xl/shaw/alibi/t5 terms are not defined by the positional API: the bidirectional
   window takes encodings without score terms (rope, learned, sinusoidal), checked with the config.
   `global_tokens` are chosen tokens there (the first g of the sequence).
+- **Memory tokens** (`config.memory_tokens`, in front of the keys: `AttentionMask.memory_tokens`): seen
+  by every query with the content score q·k only (see `txl.attention.layer`), merged with the band by
+  log-sum-exp in the fast kernel, O(n·m).
 - `same_length` (the kernel's `window` argument) caps everything at the `window` most recent keys.
 
 The `fast` kernel (the default) costs O(n·w) time and memory and never builds an n×n matrix:
@@ -121,10 +124,12 @@ def sliding_reference(
     return_probs: bool = False,
     causal: bool = True,
     chosen: Tensor | None = None,
+    tokens: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The sliding pattern as a dense masked softmax: `(window, dilation)` per head, global tokens,
-    chosen global tokens (`chosen`, (b, i) bool over the queries: `AttentionMask.global_mask`).
-    `return_probs`: also return the probabilities (b, h, i, n)."""
+    chosen global tokens (`chosen`, (b, i) bool over the queries: `AttentionMask.global_mask`), learned
+    memory tokens (`tokens`: their keys and values (b, h, m, d), seen by all, content score only).
+    `return_probs`: also return the probabilities (b, h, i, m + n)."""
     i, n, d = q.shape[-2], k.shape[-2], q.shape[-1]
     dist = distances(i, n, q.device)  # (i, n)
     local = torch.stack([local_pattern(dist, effective_window(w, s, horizon), s, causal=causal)
@@ -146,11 +151,17 @@ def sliding_reference(
     bias = positions.score_bias(q, k_len=n)
     if bias is not None:
         scores = scores + torch.where(positioned, bias, torch.zeros((), dtype=bias.dtype, device=bias.device))
+    m = 0
+    if tokens is not None:  # learned memory tokens first: always visible, never positioned
+        m = tokens[0].shape[-2]
+        scores = torch.cat([torch.einsum("bhid,bhjd->bhij", q, tokens[0]), scores], dim=-1)
+        visible = F.pad(visible, (m, 0), value=True)
+        v = torch.cat([tokens[1], v], dim=2)
     scores = (scores * d**-0.5).float().masked_fill(~visible, float("-inf"))
     weights = scores.softmax(dim=-1).to(v.dtype)
     probs = F.dropout(weights, p=dropatt, training=training)
     out = torch.einsum("bhij,bhjd->bhid", probs, v)
-    value_term = positions.value_term(probs * positioned)
+    value_term = positions.value_term(probs[..., m:] * positioned)
     out = out if value_term is None else out + value_term
     return (out, weights) if return_probs else out
 
@@ -323,9 +334,11 @@ def banded_attention(
     block_size: int | None = None,
     causal: bool = True,
     chosen: Tensor | None = None,
+    tokens: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
-    """O(n·w) attention with `(window, dilation)` per head, global tokens and chosen global tokens
-    (`chosen`, (b, i) bool); same result as `sliding_reference`."""
+    """O(n·w) attention with `(window, dilation)` per head, global tokens, chosen global tokens
+    (`chosen`, (b, i) bool) and memory tokens (`tokens`, keys and values (b, h, m, d)); same result as
+    `sliding_reference`."""
     b, h, i, d = q.shape
     n = k.shape[-2]
     if not causal and global_tokens:  # no score terms bidirectional: the first g are chosen tokens
@@ -335,8 +348,8 @@ def banded_attention(
     q_content, k_content = positions.content(q, k)
     q_content = q_content * d**-0.5  # scale the (i, d) queries, not the (i, w) scores
     g = min(global_tokens, i)
-    common = dict(positions=positions, block_size=block_size, want_lse=g > 0 or chosen is not None,
-                  dropatt=dropatt, training=training)
+    common = dict(positions=positions, block_size=block_size,
+                  want_lse=g > 0 or chosen is not None or tokens is not None, dropatt=dropatt, training=training)
     groups: dict[tuple[int, int], list[int]] = {}
     for head, (w, s) in enumerate(head_windows):
         groups.setdefault((effective_window(w, s, horizon), s), []).append(head)
@@ -353,6 +366,12 @@ def banded_attention(
             out[:, heads] = part
             if lse is not None:
                 lse[:, heads] = part_lse
+    if tokens is not None:  # every query sees the memory tokens: content score q·k, merged by log-sum-exp
+        scores = (q * d**-0.5) @ tokens[0].transpose(-1, -2)  # (b, h, i, m)
+        every = torch.ones(1, 1, 1, scores.shape[-1], dtype=torch.bool, device=q.device)
+        out_t, lse_t = gathered_attention(None, None, tokens[1], every, dropatt=dropatt, training=training,
+                                          score_offset=scores)
+        out, lse = merge_by_lse([out, out_t], [lse, lse_t]), torch.logaddexp(lse, lse_t)
     if chosen is not None:
         return _with_chosen(q_content, k_content, v, out, lse, chosen.to(q.device), head_windows=head_windows,
                             causal=causal, horizon=horizon, dropatt=dropatt, training=training)
@@ -376,9 +395,11 @@ def banded_attention(
     out = out * band_weight + out_global * global_weight
     # Global rows: the first g queries attend to every earlier key, with all position terms. They
     # are the last rows of the first memory_len + g keys: exactly the eager kernel's convention.
-    rows, _ = eager_attention(q[:, :, :g], k[:, :, : memory_len + g], v[:, :, : memory_len + g],
-                              positions=positions, mask=AttentionMask(window=horizon), dropatt=dropatt,
-                              training=training)
+    keys, values, m = k[:, :, : memory_len + g], v[:, :, : memory_len + g], 0
+    if tokens is not None:  # (the eager kernel takes memory tokens in front of the keys)
+        keys, values, m = torch.cat([tokens[0], keys], dim=2), torch.cat([tokens[1], values], dim=2), tokens[0].shape[-2]
+    rows, _ = eager_attention(q[:, :, :g], keys, values, positions=positions,
+                              mask=AttentionMask(window=horizon, memory_tokens=m), dropatt=dropatt, training=training)
     return torch.cat([rows, out[:, :, g:]], dim=2)
 
 
@@ -475,7 +496,7 @@ def check_sliding(config: TransformerXLConfig) -> None:
                           f"which the bidirectional sliding window does not form; use one of {allowed}")
 
 
-@register("sliding", "fast", bidirectional=True, check=check_sliding, global_mask=True)
+@register("sliding", "fast", bidirectional=True, check=check_sliding, global_mask=True, memory_tokens=True)
 class SlidingWindowAttention(nn.Module):
     """`attention="sliding"`: Longformer's sliding window (Beltagy et al. 2020), O(n·w); causal, or
     bidirectional (`causal=false`: the window on both sides); global tokens by `global_mask`."""
@@ -493,30 +514,40 @@ class SlidingWindowAttention(nn.Module):
             raise UsageError("attention='sliding' takes global_tokens or a global_mask, not both: put the "
                              "first tokens in the global_mask and set global_tokens=0")
 
+    @staticmethod
+    def split_tokens(k: Tensor, v: Tensor, mask: AttentionMask):
+        """(k, v, tokens): the learned memory tokens in front of the keys (`mask.memory_tokens`) apart."""
+        m = mask.memory_tokens
+        if not m:
+            return k, v, None
+        return k[:, :, m:], v[:, :, m:], (k[:, :, :m], v[:, :, :m])
+
     def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
                 need_weights: bool = False):
         self.check_mask(mask)
         if need_weights:  # the probabilities over every key: the dense reference forms them
             return SlidingWindowReference.forward(self, q, k, v, positions=positions, mask=mask, dropatt=dropatt,
                                                   training=training, need_weights=True)
+        k, v, tokens = self.split_tokens(k, v, mask)
         out = banded_attention(q, k, v, positions=positions, head_windows=self.head_windows,
                                global_tokens=self.global_tokens, horizon=mask.window, dropatt=dropatt,
-                               training=training, causal=mask.causal, chosen=mask.global_mask)
+                               training=training, causal=mask.causal, chosen=mask.global_mask, tokens=tokens)
         return out, None
 
     def extra_repr(self) -> str:
         return f"head_windows={self.head_windows}, global_tokens={self.global_tokens}"
 
 
-@register("sliding", "eager", bidirectional=True, check=check_sliding, global_mask=True)
+@register("sliding", "eager", bidirectional=True, check=check_sliding, global_mask=True, memory_tokens=True)
 class SlidingWindowReference(SlidingWindowAttention):
     """The same pattern as a dense mask (O(n²)): the ground truth for `SlidingWindowAttention`."""
 
     def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
                 need_weights: bool = False):
         self.check_mask(mask)
+        k, v, tokens = self.split_tokens(k, v, mask)
         out, probs = sliding_reference(q, k, v, positions=positions, head_windows=self.head_windows,
                                        global_tokens=self.global_tokens, horizon=mask.window, dropatt=dropatt,
                                        training=training, return_probs=True, causal=mask.causal,
-                                       chosen=mask.global_mask)
+                                       chosen=mask.global_mask, tokens=tokens)
         return out, probs if need_weights else None
