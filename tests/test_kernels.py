@@ -764,6 +764,21 @@ def test_memory_tokens_keep_causality_and_segment_invariance(name, impl, pos):
     torch.testing.assert_close(torch.cat([first.logits, second.logits], dim=1), full, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["full", "sliding"])
+def test_memory_tokens_generate_with_memory_as_a_rerun_does(name):
+    """Decoding token by token (the fast backend's projection cache, one query per forward) with the
+    tokens in front of the cached keys picks what re-running the whole context picks."""
+    from txl.generate import generate_rerun, stream_tokens
+
+    model = build(config_for(name, mem_len=64, memory_tokens=4))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    prompt = [1, 2, 3, 4, 5]
+    assert list(stream_tokens(model, prompt, max_new_tokens=10, temperature=0)) == \
+        list(generate_rerun(model, prompt, max_new_tokens=10))
+
+
 def test_memory_tokens_are_parameters_that_train_save_and_load(tmp_path):
     config = config_for("full", memory_tokens=4)
     model = build(config)

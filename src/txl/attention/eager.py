@@ -32,7 +32,7 @@ def eager_attention(
     2019, §3.3 and appendix B); other encodings supply their own content pair and score term."""
     tokens = mask.memory_tokens  # learned keys before [memory ; segment]: no position (txl.attention.layer)
     q_len, k_len, d_head = q.shape[-2], k.shape[-2] - tokens, q.shape[-1]
-    q_content, k_content = positions.content(q, k[:, :, tokens:])
+    q_content, k_content = positions.content(q, k[:, :, tokens:] if tokens else k)
     scores = torch.einsum("bhid,bhjd->bhij", q_content, k_content)  # (a)+(c): content terms
     bias = positions.score_bias(q, k_len=k_len, rel_shift=rel_shift_pad)  # (b)+(d) for xl
     if bias is not None:

@@ -373,7 +373,7 @@ def _composed_attention(q, k, v, *, positions, mask, scale, dropatt, training, n
     b, h, i, d = q.shape
     tokens = mask.memory_tokens  # learned keys before [memory ; segment], content score only
     n = k.shape[-2] - tokens
-    q_content, k_content = positions.content(q, k[:, :, tokens:])
+    q_content, k_content = positions.content(q, k[:, :, tokens:] if tokens else k)
     bias = positions.score_bias(q, k_len=n, rel_shift=rel_shift_fast)
     if bias is None:
         scores = torch.bmm(q_content.reshape(b * h, i, d), k_content.reshape(b * h, n, d).transpose(1, 2))
@@ -402,5 +402,6 @@ def _composed_attention(q, k, v, *, positions, mask, scale, dropatt, training, n
     weights = probs.view(b, h, i, tokens + n) if need_weights else None
     probs = F.dropout(probs, p=dropatt, training=training)
     out = torch.bmm(probs, v.reshape(b * h, tokens + n, d)).view(b, h, i, d)
-    value_term = positions.value_term(probs.view(b, h, i, tokens + n)[..., tokens:])
+    probs = probs.view(b, h, i, tokens + n)
+    value_term = positions.value_term(probs[..., tokens:] if tokens else probs)
     return (out if value_term is None else out + value_term), weights
