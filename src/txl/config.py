@@ -299,8 +299,9 @@ class TransformerXLConfig:
             allowed = ", ".join(name for name, cls in POSITIONAL_ENCODINGS.items() if not cls.causal_only)
             raise ConfigError(f"config.pos_encoding={self.pos_encoding!r} is defined for causal distances only; "
                               f"the encoder of arch='encoder-decoder' is bidirectional: use one of {allowed}")
-        if not SPECS[self.attention].bidirectional:
-            able = ", ".join(sorted(name for name, spec in SPECS.items() if spec.bidirectional and spec.causal))
+        if not (SPECS[self.attention].bidirectional and SPECS[self.attention].cross_attention):
+            able = ", ".join(sorted(name for name, spec in SPECS.items()
+                                    if spec.bidirectional and spec.causal and spec.cross_attention))
             raise ConfigError(f"config.attention={self.attention!r} cannot run the bidirectional encoder and "
                               f"cross-attention of arch='encoder-decoder'; use one of {able}")
         if self.share_embeddings and self.source_vocab_size not in (0, self.vocab_size):

@@ -49,6 +49,7 @@ class KernelSpec:
     check: Callable[[Any], None] | None = None  # more checks of the config options it reads
     global_mask: bool = False  # takes a per-token global mask (`AttentionMask.global_mask`)
     memory_tokens: bool = False  # takes learned memory tokens before the keys (`AttentionMask.memory_tokens`)
+    cross_attention: bool = True  # bidirectional over a separate source too (queries not the last keys)
 
 
 SPECS: dict[str, KernelSpec] = {}
@@ -70,6 +71,7 @@ def register(
     check: Callable[[Any], None] | None = None,
     global_mask: bool = False,
     memory_tokens: bool = False,
+    cross_attention: bool = True,
 ) -> Callable[[Kernel], Kernel]:
     """Decorator: make `kernel` the `impl` ("eager" or "fast") of attention `name`. The keyword
     arguments describe what the kernel can take (`KernelSpec`); the last registration of a name sets them."""
@@ -79,7 +81,8 @@ def register(
     def add(kernel: Kernel) -> Kernel:
         KERNELS[(name, impl)] = kernel
         SPECS[name] = KernelSpec(causal=causal, bidirectional=bidirectional, score_terms=score_terms, check=check,
-                                 global_mask=global_mask, memory_tokens=memory_tokens)
+                                 global_mask=global_mask, memory_tokens=memory_tokens,
+                                 cross_attention=cross_attention)
         return kernel
 
     return add

@@ -496,7 +496,8 @@ def check_sliding(config: TransformerXLConfig) -> None:
                           f"which the bidirectional sliding window does not form; use one of {allowed}")
 
 
-@register("sliding", "fast", bidirectional=True, check=check_sliding, global_mask=True, memory_tokens=True)
+@register("sliding", "fast", bidirectional=True, check=check_sliding, global_mask=True, memory_tokens=True,
+          cross_attention=False)  # (a window needs the queries among the keys)
 class SlidingWindowAttention(nn.Module):
     """`attention="sliding"`: Longformer's sliding window (Beltagy et al. 2020), O(n·w); causal, or
     bidirectional (`causal=false`: the window on both sides); global tokens by `global_mask`."""
@@ -538,7 +539,8 @@ class SlidingWindowAttention(nn.Module):
         return f"head_windows={self.head_windows}, global_tokens={self.global_tokens}"
 
 
-@register("sliding", "eager", bidirectional=True, check=check_sliding, global_mask=True, memory_tokens=True)
+@register("sliding", "eager", bidirectional=True, check=check_sliding, global_mask=True, memory_tokens=True,
+          cross_attention=False)  # (a window needs the queries among the keys)
 class SlidingWindowReference(SlidingWindowAttention):
     """The same pattern as a dense mask (O(n²)): the ground truth for `SlidingWindowAttention`."""
 
