@@ -11,11 +11,12 @@ Persistent Memory", arXiv 1907.01470; ETC's global memory): m learned key and va
 owned by the layer and put before [memory ; segment] after the projections (they are never projected,
 never stored in the segment memory, and the same for every segment). Every query attends to them.
 They have no position: a token's score is the plain content score q·k/sqrt(d), with no position term
-and no xl query bias u. We chose this over "distance 0" because a token is not in the sequence: a
-position term would tie it to each query's own place (xl's (q+v)·W_R R_0, ALiBi's 0 bias and a
-rotation happen to agree, Shaw's and T5's do not), and the plain score keeps segment invariance and
-causality untouched under every encoding. For rotary encodings it is the same as distance 0 (q and
-the token rotated by the same angle). The kernel learns of them through `AttentionMask.memory_tokens`.
+and no xl content bias u. We chose this over placing the tokens at distance 0 because a token is not
+in the sequence: distance 0 would add each encoding's own-position term to every token (xl's
+(q+v)·W_R R_0, Shaw's a_0, T5's bucket 0), a per-query offset that differs from encoding to encoding.
+The plain score is the same under every encoding and leaves segment invariance and causality as they
+are. Under RoPE, xPos and ALiBi it is exactly distance 0 (equal rotations cancel, the decay and the
+bias are neutral at 0). The kernel learns of them through `AttentionMask.memory_tokens`.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(inner, config.d_model, bias=False)
         self.drop = nn.Dropout(config.dropout)
         self.dropatt = config.dropatt
-        m = getattr(config, "memory_tokens", 0)  # learned keys (index 0) and values (1), per head
+        m = config.memory_tokens  # learned keys (index 0) and values (1), per head
         self.memory_tokens = nn.Parameter(torch.zeros(2, config.n_head, m, config.d_head)) if m else None
         # Kernels that own parameters or buffers (Linformer projections, Performer features) are
         # modules built per layer.
