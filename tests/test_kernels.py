@@ -577,6 +577,33 @@ def test_sliding_global_mask_all_false_is_plain_sliding_and_all_true_is_full_att
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("pos", ["xl", "shaw", "alibi", "t5"])
+def test_sliding_chosen_rows_take_every_position_term_and_all_chosen_is_full_attention(pos):
+    """Causal, with an encoding's score terms: a chosen query's row is full attention over every earlier
+    key with all position terms (fast = dense reference), so with every token chosen the kernel is
+    full attention; a pair joined only by a chosen key keeps the content score."""
+    config = config_for("sliding", pos_encoding=pos, shaw_values=pos == "shaw", sliding_window=3)
+    model = build(config)
+    n, i = 31, 17
+    positions = model.pos.layer(0, model.pos.prepare(k_len=n, clamp_len=0, device=torch.device("cpu"),
+                                                     dtype=torch.float32))
+    fast, eager = kernel_pair(config)
+    q, k, v = qkv(n, i, grad=True)
+    chosen = chosen_tokens(i)
+    outs = []
+    for kernel in (fast, eager):
+        outs.append(attend(kernel, q, k, v, AttentionMask(global_mask=chosen), positions=positions))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    full = attend(eager_attention, q, k, v, positions=positions)
+    torch.testing.assert_close(outs[0][0, :, 5], full[0, :, 5], atol=1e-5, rtol=1e-5)  # a chosen row
+    assert not torch.allclose(outs[0][0, :, 6], full[0, :, 6], atol=1e-4)  # not chosen: window + chosen keys
+    every = AttentionMask(global_mask=torch.ones(2, i, dtype=torch.bool))
+    for kernel in (fast, eager):
+        torch.testing.assert_close(attend(kernel, q, k, v, every, positions=positions), full, atol=1e-5, rtol=1e-5)
+    outs[0].square().sum().backward()
+    assert torch.isfinite(q.grad).all() and q.grad[0, :, 5].abs().sum() > 0
+
+
 @pytest.mark.parametrize("impl", ["eager", "fast"])
 @pytest.mark.parametrize(("window", "dilation"), [(3, 1), (2, 3), (30, 1)])
 def test_bidirectional_sliding_sees_the_window_on_both_sides(impl, window, dilation):

@@ -20,10 +20,12 @@ convention of `txl.attention`).
 - **Chosen global tokens** (`model(..., global_mask=)`, `AttentionMask.global_mask`; Longformer's
   global attention on task tokens such as a [CLS] or the question, ETC's global tokens): a chosen
   token sees every key it may see (causal: every earlier one, memory included) and every query sees
-  it (causal: every later one). A pair joined only through a chosen token gets the content score
-  alone, as above (its distance is not on the band the positional API computes), so with every token
-  chosen the kernel is full attention for encodings without score terms (RoPE, absolute). Not
-  combinable with `global_tokens` (put the first tokens in the mask).
+  it (causal: every later one). As for `global_tokens`, a chosen query's row has every position term
+  (causal with xl/shaw/alibi/t5: one eager block over the span from the first to the last chosen
+  query, cheap when they are close, as a [CLS] and a question, dense at worst; otherwise gathered rows,
+  O(R·n)), and a pair joined only through a chosen key gets the content score alone (its distance is
+  not on the band the positional API computes). With every token chosen the kernel is full attention.
+  Not combinable with `global_tokens` (put the first tokens in the mask).
 - **Bidirectional** (`causal=false`): each query sees `sliding_window` keys on each side, itself
   counted once (2w-1 keys; dilated like the causal window). The blocks' keys then run past their last
   query, where xl/shaw/alibi/t5 terms are not defined by the positional API: the bidirectional
@@ -43,7 +45,7 @@ The `fast` kernel (the default) costs O(n·w) time and memory and never builds a
    the last rows of its keys, and `LayerPositions.score_bias` gives the xl/shaw/alibi terms of the
    band only: e.g. xl's (q+v)·W_R R is computed for B + w - 1 distances per block, not n;
 3. global columns and rows are computed separately and merged by their log-sum-exp; chosen tokens
-   (`global_mask`) are gathered per sequence: O(i·G) for their columns, O(R·n) for their rows.
+   (`global_mask`) are gathered per sequence: O(i·G) for their columns; their rows as above.
 
 The 1/sqrt(d) scale is applied to q (n·d values) rather than to the blocks' scores (n·(B+w)), and
 the mask is one additive tensor shared by the batch and the heads (cheaper than a masked_fill).
@@ -142,9 +144,10 @@ def sliding_reference(
     # Position terms where the positional API computes them: the band, and the global rows.
     positioned = local | (global_query[:, None] & seen)  # (h, i, n)
     visible = positioned | (global_key[None, :] & seen)
-    if chosen is not None:  # chosen tokens' rows and columns, content score only outside the band
+    if chosen is not None:  # chosen tokens' rows (positioned) and columns (content score only outside the band)
         chosen_key = F.pad(chosen.to(q.device), (memory_len, 0))  # (b, n)
-        visible = visible | ((chosen_key[:, None, :] | chosen.to(q.device)[:, :, None]) & seen)[:, None]
+        positioned = positioned | (chosen.to(q.device)[:, :, None] & seen)[:, None]  # (b, h, i, n)
+        visible = visible | positioned | (chosen_key[:, None, :] & seen)[:, None]
 
     q_content, k_content = positions.content(q, k)
     scores = torch.einsum("bhid,bhjd->bhij", q_content, k_content)
@@ -373,8 +376,13 @@ def banded_attention(
                                           score_offset=scores)
         out, lse = merge_by_lse([out, out_t], [lse, lse_t]), torch.logaddexp(lse, lse_t)
     if chosen is not None:
-        return _with_chosen(q_content, k_content, v, out, lse, chosen.to(q.device), head_windows=head_windows,
-                            causal=causal, horizon=horizon, dropatt=dropatt, training=training)
+        out = _with_chosen(q_content, k_content, v, out, lse, chosen.to(q.device), head_windows=head_windows,
+                           causal=causal, horizon=horizon, dropatt=dropatt, training=training,
+                           positioned_rows=causal and type(positions.encoding).score_terms)
+        if causal and type(positions.encoding).score_terms:
+            out = _positioned_rows(q, k, v, out, chosen.to(q.device), positions=positions, horizon=horizon,
+                                   tokens=tokens, dropatt=dropatt, training=training)
+        return out
     if g == 0:
         return out
 
@@ -416,10 +424,12 @@ def _with_chosen(
     horizon: int | None,
     dropatt: float,
     training: bool,
+    positioned_rows: bool = False,
 ) -> Tensor:
     """Merge chosen global tokens into the band's result `out` (with its log-sum-exp `lse`): every
     query also sees the chosen keys outside its band (gathered: O(i·G)), then each chosen query also
-    sees every other key it may see (dense rows: O(R·n)). Content scores only; q_content is scaled."""
+    sees every other key it may see (dense rows: O(R·n)). Content scores only; q_content is scaled.
+    `positioned_rows`: the chosen rows are left to `_positioned_rows` (score terms)."""
     b, h, i, d = q_content.shape
     n = k_content.shape[-2]
     memory_len = n - i
@@ -444,6 +454,8 @@ def _with_chosen(
                                       score_offset=scores)
     lse_total = torch.logaddexp(lse, lse_c)
     out = merge_by_lse([out, out_c], [lse, lse_c])
+    if positioned_rows:
+        return out
     # Rows: each chosen query also sees every reachable key outside its band and not chosen.
     rows = int(chosen.sum(-1).max())
     where = chosen.long().argsort(dim=-1, descending=True, stable=True)[:, :rows]  # (b, R) query indices
@@ -457,6 +469,29 @@ def _with_chosen(
     out_r, lse_r = gathered_attention(None, None, v, rest, dropatt=dropatt, training=training, score_offset=scores)
     merged = merge_by_lse([out.gather(2, picked), out_r], [lse_total.gather(2, where[:, None].expand(b, h, rows)), lse_r])
     return out.scatter(2, picked, torch.where(keep[:, None, :, None], merged, out.gather(2, picked)))
+
+
+def _positioned_rows(q: Tensor, k: Tensor, v: Tensor, out: Tensor, chosen: Tensor, *, positions: LayerPositions,
+                     horizon: int | None, tokens: tuple[Tensor, Tensor] | None, dropatt: float,
+                     training: bool) -> Tensor:
+    """Causal chosen queries with an encoding's score terms (xl, shaw, alibi, t5): their rows see every
+    earlier key with all position terms, as `global_tokens` rows do. The positional API gives terms
+    for queries that are the last rows of their keys, so one eager block runs from the first to the
+    last chosen query (over the keys up to the last): O(span·n), cheap for chosen tokens close
+    together (a [CLS], a question), dense at worst; rows in the span that are not chosen are dropped."""
+    i, n = q.shape[-2], k.shape[-2]
+    where = chosen.any(0).nonzero()[:, 0]
+    if len(where) == 0:
+        return out
+    first, last = int(where[0]), int(where[-1])
+    end = n - i + last + 1
+    keys, values, m = k[:, :, :end], v[:, :, :end], 0
+    if tokens is not None:
+        keys, values, m = torch.cat([tokens[0], keys], dim=2), torch.cat([tokens[1], values], dim=2), tokens[0].shape[-2]
+    rows, _ = eager_attention(q[:, :, first:last + 1], keys, values, positions=positions,
+                              mask=AttentionMask(window=horizon, memory_tokens=m), dropatt=dropatt, training=training)
+    span = chosen[:, None, first:last + 1, None]  # (b, 1, span, 1)
+    return torch.cat([out[:, :, :first], torch.where(span, rows, out[:, :, first:last + 1]), out[:, :, last + 1:]], dim=2)
 
 
 class _NoPositions:
