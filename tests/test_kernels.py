@@ -903,3 +903,20 @@ def test_kernel_refusals_name_the_kernel_and_the_reason(name, window, weights):
         with pytest.raises(UsageError) as err:
             attend(kernel, q, k, v, AttentionMask(window=4))
         assert str(err.value) == window
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dilation", [(), (1, 2, 1, 3)])
+def test_sliding_with_everything_at_once_equals_its_dense_reference(window, dilation):
+    """xl positions, memory, a same_length window, mixed dilations, memory tokens and chosen tokens."""
+    config = config_for("sliding", sliding_window=3, sliding_dilation=dilation)
+    model = build(config)
+    n, i = 31, 17
+    positions = model.pos.layer(0, model.pos.prepare(k_len=n, clamp_len=0, device=torch.device("cpu"),
+                                                     dtype=torch.float32))
+    fast, eager = kernel_pair(config)
+    q, k, v = qkv(n, i)
+    k_all, v_all, _ = with_tokens(q, k, v, 3)
+    mask = AttentionMask(window=window, global_mask=chosen_tokens(i), memory_tokens=3)
+    torch.testing.assert_close(attend(fast, q, k_all, v_all, mask, positions=positions),
+                               attend(eager, q, k_all, v_all, mask, positions=positions), atol=1e-5, rtol=1e-5)
