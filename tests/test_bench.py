@@ -192,3 +192,22 @@ def test_arena_trains_side_by_side_and_reuses_finished_runs(tmp_path, capsys):
     (tmp_path / "runs" / "xl" / "arena.json").unlink()  # no longer ours: left alone, one clear error
     assert main([*argv[:3], "xl", *argv[4:], "--fresh"]) != 0
     assert "is not an arena run directory" in capsys.readouterr().err
+
+
+def test_every_attention_scaling_variant_builds_and_runs_one_layer():
+    """Each kernel listed by `txl bench attention-scaling` (the issue-21 rest included: the
+    bidirectional sliding window, memory tokens) runs one layer forward and backward at a tiny length."""
+    import argparse
+
+    from txl.bench import attention_scaling as scaling
+
+    parser = argparse.ArgumentParser()
+    scaling.configure(parser)
+    args = parser.parse_args(["--heads", "2", "--d-head", "8", "--window", "8", "--stride", "4", "--features", "8",
+                              "--linformer-k", "8"])
+    assert {"sliding-bidirectional", "memory-tokens"} <= set(scaling.VARIANTS)
+    for name in scaling.VARIANTS:
+        assert scaling.unsupported(name, args) is None, name
+        for backward in (False, True):
+            args.backward_mode = backward
+            scaling.build_layer(name, 32, args)()

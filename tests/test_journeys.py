@@ -323,3 +323,18 @@ def test_plot_one_point_series_one_colour_per_run_and_bpc_ppl_panels(corpora, wo
     assert all(len(c) == 1 for c in colours.values()) and colours["bpc"] != colours["ppl"]
     code, _, err = txl(capsys, "plot", "bpc", "ppl", "--out", "both.png")
     assert code == 0 and "note:" in err and (workdir / "both.png").is_file()
+
+
+@pytest.mark.parametrize("attention", ["full", "sliding"])
+def test_memory_tokens_train_evaluate_generate_and_resume(attention, corpora, workdir, capsys):
+    """`--set model.memory_tokens=4`: the learned tokens train, are saved with the checkpoint and are
+    used by eval, generate (token by token with the memory) and an exact resume."""
+    data = f"text:{corpora / 'plain.txt'}?tokenizer=chars"
+    ok(capsys, "train", "--preset", "tiny", "--data", data, "--out", "run", *SMALL, "--set", "model.memory_tokens=4",
+       "--set", f"model.attention={attention}", "--set", "model.sliding_window=8")
+    config = json.loads((workdir / "run" / "best" / "config.json").read_text())
+    assert (config["memory_tokens"], config["attention"]) == (4, attention)
+    assert json.loads(ok(capsys, "eval", "run", "--json", "--max-tokens", 200))["tokens"] > 0
+    ok(capsys, "generate", "run", "--prompt", "the", "--max-new-tokens", 8, "--seed", 0)
+    ok(capsys, "train", "--resume", "run", "--max-steps", 5)
+    assert json.loads((workdir / "run" / "result.json").read_text())["steps"] == 5

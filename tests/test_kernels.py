@@ -26,7 +26,7 @@ from txl.attention.routing import RoutingAttention
 from txl.attention.sinkhorn import SinkhornAttention, SinkhornReference, sinkhorn
 from txl.attention.synthesizer import SynthesizerAttention
 from txl.model import TransformerXL
-from txl.positional import CONTENT_ONLY
+from txl.positional import CONTENT_ONLY, rel_shift_pad
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -526,9 +526,114 @@ def test_bigbird_global_mask_equals_its_dense_reference_and_a_hand_built_mask(ca
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_global_mask_in_a_model_reaches_far_and_stays_causal():
-    model = build(config_for("bigbird", bigbird_block=2, bigbird_window=0, bigbird_global=0, bigbird_random=0,
-                             n_layer=1))
+def sliding_visible(n: int, i: int, *, window: int, dilation: int, causal: bool, chosen=None) -> torch.Tensor:
+    """(b|1, 1, i, n) by hand: the (two-sided, bidirectional) dilated window, plus the chosen tokens'
+    rows and columns within causality."""
+    offset = n - i
+    visible = torch.zeros(1 if chosen is None else len(chosen), 1, i, n, dtype=torch.bool)
+    for b in range(visible.shape[0]):
+        for p in range(i):
+            for j in range(n):
+                dist = p + offset - j
+                if causal and dist < 0:
+                    continue
+                local = abs(dist) % dilation == 0 and abs(dist) < window * dilation
+                glob = chosen is not None and (chosen[b, p] or (j >= offset and chosen[b, j - offset]))
+                visible[b, 0, p, j] = local or bool(glob)
+    return visible
+
+
+@pytest.mark.parametrize(("causal", "n", "i"), [(True, 23, 23), (True, 31, 17), (False, 22, 22), (False, 40, 40)])
+@pytest.mark.parametrize("dilation", [1, 2])
+def test_sliding_global_mask_equals_its_dense_reference_and_a_hand_built_mask(causal, n, i, dilation):
+    config = config_for("sliding", causal=causal, sliding_window=3, sliding_dilation=(dilation,))
+    fast, eager = kernel_pair(config)
+    chosen = chosen_tokens(i)
+    mask = AttentionMask(causal=causal, global_mask=chosen)
+    q, k, v = qkv(n, i, grad=True)
+    got = attend(fast, q, k, v, mask)
+    torch.testing.assert_close(got, attend(eager, q, k, v, mask), atol=1e-5, rtol=1e-5)
+    visible = sliding_visible(n, i, window=3, dilation=dilation, causal=causal, chosen=chosen)
+    scores = (q @ k.transpose(-1, -2)) * 8**-0.5
+    expected = scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    got.square().sum().backward()  # gradients reach the chosen keys through the gathered part
+    assert k.grad[0, :, n - i + 5].abs().sum() > 0
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("impl", ["eager", "fast"])
+def test_sliding_global_mask_all_false_is_plain_sliding_and_all_true_is_full_attention(causal, impl):
+    kernel = KERNELS[("sliding", impl)](config_for("sliding", causal=causal, sliding_window=3,
+                                                   sliding_dilation=(1, 2, 1, 3)))
+    n, i = (31, 17) if causal else (22, 22)
+    q, k, v = qkv(n, i)
+    none, every = torch.zeros(2, i, dtype=torch.bool), torch.ones(2, i, dtype=torch.bool)
+    plain = attend(kernel, q, k, v, AttentionMask(causal=causal))
+    torch.testing.assert_close(attend(kernel, q, k, v, AttentionMask(causal=causal, global_mask=none)), plain)
+    full = attend(eager_attention, q, k, v, AttentionMask(causal=causal))
+    assert not torch.allclose(plain, full, atol=1e-3)
+    torch.testing.assert_close(attend(kernel, q, k, v, AttentionMask(causal=causal, global_mask=every)), full,
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pos", ["xl", "shaw", "alibi", "t5"])
+def test_sliding_chosen_rows_take_every_position_term_and_all_chosen_is_full_attention(pos):
+    """Causal, with an encoding's score terms: a chosen query's row is full attention over every earlier
+    key with all position terms (fast = dense reference), so with every token chosen the kernel is
+    full attention; a pair joined only by a chosen key keeps the content score."""
+    config = config_for("sliding", pos_encoding=pos, shaw_values=pos == "shaw", sliding_window=3)
+    model = build(config)
+    n, i = 31, 17
+    positions = model.pos.layer(0, model.pos.prepare(k_len=n, clamp_len=0, device=torch.device("cpu"),
+                                                     dtype=torch.float32))
+    fast, eager = kernel_pair(config)
+    q, k, v = qkv(n, i, grad=True)
+    chosen = chosen_tokens(i)
+    outs = []
+    for kernel in (fast, eager):
+        outs.append(attend(kernel, q, k, v, AttentionMask(global_mask=chosen), positions=positions))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    full = attend(eager_attention, q, k, v, positions=positions)
+    torch.testing.assert_close(outs[0][0, :, 5], full[0, :, 5], atol=1e-5, rtol=1e-5)  # a chosen row
+    assert not torch.allclose(outs[0][0, :, 6], full[0, :, 6], atol=1e-4)  # not chosen: window + chosen keys
+    every = AttentionMask(global_mask=torch.ones(2, i, dtype=torch.bool))
+    for kernel in (fast, eager):
+        torch.testing.assert_close(attend(kernel, q, k, v, every, positions=positions), full, atol=1e-5, rtol=1e-5)
+    outs[0].square().sum().backward()
+    assert torch.isfinite(q.grad).all() and q.grad[0, :, 5].abs().sum() > 0
+
+
+@pytest.mark.parametrize("impl", ["eager", "fast"])
+@pytest.mark.parametrize(("window", "dilation"), [(3, 1), (2, 3), (30, 1)])
+def test_bidirectional_sliding_sees_the_window_on_both_sides(impl, window, dilation):
+    """`causal=false`: each query sees `window` keys on each side of it (itself counted once),
+    dilated; a window longer than the sequence is full bidirectional attention."""
+    kernel = KERNELS[("sliding", impl)](config_for("sliding", causal=False, sliding_window=window,
+                                                   sliding_dilation=(dilation,)))
+    q, k, v = qkv(40, 40)
+    visible = sliding_visible(40, 40, window=window, dilation=dilation, causal=False)
+    scores = (q @ k.transpose(-1, -2)) * 8**-0.5
+    expected = scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v
+    got = attend(kernel, q, k, v, AttentionMask(causal=False))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    if window >= 40:
+        torch.testing.assert_close(got, full_attention(q, k, v, causal=False), atol=1e-5, rtol=1e-5)
+
+
+def test_bidirectional_sliding_refuses_score_terms_and_global_tokens_with_a_mask():
+    with pytest.raises(ConfigError, match="pos_encoding='shaw'.*bidirectional sliding window.*rope"):
+        config_for("sliding", causal=False, pos_encoding="shaw")
+    x = torch.randint(0, 61, (2, 8))
+    with pytest.raises(UsageError, match="global_tokens or a global_mask, not both"):
+        build(config_for("sliding", global_tokens=2))(x, mem_len=0, global_mask=torch.ones_like(x))
+
+
+@pytest.mark.parametrize("name", ["bigbird", "sliding"])
+def test_global_mask_in_a_model_reaches_far_and_stays_causal(name):
+    narrow = dict(bigbird_block=2, bigbird_window=0, bigbird_global=0, bigbird_random=0) if name == "bigbird" else \
+        dict(sliding_window=2)
+    model = build(config_for(name, n_layer=1, **narrow))
     x = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(4))
     chosen = torch.zeros(2, 16, dtype=torch.long)
     chosen[:, 1] = 1
@@ -546,8 +651,8 @@ def test_global_mask_in_a_model_reaches_far_and_stays_causal():
 
 def test_global_mask_is_refused_by_kernels_that_cannot_take_it_and_checked_for_shape():
     x = torch.randint(0, 61, (2, 8))
-    with pytest.raises(UsageError, match="global_mask is not available with attention='sliding'.*bigbird"):
-        build(config_for("sliding"))(x, global_mask=torch.ones_like(x))
+    with pytest.raises(UsageError, match="global_mask is not available with attention='lsh'.*bigbird"):
+        build(config_for("lsh"))(x, global_mask=torch.ones_like(x))
     with pytest.raises(UsageError, match="global_mask must have the shape of input_ids"):
         build(config_for("bigbird"))(x, global_mask=torch.ones(2, 7))
     full = build(config_for("full"))
@@ -606,3 +711,212 @@ def test_every_causal_kernel_generates_with_memory_as_a_rerun_does(name):
     prompt = [1, 2, 3, 4, 5]
     fast = list(stream_tokens(model, prompt, max_new_tokens=10, temperature=0))
     assert fast == list(generate_rerun(model, prompt, max_new_tokens=10))
+
+
+# ---------------------------------------------------------------------------------------------
+# memory tokens (config.memory_tokens: learned keys and values before [memory ; segment])
+
+
+def with_tokens(q, k, v, m: int, *, seed: int = 5):
+    """k and v with m random token rows in front, and the tokens."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randn(2, 1, k.shape[1], m, k.shape[-1], generator=g).expand(-1, k.shape[0], -1, -1, -1)
+    return torch.cat([tokens[0], k], dim=2), torch.cat([tokens[1], v], dim=2), tokens
+
+
+@pytest.mark.parametrize("pos", ["xl", "rope", "alibi", "t5", "shaw"])
+@pytest.mark.parametrize("impl", ["eager", "fast"])
+@pytest.mark.parametrize(("causal", "n", "i"), [(True, 31, 17), (True, 9, 1), (False, 22, 22)])
+def test_memory_tokens_equal_a_dense_softmax_over_tokens_memory_and_segment(pos, impl, causal, n, i):
+    """softmax over [tokens ; memory ; segment]: the tokens' columns are the plain content score q·k
+    (no position term, no u), always visible; the other columns are the encoding's usual scores."""
+    if not causal and pos in ("xl", "alibi"):
+        pytest.skip(f"{pos} is causal only")
+    model = build(config_for("full", causal=causal, pos_encoding=pos, shaw_values=pos == "shaw"))
+    state = model.pos.prepare(k_len=n, clamp_len=0, device=torch.device("cpu"), dtype=torch.float32)
+    positions = model.pos.layer(0, state)
+    q, k, v = qkv(n, i)
+    k_all, v_all, tokens = with_tokens(q, k, v, 3)
+    mask = AttentionMask(causal=causal, memory_tokens=3)
+    with torch.no_grad():
+        got, probs = KERNELS[("full", impl)](q, k_all, v_all, positions=positions, mask=mask, dropatt=0.0,
+                                             training=False, need_weights=True)
+        q_content, k_content = positions.content(q, k)
+        scores = q_content @ k_content.transpose(-1, -2)
+        bias = positions.score_bias(q, k_len=n, rel_shift=rel_shift_pad)
+        scores = scores if bias is None else scores + bias
+        visible = AttentionMask(causal=causal).visible(i, n, q.device).expand(2, 4, i, n)
+        scores = scores.masked_fill(~visible, float("-inf") * 8**0.5)
+        scores = torch.cat([q @ tokens[0].transpose(-1, -2), scores], dim=-1) * 8**-0.5
+        expected_probs = scores.softmax(-1)
+        expected = expected_probs @ v_all
+        value_term = positions.value_term(expected_probs[..., 3:])
+        expected = expected if value_term is None else expected + value_term
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(probs, expected_probs, atol=1e-6, rtol=1e-5)
+    assert probs[..., :3].sum() > 0.05 * probs.sum()  # the tokens take a real share of attention
+
+
+@pytest.mark.parametrize("impl", ["eager", "fast"])
+def test_memory_tokens_whose_scores_vanish_change_nothing(impl):
+    """Token keys pushed to -inf scores (exp underflows to 0): the plain kernel's output exactly."""
+    q, k, v = qkv(31, 17)
+    q[..., 0] = q[..., 0].abs() + 1.0
+    k_all, v_all, tokens = with_tokens(q, k, v, 3)
+    k_all[:, :, :3] = 0.0
+    k_all[:, :, :3, 0] = -1e6
+    kernel = KERNELS[("full", impl)]
+    got = attend(kernel, q, k_all, v_all, AttentionMask(memory_tokens=3))
+    torch.testing.assert_close(got, attend(kernel, q, k, v), atol=0.0, rtol=0.0)
+
+
+@pytest.mark.parametrize("name", ["full", "sliding"])
+@pytest.mark.parametrize("impl", ["eager", "fast"])
+@pytest.mark.parametrize("pos", ["xl", "rope"])
+def test_memory_tokens_keep_causality_and_segment_invariance(name, impl, pos):
+    model = build(config_for(name, memory_tokens=3, attention_impl=impl, pos_encoding=pos))
+    x = torch.randint(0, 61, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = model(x, mem_len=0).logits
+        for t in (0, 7, 19):
+            y = x.clone()
+            y[:, t:] = (y[:, t:] * 7 + 3) % 61
+            changed = model(y, mem_len=0).logits
+            torch.testing.assert_close(changed[:, :t], base[:, :t], atol=1e-5, rtol=1e-5)
+            assert not torch.allclose(changed[:, t], base[:, t])
+        full = model(x, mem_len=20).logits
+        first = model(x[:, :8], mem_len=20)
+        second = model(x[:, 8:], memory=first.memory, mem_len=20)
+        assert first.memory.length == 8  # the segment memory holds the segment only, never the tokens
+    torch.testing.assert_close(torch.cat([first.logits, second.logits], dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["full", "sliding"])
+def test_memory_tokens_generate_with_memory_as_a_rerun_does(name):
+    """Decoding token by token (the fast backend's projection cache, one query per forward) with the
+    tokens in front of the cached keys picks what re-running the whole context picks."""
+    from txl.generate import generate_rerun, stream_tokens
+
+    model = build(config_for(name, mem_len=64, memory_tokens=4))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    prompt = [1, 2, 3, 4, 5]
+    assert list(stream_tokens(model, prompt, max_new_tokens=10, temperature=0)) == \
+        list(generate_rerun(model, prompt, max_new_tokens=10))
+
+
+def test_memory_tokens_are_parameters_that_train_save_and_load(tmp_path):
+    config = config_for("full", memory_tokens=4)
+    model = build(config)
+    tokens = model.blocks[1].attn.memory_tokens
+    assert tokens.shape == (2, 4, 4, 8) and tokens.std() > 0.01  # keys and values, per head, initialised
+    x = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(3))
+    model.train()(x, labels=x).loss.backward()
+    assert tokens.grad is not None and tokens.grad.abs().sum() > 0
+    plain = build(config_for("full"))
+    assert model.num_parameters() - plain.num_parameters() == 2 * 2 * 4 * 4 * 8
+    assert not any("memory_tokens" in name for name in plain.state_dict())  # m = 0: no parameter at all
+    model.eval().save_pretrained(tmp_path / "m")
+    loaded = TransformerXL.from_pretrained(tmp_path / "m")
+    torch.testing.assert_close(loaded.blocks[1].attn.memory_tokens, tokens)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, model(x).logits)
+        out = model(x, mem_len=0, output_attentions=True)
+    assert out.attentions[0].shape == (2, 4, 12, 4 + 12)  # over [tokens ; segment]
+    torch.testing.assert_close(out.attentions[0].sum(-1), torch.ones(2, 4, 12))
+
+
+def test_memory_tokens_in_the_bidirectional_encoder_with_padding():
+    model = build(config_for("full", causal=False, memory_tokens=2, mem_len=0))
+    lengths = (11, 6)
+    sequences = [torch.randint(1, 61, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    ids = torch.zeros(2, 11, dtype=torch.long)
+    attention_mask = torch.zeros(2, 11, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = seq
+        attention_mask[row, : len(seq)] = 1
+    with torch.no_grad():
+        batch = model(ids, attention_mask=attention_mask).logits
+        for row, seq in enumerate(sequences):
+            torch.testing.assert_close(batch[row, : len(seq)], model(seq[None]).logits[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("causal", "n", "i"), [(True, 31, 17), (True, 23, 23), (False, 22, 22)])
+@pytest.mark.parametrize("options", [dict(), dict(sliding_dilation=(1, 2, 1, 3)), dict(global_tokens=2),
+                                     dict(chosen=True)])
+def test_sliding_with_memory_tokens_equals_its_dense_reference(causal, n, i, options):
+    options = dict(options)
+    chosen = chosen_tokens(i) if options.pop("chosen", False) else None
+    fast, eager = kernel_pair(config_for("sliding", causal=causal, sliding_window=3, **options))
+    q, k, v = qkv(n, i, grad=True)
+    k_all, v_all, _ = with_tokens(q, k, v, 3)
+    mask = AttentionMask(causal=causal, memory_tokens=3, global_mask=chosen)
+    got = attend(fast, q, k_all, v_all, mask)
+    torch.testing.assert_close(got, attend(eager, q, k_all, v_all, mask), atol=1e-5, rtol=1e-5)
+    got.square().sum().backward()
+    assert k.grad is not None and torch.isfinite(k.grad).all()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_sliding_with_memory_tokens_and_a_window_covering_everything_is_full_attention_with_them(causal):
+    q, k, v = qkv(22, 22)
+    k_all, v_all, _ = with_tokens(q, k, v, 3)
+    mask = AttentionMask(causal=causal, memory_tokens=3)
+    kernel = KERNELS[("sliding", "fast")](config_for("sliding", causal=causal, sliding_window=40))
+    torch.testing.assert_close(attend(kernel, q, k_all, v_all, mask), attend(eager_attention, q, k_all, v_all, mask),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_memory_tokens_are_refused_by_kernels_that_cannot_take_them():
+    with pytest.raises(ConfigError, match=r"config.memory_tokens needs an attention kernel that takes them \(full, sliding\)"):
+        config_for("lsh", memory_tokens=2)
+    with pytest.raises(ConfigError, match="config.memory_tokens must be >= 0"):
+        config_for("full", memory_tokens=-1)
+    with pytest.raises(ConfigError, match="config.memory_tokens must be 0 with arch='encoder-decoder'"):
+        TransformerXLConfig(**{**BASE, "mem_len": 0}, arch="encoder-decoder", memory_tokens=2, pos_encoding="rope")
+
+
+@pytest.mark.parametrize(("name", "window", "weights"), [
+    ("linear", "same_length is not available with attention='linear' (no window over prefix sums)",
+     "output_attentions is not available with attention='linear': it never forms the attention probabilities"),
+    ("performer", "same_length is not available with attention='performer' (no window over prefix sums)",
+     "output_attentions is not available with attention='performer': it never forms the attention probabilities"),
+    ("compressed", "same_length is not available with attention='compressed'",
+     "output_attentions is not available with attention='compressed': it attends over compressed rows, not keys"),
+    ("sinkhorn", "same_length is not available with attention='sinkhorn'",
+     "output_attentions is not available with attention='sinkhorn': it attends over sorted (mixed) blocks, not keys"),
+    ("inducing", None,
+     "output_attentions is not available with attention='inducing': it attends over inducing-point summaries, not keys"),
+    ("linformer", None,
+     "output_attentions is not available with attention='linformer': it attends over projected rows, not keys"),
+])
+def test_kernel_refusals_name_the_kernel_and_the_reason(name, window, weights):
+    """The refusals written once (`registry.refuse`) keep each kernel's message, word for word."""
+    causal = SPECS[name].causal
+    kernel = KERNELS[(name, "eager" if (name, "fast") not in KERNELS else "fast")](config_for(name, causal=causal))
+    q, k, v = qkv(12, 12)
+    with pytest.raises(UsageError) as err:
+        attend(kernel, q, k, v, AttentionMask(causal=causal), need_weights=True)
+    assert str(err.value) == weights
+    if window is not None:
+        with pytest.raises(UsageError) as err:
+            attend(kernel, q, k, v, AttentionMask(window=4))
+        assert str(err.value) == window
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dilation", [(), (1, 2, 1, 3)])
+def test_sliding_with_everything_at_once_equals_its_dense_reference(window, dilation):
+    """xl positions, memory, a same_length window, mixed dilations, memory tokens and chosen tokens."""
+    config = config_for("sliding", sliding_window=3, sliding_dilation=dilation)
+    model = build(config)
+    n, i = 31, 17
+    positions = model.pos.layer(0, model.pos.prepare(k_len=n, clamp_len=0, device=torch.device("cpu"),
+                                                     dtype=torch.float32))
+    fast, eager = kernel_pair(config)
+    q, k, v = qkv(n, i)
+    k_all, v_all, _ = with_tokens(q, k, v, 3)
+    mask = AttentionMask(window=window, global_mask=chosen_tokens(i), memory_tokens=3)
+    torch.testing.assert_close(attend(fast, q, k_all, v_all, mask, positions=positions),
+                               attend(eager, q, k_all, v_all, mask, positions=positions), atol=1e-5, rtol=1e-5)

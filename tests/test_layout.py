@@ -82,9 +82,13 @@ def test_no_import_cycles_among_txl_modules():
 def test_kernels_import_only_the_registry_and_masks_from_the_attention_package():
     for kernel in ("eager", "xl_fast", "sliding", "sparse", "performer", "linformer"):
         inside = {m for m in module_level_imports(f"txl.attention.{kernel}") if m.startswith("txl.attention")}
-        allowed = {"txl.attention.registry", "txl.attention.masks", "txl.attention.eager", "txl.attention.sliding"}
+        allowed = {"txl.attention.registry", "txl.attention.masks", "txl.attention.eager", "txl.attention.sliding",
+                   "txl.attention.pattern"}
         assert inside <= allowed, (kernel, inside - allowed)
         assert "txl.attention.layer" not in inside and "txl.model" not in module_level_imports(f"txl.attention.{kernel}")
+    # the kernels' shared pieces (gathered attention, log-sum-exp merges) are a leaf beside the masks
+    pattern = {m for m in module_level_imports("txl.attention.pattern") if m.startswith("txl")}
+    assert pattern <= {"txl.attention.masks"}, pattern
 
 
 def test_every_module_imports_on_its_own(tmp_path):

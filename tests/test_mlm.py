@@ -38,7 +38,7 @@ def test_mlm_run_config_makes_an_encoder_with_a_mask_token():
     (["objective=mlm", "sample_tokens=0", "causal=true"], "remove model.causal=true"),
     (["objective=mlm", "sample_tokens=0", "mask_prob=0"], "train.mask_prob"),
     (["objective=mlm", "sample_tokens=10"], "train.sample_tokens"),
-    (["objective=mlm", "sample_tokens=0", "attention=sliding"], "causal=false"),
+    (["objective=mlm", "sample_tokens=0", "attention=sparse"], "causal=false"),
 ])
 def test_impossible_mlm_settings_name_the_key(sets, match):
     with pytest.raises(ConfigError, match=match):
@@ -119,3 +119,19 @@ def test_mlm_resume_is_exact(tmp_path, corpus):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     code, log = finish(txl("train", "--resume", str(tmp_path / "b"), "--objective", "lm"))
     assert code != 0 and "--resume continues the saved configuration" in log
+
+
+@pytest.mark.slow
+def test_train_bidirectional_sliding_mlm_from_the_cli_then_eval(tmp_path, corpus):
+    """The bidirectional sliding encoder (window on both sides) trains and evaluates like the other
+    masked-LM kernels; its checkpoint keeps the kernel and the direction."""
+    config = write_config(tmp_path, corpus, steps=6, eval_interval=6, varlen="false")
+    sets = ["--objective", "mlm", "--set", "attention=sliding", "--set", "sliding_window=4"]
+    code, log = finish(txl("train", "--config", str(config), "--out", str(tmp_path / "run"), "--quiet", *sets))
+    assert code == 0, log
+    saved = json.loads((tmp_path / "run" / "best" / "config.json").read_text())
+    assert (saved["attention"], saved["causal"], saved["sliding_window"]) == ("sliding", False, 4)
+    code, out = finish(txl("eval", str(tmp_path / "run"), "--json", "--max-tokens", "300"))
+    assert code == 0, out
+    result = json.loads(out[out.index("{"):])
+    assert result["mode"] == "mlm" and 0 <= result["accuracy"] <= 1 and result["bpc"] > 0

@@ -66,7 +66,7 @@ UPPER_BOUNDS: dict[str, int] = {
     "max_relative_distance": MAX_LENGTH, "max_positions": MAX_LENGTH, "sliding_window": MAX_LENGTH,
     "global_tokens": MAX_LENGTH, "sparse_stride": MAX_LENGTH, "performer_features": MAX_WIDTH,
     "performer_redraw_interval": 1 << 40, "linformer_k": MAX_LENGTH, "linformer_max_len": MAX_LENGTH,
-    "cmem_len": MAX_LENGTH, "cmem_ratio": MAX_LENGTH,
+    "cmem_len": MAX_LENGTH, "cmem_ratio": MAX_LENGTH, "memory_tokens": MAX_LENGTH,
 }
 
 
@@ -149,6 +149,9 @@ class TransformerXLConfig:
     synthesizer_max_len: int = 256  # distances a query can see (its window, itself included)
     # inducing (Set Transformer ISAB, Lee et al. 2019): queries attend to m learned summaries (bidirectional)
     inducing_points: int = 32
+    # memory tokens (Sukhbaatar et al. 2019 persistent memory; ETC-style global memory): m learned key/value
+    # vectors per layer and head that every query attends to, beside [memory ; segment]; 0 = off
+    memory_tokens: int = 0
     # compressive memory (Rae et al. 2020): states leaving mem_len are compressed cmem_ratio:1
     cmem_len: int = 0  # compressed states kept per layer; 0 = off (plain Transformer-XL memory)
     cmem_ratio: int = 4  # c: states per compressed state
@@ -306,7 +309,7 @@ class TransformerXLConfig:
         from txl.attention.registry import SPECS
         from txl.positional import POSITIONAL_ENCODINGS
 
-        for name in ["mem_len", "cmem_len"]:
+        for name in ["mem_len", "cmem_len", "memory_tokens"]:
             if getattr(self, name):
                 raise ConfigError(f"config.{name} must be 0 with arch='encoder-decoder' (no segment memory); "
                                   f"set {name}=0")
@@ -319,8 +322,9 @@ class TransformerXLConfig:
             allowed = ", ".join(name for name, cls in POSITIONAL_ENCODINGS.items() if not cls.causal_only)
             raise ConfigError(f"config.pos_encoding={self.pos_encoding!r} is defined for causal distances only; "
                               f"the encoder of arch='encoder-decoder' is bidirectional: use one of {allowed}")
-        if not SPECS[self.attention].bidirectional:
-            able = ", ".join(sorted(name for name, spec in SPECS.items() if spec.bidirectional and spec.causal))
+        if not (SPECS[self.attention].bidirectional and SPECS[self.attention].cross_attention):
+            able = ", ".join(sorted(name for name, spec in SPECS.items()
+                                    if spec.bidirectional and spec.causal and spec.cross_attention))
             raise ConfigError(f"config.attention={self.attention!r} cannot run the bidirectional encoder and "
                               f"cross-attention of arch='encoder-decoder'; use one of {able}")
         if self.share_embeddings and self.source_vocab_size not in (0, self.vocab_size):
@@ -369,7 +373,7 @@ class TransformerXLConfig:
             raise ConfigError(f"config.routing_decay must be in [0, 1), got {self.routing_decay}")
         if not 0.0 < self.sinkhorn_temperature < math.inf:
             raise ConfigError(f"config.sinkhorn_temperature must be > 0, got {self.sinkhorn_temperature}")
-        for name in ["global_tokens", "performer_redraw_interval", "cmem_len"]:
+        for name in ["global_tokens", "performer_redraw_interval", "cmem_len", "memory_tokens"]:
             if getattr(self, name) < 0:
                 raise ConfigError(f"config.{name} must be >= 0, got {getattr(self, name)}")
         if self.attention != "sliding" and (self.sliding_dilation or self.global_tokens):
@@ -461,6 +465,7 @@ class TransformerXLConfig:
         if self.arch in RNN_ARCHS:
             return self._rnn_parameters()
         per_layer = 4 * self.d_model * self.n_head * self.d_head + 2 * self.d_model * self.d_inner
+        per_layer += 2 * self.memory_tokens * self.n_head * self.d_head
         return self.n_layer * per_layer
 
     def _rnn_parameters(self) -> int:

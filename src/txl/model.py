@@ -95,7 +95,8 @@ class TransformerXLOutput:
         when the learned compression ran this step; add it to `loss` for the backward pass (it only
         reaches the compression weights). Not part of `loss`, so loss/bpc stay the LM's. Else None.
     attentions: with `output_attentions`, per layer the attention probabilities (b, h, t, keys) over
-        [memory ; segment] (before attention dropout), else None.
+        [memory ; segment] (before attention dropout; [memory tokens ; memory ; segment] with
+        `memory_tokens`), else None.
     hidden_states: with `output_hidden_states`, every layer's input (b, t, d_model), then the last
         layer's output (n_layer + 1 tensors), else None.
     """
@@ -167,6 +168,8 @@ class TransformerXL(nn.Module):
                 nn.init.normal_(param, 0.0, std)
             elif name in ("head.bias", "head.cluster_bias"):
                 nn.init.zeros_(param)
+            elif name.endswith(".attn.memory_tokens"):  # learned keys and values (config.memory_tokens)
+                nn.init.normal_(param, 0.0, std)
         if hasattr(self.pos, "reset_parameters"):  # an encoding's own init (learned concat: [I | I])
             self.pos.reset_parameters()
         if self.universal is not None:
@@ -199,7 +202,7 @@ class TransformerXL(nn.Module):
         the bidirectional encoder and for causal models run without memory; padded positions are
         never attended to and never scored. mem_len / clamp_len / same_length: this call's settings
         (default: the model's attributes). global_mask: (b, t), nonzero for global tokens (chosen
-        positions that see and are seen by all, e.g. a [CLS]); for kernels that take it (bigbird)."""
+        positions that see and are seen by all, e.g. a [CLS]); for kernels that take it (bigbird, sliding)."""
         if input_ids.dim() != 2:
             raise UsageError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
         mem_len = self.mem_len if mem_len is None else mem_len

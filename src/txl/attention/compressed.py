@@ -26,10 +26,9 @@ from torch import Tensor, nn
 
 from txl.attention.masks import AttentionMask
 from txl.attention.pattern import dense_masked_attention, gathered_attention, merge_by_lse, pad_to
-from txl.attention.registry import register
-from txl.attention.sliding import no_padding
+from txl.attention.registry import refuse, register
 from txl.config import TransformerXLConfig
-from txl.errors import ConfigError, UsageError
+from txl.errors import ConfigError
 from txl.positional import LayerPositions
 
 
@@ -102,12 +101,8 @@ class CompressedAttention(nn.Module):
         return merge_by_lse([out_c, out_l], [lse_c, lse_l]), None
 
     def _refuse(self, mask: AttentionMask, need_weights: bool) -> None:
-        no_padding("compressed", mask)
-        if mask.window is not None:
-            raise UsageError("same_length is not available with attention='compressed'")
-        if need_weights:
-            raise UsageError("output_attentions is not available with attention='compressed': it attends over "
-                             "compressed rows, not keys")
+        refuse("compressed", mask, need_weights=need_weights, padding=True, same_length="",
+               weights="it attends over compressed rows, not keys")
 
     def extra_repr(self) -> str:
         return f"ratio={self.ratio}"

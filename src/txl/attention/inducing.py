@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from txl.attention.masks import NEG, AttentionMask
-from txl.attention.registry import register
+from txl.attention.registry import refuse, register
 from txl.config import TransformerXLConfig
-from txl.errors import ConfigError, UsageError
+from txl.errors import ConfigError
 from txl.positional import LayerPositions
 
 
@@ -54,9 +54,7 @@ class InducingPointAttention(nn.Module):
 
     def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
                 need_weights: bool = False):
-        if need_weights:
-            raise UsageError("output_attentions is not available with attention='inducing': it attends over "
-                             "inducing-point summaries, not keys")
+        refuse("inducing", mask, need_weights=need_weights, weights="it attends over inducing-point summaries, not keys")
         q, k = positions.content(q, k)
         a = self.summary_weights(k, mask.key_padding)
         keys, values = a @ k, a @ v  # (b, h, m, d)

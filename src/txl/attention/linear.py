@@ -31,9 +31,8 @@ from txl.attention.performer import (
     causal_linear_attention,
     quadratic_linear_attention,
 )
-from txl.attention.registry import register
+from txl.attention.registry import check_no_probabilities, refuse, register
 from txl.config import TransformerXLConfig
-from txl.errors import ConfigError, UsageError
 from txl.positional import LayerPositions
 
 
@@ -44,15 +43,7 @@ def feature_map(x: Tensor, kind: str) -> Tensor:
     return F.relu(x) + FEATURE_EPS
 
 
-def check_linear(config: TransformerXLConfig) -> None:
-    if config.same_length:
-        raise ConfigError("config.same_length needs a windowed score matrix; attention='linear' has none")
-    if config.dropatt > 0:
-        raise ConfigError("config.dropatt must be 0 with attention='linear': it never forms the attention "
-                          "probabilities that dropatt would drop")
-
-
-@register("linear", "fast", bidirectional=True, score_terms=False, check=check_linear)
+@register("linear", "fast", bidirectional=True, score_terms=False, check=check_no_probabilities)
 class LinearAttention(nn.Module):
     """`attention="linear"`: φ(q)·φ(k) attention by chunked prefix sums (causal) or global sums."""
 
@@ -64,11 +55,8 @@ class LinearAttention(nn.Module):
 
     def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
                 need_weights: bool = False):
-        if mask.window is not None:
-            raise UsageError("same_length is not available with attention='linear' (no window over prefix sums)")
-        if need_weights:
-            raise UsageError("output_attentions is not available with attention='linear': it never forms "
-                             "the attention probabilities")
+        refuse("linear", mask, need_weights=need_weights, same_length="no window over prefix sums",
+               weights="it never forms the attention probabilities")
         q, k = positions.content(q, k)
         with torch.autocast(device_type=q.device.type, enabled=False):  # float32 sums, as the Performer's
             phi_q, phi_k = feature_map(q.float(), self.feature), feature_map(k.float(), self.feature)
@@ -89,7 +77,7 @@ class LinearAttention(nn.Module):
         return f"feature={self.feature}"
 
 
-@register("linear", "eager", bidirectional=True, score_terms=False, check=check_linear)
+@register("linear", "eager", bidirectional=True, score_terms=False, check=check_no_probabilities)
 class LinearReference(LinearAttention):
     """The same kernel as a masked (i, n) matrix of φ(q)·φ(k): the ground truth for the prefix sums."""
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from txl.attention.masks import AttentionMask
-from txl.attention.registry import register
+from txl.attention.registry import refuse, register
 from txl.errors import ConfigError, UsageError
 from txl.positional import LayerPositions
 
@@ -63,9 +63,7 @@ class LinformerAttention(nn.Module):
                 f"attention='linformer' was built for {max_len} positions but the input has {n}; "
                 "shorten the input or raise linformer_max_len"
             )
-        if need_weights:
-            raise UsageError("output_attentions is not available with attention='linformer': it attends over "
-                             "projected rows, not keys")
+        refuse("linformer", mask, need_weights=need_weights, weights="it attends over projected rows, not keys")
         q_content, k_content = positions.content(q, k)
         if mask.key_padding is not None:  # padding keys and values out of every projected row
             real = mask.key_padding[:, None, :, None].to(v.dtype)  # (b, 1, n, 1)

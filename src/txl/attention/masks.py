@@ -65,26 +65,35 @@ class AttentionMask:
         Longformer / BigBird global attention on chosen positions, e.g. a [CLS] or question tokens). A
         global query sees every key it may see (causal: every earlier key, memory included), and every
         query sees the global keys (causal: the earlier ones). Only kernels registered with
-        `global_mask=True` take it (bigbird; full, where it changes nothing). None = none.
+        `global_mask=True` take it (bigbird, sliding; full, where it changes nothing). None = none.
+    memory_tokens: the first m keys (and values) are learned memory tokens (`config.memory_tokens`,
+        Sukhbaatar et al. 2019), put there by the layer: every query sees them, they have no position
+        (content score q·k only, see `txl.attention.layer`), and every length and distance above counts
+        the keys after them. Only kernels registered with `memory_tokens=True` take them. 0 = none.
     """
 
     causal: bool = True
     window: int | None = None
     key_padding: Tensor | None = None
     global_mask: Tensor | None = None
+    memory_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.window is not None and not self.causal:
             raise ValueError("AttentionMask.window needs causal=True (it counts keys back from each query)")
 
     def visible(self, q_len: int, k_len: int, device: torch.device) -> Tensor:
-        """(batch or 1, 1, q_len, k_len) bool: True where query i may attend key j."""
+        """(batch or 1, 1, q_len, k_len) bool: True where query i may attend key j (k_len counts the
+        memory tokens, always visible)."""
+        k_len -= self.memory_tokens
         if self.causal:
             visible = causal_mask(q_len, k_len, self.window, device)[None, None]
         else:
             visible = torch.ones(1, 1, q_len, k_len, dtype=torch.bool, device=device)
         if self.key_padding is not None:
             visible = visible & self.key_padding[:, None, None, :].to(device)
+        if self.memory_tokens:
+            visible = torch.nn.functional.pad(visible, (self.memory_tokens, 0), value=True)
         return visible
 
 

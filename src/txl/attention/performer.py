@@ -45,8 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from txl.attention.masks import AttentionMask
-from txl.attention.registry import register
-from txl.errors import ConfigError, UsageError
+from txl.attention.registry import check_no_probabilities, refuse, register
 from txl.positional import LayerPositions
 
 if TYPE_CHECKING:  # annotations only: the config module imports the registries
@@ -187,16 +186,6 @@ def bidirectional_linear_attention(phi_q: Tensor, phi_k: Tensor, key_scale: Tens
     return (phi_q @ state) / (phi_q @ weights.sum(2)[..., None])
 
 
-def check_performer(config: TransformerXLConfig) -> None:
-    if config.same_length:
-        raise ConfigError("config.same_length needs a windowed score matrix; attention='performer' has none")
-    if config.dropatt > 0:
-        raise ConfigError(
-            "config.dropatt must be 0 with attention='performer': it never forms the attention "
-            "probabilities that dropatt would drop"
-        )
-
-
 def padded_keys(phi_k: Tensor, key_scale: Tensor, key_padding: Tensor) -> tuple[Tensor, Tensor]:
     """Padding keys out of the sums: their features become exactly 0, and their stabiliser the
     smallest real key's, so it can never rescale the real keys' sums. (b, n) key_padding, True = real."""
@@ -207,7 +196,7 @@ def padded_keys(phi_k: Tensor, key_scale: Tensor, key_padding: Tensor) -> tuple[
     return phi_k, torch.where(real, key_scale, smallest)
 
 
-@register("performer", "fast", bidirectional=True, score_terms=False, check=check_performer)
+@register("performer", "fast", bidirectional=True, score_terms=False, check=check_no_probabilities)
 class PerformerAttention(nn.Module):
     """`attention="performer"`: FAVOR+ with chunked causal prefix sums (or bidirectional sums)."""
 
@@ -226,11 +215,8 @@ class PerformerAttention(nn.Module):
 
     def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
                 need_weights: bool = False):
-        if mask.window is not None:
-            raise UsageError("same_length is not available with attention='performer' (no window over prefix sums)")
-        if need_weights:
-            raise UsageError("output_attentions is not available with attention='performer': it never forms "
-                             "the attention probabilities")
+        refuse("performer", mask, need_weights=need_weights, same_length="no window over prefix sums",
+               weights="it never forms the attention probabilities")
         if training and self.redraw_interval:
             if self.forwards_since_redraw >= self.redraw_interval:
                 self.redraw()
@@ -259,7 +245,7 @@ class PerformerAttention(nn.Module):
         return f"features={m}, d_head={d}, redraw_interval={self.redraw_interval}"
 
 
-@register("performer", "eager", bidirectional=True, score_terms=False, check=check_performer)
+@register("performer", "eager", bidirectional=True, score_terms=False, check=check_no_probabilities)
 class PerformerReference(PerformerAttention):
     """The same random-feature kernel as a masked quadratic product: the ground truth for the prefix sums."""
 

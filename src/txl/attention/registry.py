@@ -48,6 +48,8 @@ class KernelSpec:
     score_terms: bool = True  # forms a score matrix, so encodings that add to it (xl, shaw, alibi) apply
     check: Callable[[Any], None] | None = None  # more checks of the config options it reads
     global_mask: bool = False  # takes a per-token global mask (`AttentionMask.global_mask`)
+    memory_tokens: bool = False  # takes learned memory tokens before the keys (`AttentionMask.memory_tokens`)
+    cross_attention: bool = True  # bidirectional over a separate source too (queries not the last keys)
 
 
 SPECS: dict[str, KernelSpec] = {}
@@ -68,6 +70,8 @@ def register(
     score_terms: bool = True,
     check: Callable[[Any], None] | None = None,
     global_mask: bool = False,
+    memory_tokens: bool = False,
+    cross_attention: bool = True,
 ) -> Callable[[Kernel], Kernel]:
     """Decorator: make `kernel` the `impl` ("eager" or "fast") of attention `name`. The keyword
     arguments describe what the kernel can take (`KernelSpec`); the last registration of a name sets them."""
@@ -77,7 +81,8 @@ def register(
     def add(kernel: Kernel) -> Kernel:
         KERNELS[(name, impl)] = kernel
         SPECS[name] = KernelSpec(causal=causal, bidirectional=bidirectional, score_terms=score_terms, check=check,
-                                 global_mask=global_mask)
+                                 global_mask=global_mask, memory_tokens=memory_tokens,
+                                 cross_attention=cross_attention)
         return kernel
 
     return add
@@ -113,6 +118,45 @@ def resolve_kernel(attention: str, impl: str) -> Kernel:
     )
 
 
+def refuse(
+    name: str,
+    mask: Any,
+    *,
+    need_weights: bool = False,
+    padding: bool = False,
+    same_length: str | None = None,
+    weights: str | None = None,
+) -> None:
+    """The one home of a kernel's refusals of what it cannot honour in a call, each one line naming
+    the kernel (`UsageError`): `padding=True` refuses a padding mask; `same_length` (a reason, "" for
+    none) refuses a `same_length` window; `weights` (why) refuses `output_attentions`."""
+    from txl.errors import UsageError
+
+    if padding and mask.key_padding is not None:
+        raise UsageError(f"attention={name!r} does not take a padding mask (attention_mask); use attention='full'")
+    if same_length is not None and mask.window is not None:
+        reason = f" ({same_length})" if same_length else ""
+        raise UsageError(f"same_length is not available with attention={name!r}{reason}")
+    if weights is not None and need_weights:
+        raise UsageError(f"output_attentions is not available with attention={name!r}: {weights}")
+
+
+def no_padding(name: str, mask: Any) -> None:
+    refuse(name, mask, padding=True)
+
+
+def check_no_probabilities(config: Any) -> None:
+    """Config checks of a kernel that never forms a score matrix (linear, performer): no same_length
+    window, no dropout on probabilities."""
+    from txl.errors import ConfigError
+
+    if config.same_length:
+        raise ConfigError(f"config.same_length needs a windowed score matrix; attention={config.attention!r} has none")
+    if config.dropatt > 0:
+        raise ConfigError(f"config.dropatt must be 0 with attention={config.attention!r}: it never forms the "
+                          "attention probabilities that dropatt would drop")
+
+
 def check_config(config: Any) -> None:
     """Whether the config's attention kernel exists and can run it: causal or bidirectional, its
     positional encoding, and the kernel's own option checks. Raises `ConfigError` naming the field."""
@@ -127,6 +171,12 @@ def check_config(config: Any) -> None:
         able = ", ".join(name for name in kernel_names() if SPECS[name].bidirectional)
         raise ConfigError(
             f"config.causal=false (bidirectional) supports attention {able}, not {config.attention!r}"
+        )
+    if getattr(config, "memory_tokens", 0) and not spec.memory_tokens:
+        able = ", ".join(name for name in kernel_names() if SPECS[name].memory_tokens)
+        raise ConfigError(
+            f"config.memory_tokens needs an attention kernel that takes them ({able}), not {config.attention!r}; "
+            f"set memory_tokens=0 or change attention"
         )
     if config.causal and not spec.causal:
         raise ConfigError(f"config.attention={config.attention!r} cannot be causal; set causal=false")

@@ -27,10 +27,9 @@ from torch import Tensor, nn
 
 from txl.attention.masks import NEG, AttentionMask
 from txl.attention.pattern import dense_masked_attention, gathered_attention, pad_to
-from txl.attention.registry import register
-from txl.attention.sliding import no_padding
+from txl.attention.registry import refuse, register
 from txl.config import TransformerXLConfig
-from txl.errors import ConfigError, UsageError
+from txl.errors import ConfigError
 from txl.positional import LayerPositions
 
 
@@ -89,12 +88,8 @@ class SinkhornAttention(nn.Module):
                 p)
 
     def _refuse(self, mask: AttentionMask, need_weights: bool) -> None:
-        no_padding("sinkhorn", mask)
-        if mask.window is not None:
-            raise UsageError("same_length is not available with attention='sinkhorn'")
-        if need_weights:
-            raise UsageError("output_attentions is not available with attention='sinkhorn': it attends over "
-                             "sorted (mixed) blocks, not keys")
+        refuse("sinkhorn", mask, need_weights=need_weights, padding=True, same_length="",
+               weights="it attends over sorted (mixed) blocks, not keys")
 
     def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
                 need_weights: bool = False):

@@ -19,7 +19,8 @@ a 2-core AVX-512 CPU; `txl bench kernel` and docs/benchmarks.md have the numbers
   rel-shift (`rel_shift_fast`), scores by one `baddbmm`, an additive mask.
 - Without gradients (evaluation, generation) one batch row (and a group of heads, for very long
   memories) is processed at a time, so the score block stays under `EVAL_CHUNK_ELEMENTS` elements.
-- Padding masks, non-causal masks (bidirectional encoder, cross-attention) and requests for the
+- Padding masks, non-causal masks (bidirectional encoder, cross-attention), memory tokens
+  (`config.memory_tokens`: their content-only columns are joined to the scores) and requests for the
   probabilities take the composed path too, with the mask as an additive tensor.
 
 Tried and dropped (slower here): SDPA with the position term as a float bias (the CPU flash kernel
@@ -315,7 +316,7 @@ def _accumulate(acc: Tensor, x: Tensor, y: Tensor) -> None:
         acc.baddbmm_(x, y)
 
 
-@register("full", "fast", bidirectional=True, global_mask=True)
+@register("full", "fast", bidirectional=True, global_mask=True, memory_tokens=True)
 def fast_attention(
     q: Tensor,
     k: Tensor,
@@ -330,7 +331,7 @@ def fast_attention(
     """Drop-in replacement for `eager_attention` (same arguments, same result to float rounding)."""
     q_len, k_len, d_head = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = d_head**-0.5
-    plain = mask.causal and mask.key_padding is None and not need_weights
+    plain = mask.causal and mask.key_padding is None and not need_weights and not mask.memory_tokens
     terms = positions.xl_terms(q, k_len=k_len) if plain and not (training and dropatt > 0) else None
     if terms is not None:
         # One compute dtype for every input (autocast's, if on), and autocast off inside: the backward
@@ -370,8 +371,9 @@ def _composed_attention(q, k, v, *, positions, mask, scale, dropatt, training, n
     """Every other encoding (and xl with attention dropout, a padding or non-causal mask, or asked for
     the probabilities): autograd through fused building blocks."""
     b, h, i, d = q.shape
-    n = k.shape[-2]
-    q_content, k_content = positions.content(q, k)
+    tokens = mask.memory_tokens  # learned keys before [memory ; segment], content score only
+    n = k.shape[-2] - tokens
+    q_content, k_content = positions.content(q, k[:, :, tokens:] if tokens else k)
     bias = positions.score_bias(q, k_len=n, rel_shift=rel_shift_fast)
     if bias is None:
         scores = torch.bmm(q_content.reshape(b * h, i, d), k_content.reshape(b * h, n, d).transpose(1, 2))
@@ -382,19 +384,24 @@ def _composed_attention(q, k, v, *, positions, mask, scale, dropatt, training, n
             bias, q_content.reshape(b * h, i, d), k_content.reshape(b * h, n, d).transpose(1, 2),
             beta=scale, alpha=scale,
         )
+    if tokens:
+        token_scores = torch.bmm(q.reshape(b * h, i, d), k[:, :, :tokens].reshape(b * h, tokens, d).transpose(1, 2))
+        scores = torch.cat([token_scores * scale, scores], dim=-1)
     scores = scores.float()
     if mask.causal and mask.key_padding is None:
-        probs = (scores + causal_bias(i, n, mask.window, q.device, torch.float32)).softmax(dim=-1)
+        causal = causal_bias(i, n, mask.window, q.device, torch.float32)
+        probs = (scores + (F.pad(causal, (tokens, 0)) if tokens else causal)).softmax(dim=-1)
     else:  # a padded query may see no key at all: a finite fill, and its row set to 0
-        visible = mask.visible(i, n, q.device)  # (b or 1, 1, i, n)
+        visible = mask.visible(i, tokens + n, q.device)  # (b or 1, 1, i, m + n)
         fill = torch.zeros(visible.shape, device=q.device).masked_fill_(~visible, NEG)
-        probs = (scores.view(b, h, i, n) + fill).softmax(dim=-1)
+        probs = (scores.view(b, h, i, tokens + n) + fill).softmax(dim=-1)
         if mask.key_padding is not None:
             probs = probs * visible.any(-1, keepdim=True)
-        probs = probs.view(b * h, i, n)
+        probs = probs.view(b * h, i, tokens + n)
     probs = probs.to(v.dtype)
-    weights = probs.view(b, h, i, n) if need_weights else None
+    weights = probs.view(b, h, i, tokens + n) if need_weights else None
     probs = F.dropout(probs, p=dropatt, training=training)
-    out = torch.bmm(probs, v.reshape(b * h, n, d)).view(b, h, i, d)
-    value_term = positions.value_term(probs.view(b, h, i, n))
+    out = torch.bmm(probs, v.reshape(b * h, tokens + n, d)).view(b, h, i, d)
+    probs = probs.view(b, h, i, tokens + n)
+    value_term = positions.value_term(probs[..., tokens:] if tokens else probs)
     return (out if value_term is None else out + value_term), weights

@@ -87,6 +87,10 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("synthesizer", ("pos_encoding=rope", "attention=synthesizer", "synthesizer_max_len=256"),
             "dense synthesizer over 256 distances (Tay et al. 2021)"),
     Variant("universal", ("universal=true",), "Universal Transformer: one shared block, ≤ 4 ACT steps (Dehghani et al. 2019)"),
+    Variant("memory-tokens", ("memory_tokens=16",),
+            "xl + 16 learned memory tokens per layer that every query sees (Sukhbaatar et al. 2019)"),
+    Variant("sliding-global", ("attention=sliding", "sliding_window=64", "global_tokens=4"),
+            "sliding window w = 64 + the first 4 tokens of each segment global, xl positions (Longformer)"),
     # masked LM (bidirectional encoder), scored on masked tokens: a separate table
     Variant("mlm-full", ("attention=full",), "full bidirectional attention, rope", MLM),
     Variant("mlm-linformer", ("attention=linformer", "linformer_k=64", "linformer_max_len=128"),
@@ -94,6 +98,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("mlm-inducing", ("attention=inducing", "inducing_points=32"), "32 inducing points (Lee et al. 2019)", MLM),
     Variant("mlm-bigbird", ("attention=bigbird", "bigbird_block=16"), "bidirectional BigBird blocks of 16", MLM),
     Variant("mlm-performer", ("attention=performer", "performer_features=128"), "FAVOR+ 128 features", MLM),
+    Variant("mlm-sliding", ("attention=sliding", "sliding_window=32"),
+            "bidirectional sliding window, 32 keys on each side (Longformer)", MLM),
+    Variant("mlm-memory-tokens", ("attention=full", "memory_tokens=16"), "full bidirectional + 16 memory tokens", MLM),
 ]}
 REFERENCE = "xl"
 

@@ -31,8 +31,8 @@ from txl.errors import UsageError
 
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 VARIANTS = ("full-eager", "full-fast", "sliding", "sparse", "performer", "linformer", "linear", "bigbird", "lsh",
-            "routing", "sinkhorn", "compressed", "synthesizer", "inducing")
-BIDIRECTIONAL_ONLY = ("linformer", "inducing")
+            "routing", "sinkhorn", "compressed", "synthesizer", "inducing", "sliding-bidirectional", "memory-tokens")
+BIDIRECTIONAL_ONLY = ("linformer", "inducing", "sliding-bidirectional")
 # Each second-wave kernel's stated cost at the bench settings, and the time(32k)/time(16k) it implies.
 SECOND_WAVE_GROWTH = {
     "linear": "O(n·d²): target ≤ 2.3", "bigbird": "O(n·6·64): target ≤ 2.3", "lsh": "O(n·64·2): target ≤ 2.3",
@@ -40,7 +40,8 @@ SECOND_WAVE_GROWTH = {
     "sinkhorn": "O(n·B + (n/B)²·B·d): the sort mix is quadratic in n/B, so up to 4",
     "compressed": "O(n²/8): quadratic, up to 4", "synthesizer": "O(n·L): target ≤ 2.3",
     "inducing": "O(n·256), bidirectional: target ≤ 2.3", "linformer": "O(n·256), bidirectional",
-    "sparse": "O(n·l + n²/l)",
+    "sparse": "O(n·l + n²/l)", "sliding-bidirectional": "O(n·w), w/2 keys on each side: target ≤ 2.3",
+    "memory-tokens": "O(n²) as full attention (+ n·64): quadratic, up to 4",
 }  # cannot be causal: their rows are a different computation
 
 
@@ -62,6 +63,9 @@ def variant_config(name: str, n: int, args: argparse.Namespace) -> dict:
         "compressed": dict(attention="compressed", compress_ratio=8),
         "synthesizer": dict(attention="synthesizer", synthesizer_max_len=args.window),
         "inducing": dict(attention="inducing", causal=False, inducing_points=args.linformer_k),
+        # issue 21 (rest): the window on both sides (the masked-LM encoder); full attention + 64 memory tokens
+        "sliding-bidirectional": dict(attention="sliding", causal=False, sliding_window=args.window // 2),
+        "memory-tokens": dict(attention="full", memory_tokens=64),
     }
     if name not in configs:
         raise UsageError(f"unknown attention variant {name!r}; choose from {', '.join(VARIANTS)}")
@@ -71,7 +75,7 @@ def variant_config(name: str, n: int, args: argparse.Namespace) -> dict:
 def estimated_gb(name: str, n: int, args: argparse.Namespace, backward: bool) -> float:
     """Rough extra memory of the full-attention variants (n×n float32 scores per head, a few live
     copies, plus the int64/bool masks the eager reference builds); 0 for the O(n) variants."""
-    if not name.startswith("full"):
+    if not name.startswith("full") and name != "memory-tokens":
         return 0.0
     copies = 5 if backward else 2
     return n * n * (args.heads * args.batch * 4 * copies + 9) / 2**30
