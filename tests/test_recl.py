@@ -188,3 +188,29 @@ def test_models_with_different_vocabularies_are_refused(group, tmp_path, capsys)
     Vocab("chars", ["a", "b", "c"]).save(other / "vocab.json")
     code, _, err = run_cli(capsys, "recl", a, other, "--data", spec, "--contexts", "4,8")
     assert code == 2 and "vocabulary mismatch" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_vanilla_transformer_reads_at_most_its_training_length(group):
+    """Absolute positions + no memory: a fixed window (the paper's vanilla RECL = its training length);
+    relative positions, memory or a recurrent model: no cap."""
+    from txl.recl import context_losses, fixed_context
+
+    vanilla = TransformerXLConfig(vocab_size=256, n_layer=1, d_model=16, n_head=2, d_head=8, d_inner=32, mem_len=0,
+                                  pos_encoding="sinusoidal")
+    assert fixed_context(vanilla, 64) == 64
+    assert fixed_context(vanilla.replace(pos_encoding="learned"), 32) == 32
+    assert fixed_context(vanilla.replace(pos_encoding="xl"), 64) is None  # relative positions extrapolate
+    assert fixed_context(vanilla.replace(mem_len=16), 64) is None  # memory: a Transformer-XL
+    assert fixed_context(vanilla, None) is None  # no training length known
+    torch.manual_seed(0)
+    model = TransformerXL(vanilla).eval()
+    _, _, spec = group
+    from txl.data import open_corpus
+
+    tokens = np.asarray(open_corpus(spec).split("valid"))
+    positions = choose_positions(len(tokens), 32, 20)
+    capped = context_losses(model, tokens, positions, [4, 8, 16, 32], max_context=8)
+    assert capped[16] is capped[8] and capped[32] is capped[8]
+    np.testing.assert_allclose(capped[8], context_nll(model, tokens, positions, context_len=8), atol=1e-6)
+    full = context_losses(model, tokens, positions, [8, 32])
+    assert not np.allclose(full[32], capped[8])  # without the cap the longer window is read whole

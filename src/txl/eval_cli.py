@@ -437,6 +437,10 @@ def configure_recl(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache", metavar="DIR",
                         help="store per-token losses here and reuse them (resumable; change r or the "
                              "threshold without recomputing)")
+    parser.add_argument("--vanilla-context", choices=["train", "full"], default="train",
+                        help="window mode, models with absolute positions and no memory (vanilla Transformers): "
+                             "train = they read at most their training segment length, as the paper's vanilla "
+                             "model (default); full = every window is fed whole")
     parser.add_argument("--out", metavar="PREFIX", help="write PREFIX.md, PREFIX.json and PREFIX.png")
     parser.add_argument("--json", action="store_true", help="print JSON")
 
@@ -461,7 +465,7 @@ def run_recl(args: argparse.Namespace) -> int:
 
     from txl.checkpoint import load_checkpoint
     from txl.evaluate import metric_value, open_eval_corpus
-    from txl.recl import compute_recl, context_losses, plot_recl, recl_markdown, weights_key
+    from txl.recl import compute_recl, context_losses, fixed_context, plot_recl, recl_markdown, weights_key
 
     device = _device(args.device)
     ckpts = [load_checkpoint(path, device=device) for path in args.checkpoint]
@@ -485,19 +489,25 @@ def run_recl(args: argparse.Namespace) -> int:
             print(message, file=sys.stderr, flush=True)
 
     losses = {}
+    capped = {}
     started = time.perf_counter()
     for name, ckpt in zip(names, ckpts):
+        cap = fixed_context(ckpt.model.config, ckpt.train_setting("tgt_len")) if args.vanilla_context == "train" else None
+        if cap is not None and args.mode == "window":
+            capped[name] = cap
+            log(f"{name}: absolute positions, no memory: reads at most its training length {cap} (--vanilla-context)")
         log(f"{name}: {args.mode} mode, {len(positions):,} positions, contexts {contexts}")
         key = f"{weights_key(ckpt.path)}|{corpus.fingerprint}|{args.split}|{ckpt.model.clamp_len}"
         losses[name] = context_losses(ckpt.model, tokens, positions, contexts, mode=args.mode, tgt_len=args.tgt_len,
                                       batch_size=args.batch_size, device=device, precision=args.precision,
                                       cache=Path(args.cache) if args.cache else None, cache_key=key,
-                                      log=lambda m, n=name: log(f"{n}: {m}"))
+                                      log=lambda m, n=name: log(f"{n}: {m}"), max_context=capped.get(name))
     result = compute_recl(losses, contexts, rs, threshold=args.threshold)
     result.info = {"data": data, "split": args.split, "mode": args.mode, "checkpoints": [str(c.path) for c in ckpts],
                    "metric": corpus.metric, "seconds": time.perf_counter() - started,
                    "tgt_len": args.tgt_len if args.mode == "memory" else None,
-                   "first_position": int(positions[0]), "last_position": int(positions[-1])}
+                   "first_position": int(positions[0]), "last_position": int(positions[-1]),
+                   "fixed_context": capped}
     table = recl_markdown(result, metric=corpus.metric)
     if args.out:
         prefix = Path(args.out)

@@ -194,9 +194,12 @@ def context_losses(
     cache: Path | None = None,
     cache_key: str = "",
     log=None,
+    max_context: int | None = None,
 ) -> dict[int, np.ndarray]:
     """l(c, t) for t in `positions` and each c in `contexts` (see the module docstring for the modes).
-    With `cache` (a directory), each context's losses are stored as .npy and reused on the next run."""
+    With `cache` (a directory), each context's losses are stored as .npy and reused on the next run.
+    `max_context` (window mode): the model reads at most this many previous tokens, so l(c, t) =
+    l(max_context, t) for longer c (a vanilla Transformer's fixed context; see `fixed_context`)."""
     from txl.evaluate import context_nll, evaluate
 
     if mode not in MODES:
@@ -207,7 +210,11 @@ def context_losses(
         raise UsageError(f"mode 'memory' measures a Transformer's attention length (same_length); this model is "
                          f"arch={arch!r}: use --mode window (a fresh forward over the c tokens)")
     out: dict[int, np.ndarray] = {}
-    for c in contexts:
+    for asked in contexts:
+        c = asked if max_context is None or mode != "window" else min(asked, max_context)
+        if c in out:  # a fixed context: the longer windows are the same window
+            out[asked] = out[c]
+            continue
         path = None
         if cache is not None:
             digest = hashlib.sha256(f"{cache_key}|{mode}|{c}|{tgt_len}|{batch_size}|{precision}".encode())
@@ -228,6 +235,7 @@ def context_losses(
                      same_length=True)
             values = per_token[positions - 1]
         out[c] = np.asarray(values, dtype=np.float32)
+        out[asked] = out[c]
         if log is not None:
             log(f"context {c}: mean loss {float(np.mean(out[c])):.4f} nats over {len(positions):,} positions "
                 f"({time.perf_counter() - start:.1f} s)")
@@ -238,6 +246,20 @@ def context_losses(
             except OSError as err:
                 raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
     return out
+
+
+ABSOLUTE_POSITIONS = ("sinusoidal", "learned")
+
+
+def fixed_context(config, train_tgt_len: int | None) -> int | None:
+    """The context a vanilla Transformer reads: absolute positions and no memory (Al-Rfou et al. 2018)
+    mean a fixed window of the training segment length; longer windows put positions it never saw in
+    front of the prediction (its losses then explode, and RECL's min() over noisy losses would read that
+    as gains). The paper's vanilla RECL is its training length for this reason. None: no fixed context
+    (relative positions, memory, or a recurrent model)."""
+    if getattr(config, "arch", "decoder") != "decoder" or getattr(config, "mem_len", 1) or not train_tgt_len:
+        return None
+    return train_tgt_len if getattr(config, "pos_encoding", None) in ABSOLUTE_POSITIONS else None
 
 
 def _read_cached(path: Path, n: int) -> np.ndarray:
@@ -287,6 +309,11 @@ def recl_markdown(result: ReclResult, *, metric: str = "ppl") -> str:
              "|---|" + "---:|" * len(result.rs)]
     for name in result.names:
         lines.append(f"| {name} | " + " | ".join(_fmt_recl(result, name, r) for r in result.rs) + " |")
+    fixed = result.info.get("fixed_context") or {}
+    if fixed:
+        lines += ["", "Fixed context (absolute positions, no memory: a vanilla Transformer reads at most its training "
+                  "segment): " + ", ".join(f"{name} {cap}" for name, cap in fixed.items())
+                  + "; longer contexts repeat its loss at that length (`--vanilla-context full` feeds them whole)."]
     from txl.evaluate import metric_value
 
     lines += ["", f"{metric} at each context length (all {result.positions:,} scored positions):", "",
