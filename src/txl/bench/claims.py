@@ -427,6 +427,9 @@ def _rkey(recl: dict, r: float) -> str:
 
 
 def plot(report: dict, corpus: str, path: Path) -> None:
+    """Left: valid bpc against evaluation memory, each model the mean over its seeds. Right: the paired
+    difference against the model's training memory (mean over seeds, ± the combined standard error),
+    memories >= 16 only, where the differences are small enough to see."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -434,18 +437,36 @@ def plot(report: dict, corpus: str, path: Path) -> None:
 
     from txl.rundir import save_figure
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    by_variant: dict[str, list[dict]] = {}
     for row in report["sweep"][corpus]:
-        mems = [c["mem"] for c in row["cells"]]
-        bpc = [c["bpc"] for c in row["cells"]]
-        x = [max(m, 8) for m in mems]
-        ax.plot(x, bpc, marker="o", label=f"{row['variant']} s{row['seed']} (trained mem {row['trained_mem']})")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("evaluation memory length (0 drawn at 8)")
-    ax.set_ylabel("valid bpc")
-    ax.set_title(f"{corpus}: bpc against evaluation memory")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+        if len(row["cells"]) > 2:  # the lstm has two points (state or none): it is in the table
+            by_variant.setdefault(row["variant"], []).append(row)
+    for i, (name, rows) in enumerate(by_variant.items()):
+        color = f"C{i}"
+        mems = [c["mem"] for c in rows[0]["cells"]]
+        bpc = [np.mean([r["cells"][j]["bpc"] for r in rows]) for j in range(len(mems))]
+        trained = rows[0]["trained_mem"]
+        label = f"{name} (trained mem {trained}, {len(rows)} seed{'s' if len(rows) > 1 else ''})"
+        left.plot([max(m, 8) for m in mems], bpc, marker="o", color=color, label=label)
+        keep = [j for j, m in enumerate(mems) if m >= 16 and m != trained]
+        diff = [np.mean([r["cells"][j]["diff"] for r in rows]) for j in keep]
+        se = [math.sqrt(sum(r["cells"][j]["se"] ** 2 for r in rows)) / len(rows) for j in keep]
+        right.errorbar([mems[j] for j in keep], diff, yerr=se, marker="o", color=color, capsize=3, label=name)
+        if trained >= 16:
+            right.plot([trained], [0.0], marker="*", markersize=12, color=color)
+    left.set_xscale("log", base=2)
+    left.set_xlabel("evaluation memory length (0 drawn at 8)")
+    left.set_ylabel("valid bpc (mean over seeds)")
+    left.set_title(f"{corpus}: bpc against evaluation memory")
+    left.legend(fontsize=7)
+    right.axhline(0.0, color="grey", linewidth=0.8)
+    right.set_xscale("log", base=2)
+    right.set_xlabel("evaluation memory length (star: the training memory)")
+    right.set_ylabel("bpc − bpc at the training memory (± s.e.)")
+    right.set_title("paired difference against the training memory")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
     plt.close(fig)
