@@ -12,6 +12,8 @@ import pytest
 import helpers
 from txl.bench import claims
 
+corpus, cache_dir = helpers.corpus, helpers.cache_dir  # fixtures
+
 
 def test_paired_difference_is_in_bits_with_batch_means_error():
     rng = np.random.default_rng(0)
@@ -41,14 +43,14 @@ def test_d_inner_matching_keeps_parameters_within_two_percent(variant):
         assert abs(claims.parameter_count([*sets, *spec.size_sets(other)], 65) - target) >= abs(count - target)
 
 
-def _fake_run(tmp_path, corpus, variant, seed, nll_by_mode):
-    run_dir = tmp_path / corpus / f"{variant}-s{seed}"
+def _fake_run(tmp_path, corpus_name, variant, seed, nll_by_mode):
+    run_dir = tmp_path / corpus_name / f"{variant}-s{seed}"
     run_dir.mkdir(parents=True)
     (run_dir / "result.json").write_text(json.dumps({"tokens": 1000, "steps": 10, "tokens_per_second": 100.0}))
     for name, values in nll_by_mode.items():
         np.save(run_dir / f"claims_nll_{name}.npy", values)
-    return {"name": f"{corpus}/{variant}-s{seed}", "corpus": corpus, "variant": variant, "seed": seed,
-            "size": "d_inner 512", "parameters": 1000, "command": f"txl train {variant} {seed}", "peak_rss_mb": 1.0,
+    return {"name": f"{corpus_name}/{variant}-s{seed}", "corpus": corpus_name, "variant": variant, "seed": seed,
+            "size": "d_inner 512", "parameters": 1000, "trained_mem": {"xl": 64, "shaw": 64}.get(variant, 0), "ablation_mem": 64, "command": f"txl train {variant} {seed}", "peak_rss_mb": 1.0,
             "run_dir": str(run_dir)}
 
 
@@ -92,3 +94,30 @@ def test_claims_without_a_corpus_is_one_clear_line(tmp_path):
     assert "Traceback" not in text
     assert text.strip().splitlines()[-1].startswith("txl bench: error: txl bench claims needs at least one --corpus")
     assert not (tmp_path / "o").exists()
+
+
+def test_claims_end_to_end_on_a_small_corpus(tmp_path, corpus):
+    """Train two tiny variants, evaluate, RECL, report; a second call reuses everything."""
+    args = ("bench", "claims", "--corpus", f"c=text:{corpus}", "--variants", "xl,vanilla", "--seeds", "1",
+            "--steps", "3", "--eval-tokens", "400", "--eval-mems", "0,8", "--contexts", "4,8,16",
+            "--recl-positions", "10", "--blocks", "2", "--jobs", "1", "--runs", str(tmp_path / "runs"),
+            "--out", str(tmp_path / "out"), "--set", "train.tgt_len=8", "--set", "train.batch_size=2",
+            "--set", "model.n_layer=1", "--set", "model.d_model=32", "--set", "model.n_head=2",
+            "--set", "model.d_head=16", "--set", "model.mem_len=8")
+    code, text = helpers.finish(helpers.txl(*args, cwd=tmp_path), timeout=600)
+    assert code == 0, text
+    report = json.loads((tmp_path / "out" / "claims.json").read_text())
+    assert [row["variant"] for row in report["ablation"]["c"]["rows"]] == ["xl", "vanilla"]
+    assert report["max_param_gap"] < 0.02
+    vanilla = next(r for r in report["runs"] if r["variant"] == "vanilla")
+    assert vanilla["eval"]["window"] is not None and set(vanilla["eval"]["mems"]) == {"0", "8"}
+    recl = report["recl"]["c/s1"]
+    assert recl["fixed_context"] == {"vanilla": 8}  # absolute positions, no memory: its training length
+    assert all(value <= 8 for value in recl["recl"]["vanilla"].values())
+    assert (tmp_path / "out" / "claims_c.png").read_bytes()[:4] == b"\x89PNG"
+    assert "### Ablation" in (tmp_path / "out" / "claims_tables.md").read_text()
+    stamp = (tmp_path / "runs" / "c" / "xl-s1" / "claims_eval.json").stat().st_mtime_ns
+    code, text = helpers.finish(helpers.txl(*args, cwd=tmp_path), timeout=600)
+    assert code == 0, text
+    assert "started" not in text  # nothing retrained
+    assert (tmp_path / "runs" / "c" / "xl-s1" / "claims_eval.json").stat().st_mtime_ns == stamp  # nor re-evaluated

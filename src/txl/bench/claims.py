@@ -35,7 +35,7 @@ import numpy as np
 
 from txl.bench.arena import _finished, shell_line, train_variants
 from txl.errors import UsageError
-from txl.rundir import write_text
+from txl.rundir import save_array, write_text
 
 PRESET = "claims-char"
 LN2 = math.log(2.0)
@@ -70,8 +70,6 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
             knob="width"),
 ]}
 REFERENCE = "xl"
-TRAINED_MEM = {"xl": 64, "shaw": 64, "xl-mem0": 0, "vanilla": 0, "xl-m32": 32, "xl-m128": 128, "sha-rnn": 64,
-               "lstm": 64}
 RECL_GROUP = ("xl", "lstm", "sha-rnn", "vanilla")
 ABLATION = ("xl", "shaw", "xl-mem0", "vanilla")
 
@@ -144,6 +142,12 @@ def parameter_count(sets: list[str], vocab_size: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def trained_mem(sets: list[str], vocab_size: int) -> int:
+    from txl.run_config import build_run_config
+
+    return build_run_config(preset=PRESET, sets=sets).model_config(vocab_size=vocab_size).mem_len
+
+
 def match_size(variant: Variant, sets: list[str], target: int, vocab_size: int) -> tuple[int, int]:
     """The size (the variant's knob) whose parameter count is closest to `target`; counts grow with it."""
     def count(k):
@@ -181,12 +185,17 @@ def plan_runs(args: argparse.Namespace) -> list[dict]:
                 line = shell_line(argv, args.threads)
                 item = {"name": f"{corpus}/{name}-s{seed}", "corpus": corpus, "spec": spec, "variant": name,
                         "seed": seed, "about": variant.about, "size": f"{variant.knob} {size}", "parameters": params,
+                        "trained_mem": trained_mem([*sets, *variant.size_sets(size)], vocab_size),
                         "target_parameters": target, "argv": argv, "command": line, "run_dir": str(run_dir),
                         "peak_rss_mb": None}
                 stamp = _finished(run_dir, line)
                 if stamp:
                     item["peak_rss_mb"] = stamp["peak_rss_mb"]
                 plan.append(item)
+        mine = [i for i in plan if i["corpus"] == corpus]
+        memory = [i["trained_mem"] for i in mine if i["variant"] == REFERENCE] or [max(i["trained_mem"] for i in mine)]
+        for i in mine:  # the ablation evaluates every row with the reference's training memory
+            i["ablation_mem"] = memory[0]
     return plan
 
 
@@ -200,7 +209,8 @@ def _eval_key(item: dict, args: argparse.Namespace, mode: str, mem: int | None) 
 
 def evaluate_run(item: dict, args: argparse.Namespace) -> dict:
     """{"mems": {m: bpc}, "window": bpc or None}; per-token NLL arrays saved beside the run."""
-    from txl.evaluate import evaluate_checkpoint, load_checkpoint
+    from txl.checkpoint import load_checkpoint
+    from txl.evaluate import evaluate_checkpoint
 
     run_dir = Path(item["run_dir"])
     cache_path = run_dir / "claims_eval.json"
@@ -211,9 +221,10 @@ def evaluate_run(item: dict, args: argparse.Namespace) -> dict:
     ckpt = None
     variant = item["variant"]
     if variant == "lstm":  # any mem_len > 0 carries the LSTM state, 0 starts each segment afresh
-        todo: list[tuple[str, int | None]] = [("mem", 0), ("mem", TRAINED_MEM["lstm"])]
-    else:
-        todo = [("mem", m) for m in args.eval_mems]
+        todo: list[tuple[str, int | None]] = [("mem", 0), ("mem", item["trained_mem"])]
+    else:  # the sweep, the run's own training memory, and the ablation's evaluation memory
+        mems = sorted({*args.eval_mems, item["trained_mem"], item["ablation_mem"]})
+        todo = [("mem", m) for m in mems]
     if variant == "vanilla":
         todo.append(("window", None))
     for mode, mem in todo:
@@ -229,7 +240,7 @@ def evaluate_run(item: dict, args: argparse.Namespace) -> dict:
             result, nll = evaluate_checkpoint(ckpt, vanilla=True, attn_len=tgt, stride=max(1, tgt // 4), **common)
         else:
             result, nll = evaluate_checkpoint(ckpt, mem_len=mem, **common)
-        np.save(npy, nll)
+        save_array(npy, nll)  # never through a link planted in the run directory
         cache[key] = {"mode": mode, "mem": mem, "bpc": result.loss / LN2, "tokens": result.tokens,
                       "file": npy.name}
         write_text(cache_path, json.dumps(cache, indent=2) + "\n")
@@ -315,7 +326,7 @@ def build_report(args: argparse.Namespace, plan: list[dict], evals: dict[str, di
     for item in plan:
         result = json.loads((Path(item["run_dir"]) / "result.json").read_text())
         report["runs"].append({k: item[k] for k in ("name", "corpus", "variant", "seed", "size", "parameters",
-                                                    "command", "peak_rss_mb")}
+                                                    "command", "peak_rss_mb", "trained_mem", "ablation_mem")}
                               | {"tokens": result["tokens"], "steps": result["steps"],
                                  "tokens_per_second": result["tokens_per_second"], "eval": evals[item["name"]]})
     for corpus, _ in args.corpora:
@@ -329,8 +340,8 @@ def build_report(args: argparse.Namespace, plan: list[dict], evals: dict[str, di
             if name == "vanilla":
                 setting, scores = "sliding window", [r["eval"]["window"] for r in mine]
             else:
-                setting = "mem 64"
-                scores = [r["eval"]["mems"]["64"] for r in mine]
+                setting = f"mem {mine[0]['ablation_mem']}"
+                scores = [r["eval"]["mems"][str(r["ablation_mem"])] for r in mine]
             mean, sd = _mean_sd(scores)
             rows.append({"variant": name, "setting": setting, "bpc": scores, "mean": mean, "sd": sd,
                          "parameters": mine[0]["parameters"], "seeds": [r["seed"] for r in mine]})
@@ -344,10 +355,10 @@ def build_report(args: argparse.Namespace, plan: list[dict], evals: dict[str, di
         for name in ("xl-mem0", "xl-m32", "xl", "xl-m128", "sha-rnn", "lstm"):
             for r in (r for r in runs if r["variant"] == name):
                 item = next(i for i in plan if i["name"] == r["name"])
-                train_mem = TRAINED_MEM[name]
+                train_mem = r["trained_mem"]
                 ref = per_token(item, "mem", train_mem) if str(train_mem) in r["eval"]["mems"] else None
                 cells = []
-                for mem in args.eval_mems:
+                for mem in sorted(int(m) for m in r["eval"]["mems"]):
                     if str(mem) not in r["eval"]["mems"]:
                         continue
                     cell = {"mem": mem, "bpc": r["eval"]["mems"][str(mem)]}
@@ -357,6 +368,7 @@ def build_report(args: argparse.Namespace, plan: list[dict], evals: dict[str, di
                     cells.append(cell)
                 sweep.append({"variant": name, "seed": r["seed"], "trained_mem": train_mem, "cells": cells})
         report["sweep"][corpus] = sweep
+    report["eval_mems"] = sorted({c["mem"] for rows in report["sweep"].values() for row in rows for c in row["cells"]})
     return report
 
 
