@@ -174,7 +174,8 @@ def shell_line(argv: list[str], threads: int) -> str:
     return f"OMP_NUM_THREADS={threads} " + shlex.join(argv)
 
 
-def _finished(run_dir: Path, line: str) -> dict | None:
+def finished_stamp(run_dir: Path, line: str) -> dict | None:
+    """The stamp of a run that finished with exactly this command line (reused instead of retrained)."""
     try:
         stamp = json.loads((run_dir / "arena.json").read_text())
         result = json.loads((run_dir / "result.json").read_text())
@@ -407,7 +408,7 @@ def run(args: argparse.Namespace) -> int:
         run_dir = Path(args.runs) / name
         item = {"name": name, "about": variant.about, "d_inner": d_inner, "argv": argv, "command": line,
                 "run_dir": str(run_dir), "peak_rss_mb": None, "mlm": variant.mlm}
-        stamp = None if args.fresh else _finished(run_dir, line)
+        stamp = None if args.fresh else finished_stamp(run_dir, line)
         if stamp:
             item["peak_rss_mb"] = stamp["peak_rss_mb"]
             print(f"reusing {name}: {run_dir} (same command; --fresh retrains)")

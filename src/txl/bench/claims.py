@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from txl.bench.arena import _finished, shell_line, train_variants
+from txl.bench.arena import finished_stamp, shell_line, train_variants
 from txl.errors import UsageError
 from txl.rundir import save_array, write_text
 
@@ -188,7 +188,7 @@ def plan_runs(args: argparse.Namespace) -> list[dict]:
                         "trained_mem": trained_mem([*sets, *variant.size_sets(size)], vocab_size),
                         "target_parameters": target, "argv": argv, "command": line, "run_dir": str(run_dir),
                         "peak_rss_mb": None}
-                stamp = _finished(run_dir, line)
+                stamp = finished_stamp(run_dir, line)
                 if stamp:
                     item["peak_rss_mb"] = stamp["peak_rss_mb"]
                 plan.append(item)
