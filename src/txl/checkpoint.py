@@ -25,7 +25,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from txl.errors import CheckpointError, ConfigError, DataError, OutputError, describe_os_error
+from txl.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    DuplicateKeyError,
+    OutputError,
+    describe_os_error,
+    parse_json,
+)
 from txl.rundir import atomic_file, is_real_dir, refuse_link
 
 CONFIG_NAME = "config.json"
@@ -54,24 +62,6 @@ def write_json(path: Path, data: Any) -> None:
         f.write("\n")
 
 
-class DuplicateKeyError(ValueError):
-    pass
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
-    """json object_pairs_hook: `{"n_layer": 4, "n_layer": 1e9}` is an error, not "the last one wins"
-    (two readers could otherwise disagree on what a file says)."""
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise DuplicateKeyError(f"key {key!r} appears twice")
-        out[key] = value
-    return out
-
-
-def parse_json(text: str | bytes) -> Any:
-    """json.loads that rejects duplicate keys (DuplicateKeyError, a ValueError)."""
-    return json.loads(text, object_pairs_hook=_no_duplicates)
 
 
 def read_json(path: Path, what: str) -> Any:

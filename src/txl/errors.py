@@ -10,8 +10,10 @@ asks for a report (see SECURITY.md and docs/robustness.md).
 from __future__ import annotations
 
 import errno
+import json
 import re
 import sys
+from typing import Any
 
 
 class TxlError(Exception):
@@ -117,3 +119,23 @@ def describe_out_of_memory(err: BaseException) -> str:
         return f"out of memory (could not allocate {int(found.group(1)) / 2**30:.1f} GiB)"
     found = re.search(r"[Tt]ried to allocate ([\d.]+ [KMGT]i?B)", text)  # CUDA
     return f"out of memory (could not allocate {found.group(1)})" if found else "out of memory"
+
+
+class DuplicateKeyError(ValueError):
+    """A JSON object names a key twice (see `parse_json`)."""
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKeyError(f"key {key[:80]!r} appears twice")
+        out[key] = value
+    return out
+
+
+def parse_json(text: str | bytes) -> Any:
+    """json.loads that rejects duplicate keys: `{"n_layer": 4, "n_layer": 1e9}` is an error, not "the last
+    one wins" (two readers could otherwise disagree on what a file says). Raises DuplicateKeyError, a
+    ValueError, like every other malformed input."""
+    return json.loads(text, object_pairs_hook=_no_duplicates)

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from txl.data.cache import atomic_write_bytes, smallest_uint
-from txl.errors import DataError, describe_os_error
+from txl.errors import DataError, describe_os_error, parse_json
 
 FORMAT = "txl-vocab"
 VERSION = 1
@@ -322,7 +322,7 @@ class Vocab:
     def from_json(cls, text: str | bytes, *, source: str = "vocabulary JSON") -> Vocab:
         """Build a vocabulary from JSON, checking every field (safe on untrusted input)."""
         try:
-            d = json.loads(text, object_pairs_hook=_unique_keys)
+            d = parse_json(text)
         except (ValueError, RecursionError) as err:  # also bad UTF-8, 5000-digit numbers, [[[[...
             raise DataError(f"{source} is not valid JSON ({err}); it must be a txl vocab.json") from None
         return cls.from_dict(d, source=source)
@@ -383,13 +383,6 @@ class Vocab:
         return cls.from_json(data, source=str(path))
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"key {key[:80]!r} appears twice")
-        out[key] = value
-    return out
 
 
 # What `txl data prepare` writes for a BPE vocabulary (readers._bpe_vocab): a byte-level BPE model with
@@ -407,7 +400,7 @@ _ADDED_TOKEN = {"id", "content", "single_word", "lstrip", "rstrip", "normalized"
 def bpe_json_problem(text: str) -> str | None:
     """Why a tokenizer JSON is not the byte-level BPE txl writes, or None when it is."""
     try:
-        d = json.loads(text, object_pairs_hook=_unique_keys)
+        d = parse_json(text)
     except (ValueError, RecursionError) as err:
         return f"invalid JSON: {str(err)[:80]}"
     if not isinstance(d, dict):
