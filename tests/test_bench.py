@@ -165,7 +165,8 @@ def test_arena_trains_side_by_side_and_reuses_finished_runs(tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"line {i}: the quick brown fox {i % 7} jumps\n" for i in range(600)))
     argv = ["bench", "arena", "--variants", "xl,xl-mem0,mlm-full", "--minutes", "0.01", "--jobs", "2",
-            "--data", f"text:{corpus}", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "docs")]
+            "--data", f"text:{corpus}", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "docs"),
+            "--seeds", "1"]
     for s in ("model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.d_head=16", "model.d_inner=64",
               "model.mem_len=16", "train.batch_size=2", "train.tgt_len=16", "train.eval_tgt_len=16",
               "train.warmup_steps=0"):
@@ -187,6 +188,20 @@ def test_arena_trains_side_by_side_and_reuses_finished_runs(tmp_path, capsys):
     capsys.readouterr()
     assert main(argv) == 0  # finished runs with the same command are reused, not retrained
     assert capsys.readouterr().out.count("reusing") == 3
+    # the best causal row again with a second seed: the first pass is reused, one run is added
+    assert main([*argv, "--seeds", "2", "--top", "1"]) == 0
+    assert capsys.readouterr().out.count("reusing") == 3
+    report = json.loads((tmp_path / "docs" / "arena.json").read_text())
+    rows = {row["name"]: row for row in report["rows"]}
+    best = min(("xl", "xl-mem0"), key=lambda name: rows[name]["valid"])
+    other = "xl" if best == "xl-mem0" else "xl-mem0"
+    assert [seed["seed"] for seed in rows[best]["seeds"]] == [1111, 1112] and "seeds" not in rows[other]
+    assert rows[best]["seeds"][0]["valid"] == rows[best]["valid"]
+    assert "--seed 1112" in rows[best]["seeds"][1]["command"] and (tmp_path / "runs" / f"{best}-seed1112").is_dir()
+    text = (tmp_path / "docs" / "arena.md").read_text()
+    assert "## Noise: the 1 best rows over 2 seeds" in text and rows[best]["seeds"][1]["command"] in text
+    assert main([*argv, "--seeds", "2", "--top", "1"]) == 0
+    assert capsys.readouterr().out.count("reusing") == 4
     assert main([*argv[:3], "xl", *argv[4:], "--fresh"]) == 0  # an arena run directory is retrained in place
     assert "reusing" not in capsys.readouterr().out
     (tmp_path / "runs" / "xl" / "arena.json").unlink()  # no longer ours: left alone, one clear error

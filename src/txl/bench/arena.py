@@ -15,6 +15,10 @@ trainer's own figure (training tokens over training wall time). A finished run a
 with the same command is reused, so an interrupted arena continues where it stopped (the run that
 was cut short starts again); `--fresh` retrains every run.
 
+Noise: after the first pass the `--top` best causal rows are trained again with `--seeds` - 1 more
+seeds (the preset's seed + 1, + 2, ...; the same command with `--seed S`), so the differences between
+the leading variants come with their seed-to-seed spread (mean ± sample standard deviation).
+
 Writes arena.json, arena.md and arena.png (train bpc against minutes) to `--out`.
 """
 
@@ -25,6 +29,7 @@ import json
 import os
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -123,6 +128,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=2, help="runs side by side (default 2: one per core)")
     parser.add_argument("--runs", default="runs/arena", help="directory of the run directories (default runs/arena)")
     parser.add_argument("--out", default="docs", help="directory for arena.json/.md/.png (default docs)")
+    parser.add_argument("--seeds", type=int, default=3,
+                        help="seeds for the --top best causal rows (default 3; 1 = one seed for every row)")
+    parser.add_argument("--top", type=int, default=5, help="causal rows trained with every seed (default 5)")
     parser.add_argument("--fresh", action="store_true", help="retrain runs that already finished")
     parser.add_argument("--render", action="store_true",
                         help="only rewrite arena.md and arena.png from --out/arena.json (no training)")
@@ -155,7 +163,9 @@ def match_d_inner(variant: Variant, target: int, vocab_size: int, base: int) -> 
     return d_inner, low + (d_inner - base) * per_unit
 
 
-def command(variant: Variant, d_inner: int, args: argparse.Namespace) -> list[str]:
+def command(variant: Variant, d_inner: int, args: argparse.Namespace, *, seed: int | None = None,
+            name: str | None = None) -> list[str]:
+    """The row's `txl train` command; `seed` adds `--seed` (the extra-seed runs, in `name`'s directory)."""
     argv = ["txl", "train", "--preset", PRESET]
     if args.data:
         argv += ["--data", args.data]
@@ -166,8 +176,29 @@ def command(variant: Variant, d_inner: int, args: argparse.Namespace) -> list[st
         argv += ["--set", f"model.{s}"]
     for s in args.sets:
         argv += ["--set", s]
-    argv += ["--out", str(Path(args.runs) / variant.name)]
+    if seed is not None:
+        argv += ["--seed", str(seed)]
+    argv += ["--out", str(Path(args.runs) / (name or variant.name))]
     return argv
+
+
+SEED_KEYS = ("valid", "steps", "tokens_per_second", "peak_rss_mb", "command")
+
+
+def plan_item(variant: Variant, d_inner: int, args: argparse.Namespace, *, seed: int | None = None) -> dict:
+    """One planned run (the first pass: the preset's seed; else `seed` in `<name>-seed<seed>`), marked
+    finished when its directory holds a finished run of the same command (reused, not retrained)."""
+    run_name = variant.name if seed is None else f"{variant.name}-seed{seed}"
+    argv = command(variant, d_inner, args, seed=seed, name=run_name)
+    line = shell_line(argv, args.threads)
+    run_dir = Path(args.runs) / run_name
+    item = {"name": variant.name, "about": variant.about, "d_inner": d_inner, "argv": argv, "command": line,
+            "run_dir": str(run_dir), "peak_rss_mb": None, "mlm": variant.mlm, "seed": seed}
+    stamp = None if args.fresh else finished_stamp(run_dir, line)
+    if stamp:
+        item["peak_rss_mb"] = stamp["peak_rss_mb"]
+        print(f"reusing {run_name}: {run_dir} (same command; --fresh retrains)")
+    return item
 
 
 def shell_line(argv: list[str], threads: int) -> str:
@@ -264,6 +295,41 @@ def collect(item: dict) -> dict:
     }
 
 
+def seed_spread(row: dict) -> tuple[float, float]:
+    """Mean and sample standard deviation of a row's valid metric over its seeds."""
+    values = [seed["valid"] for seed in row["seeds"]]
+    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def noise_section(rows: list[dict], metric: str) -> list[str]:
+    """The rows trained with several seeds: each seed's result, and whether the gap between neighbours
+    in the mean ranking is larger than their seed-to-seed spread."""
+    seeded = sorted((r for r in rows if r.get("seeds")), key=lambda r: seed_spread(r)[0])
+    if not seeded:
+        return []
+    count = len(seeded[0]["seeds"])
+    lines = ["", f"## Noise: the {len(seeded)} best rows over {count} seeds", "",
+             f"The {len(seeded)} best rows of the first pass, trained again with {count - 1} more seed(s): the same "
+             "command plus `--seed S` (model initialisation, dropout and the masked/sampled data all change; the "
+             "corpus order does not). Each seed's valid metric, then the mean and the sample standard deviation.",
+             "", f"| variant | valid {metric} per seed | mean ± sd | steps per seed |", "|---|---|---|---|"]
+    for r in seeded:
+        mean, sd = seed_spread(r)
+        per_seed = ", ".join(f"{seed['valid']:.4f} (seed {seed['seed']})" for seed in r["seeds"])
+        steps = ", ".join(f"{seed['steps']:,}" for seed in r["seeds"])
+        lines.append(f"| {r['name']} | {per_seed} | {mean:.4f} ± {sd:.4f} | {steps} |")
+    lines += ["", "Neighbours in this ranking (gap of the means against the combined spread "
+              "sqrt(sd_a² + sd_b²); with so few seeds only a gap of more than twice it is called a difference):", ""]
+    for a, b in zip(seeded, seeded[1:], strict=False):
+        (mean_a, sd_a), (mean_b, sd_b) = seed_spread(a), seed_spread(b)
+        gap, spread = mean_b - mean_a, (sd_a ** 2 + sd_b ** 2) ** 0.5
+        ratio = gap / spread if spread > 0 else float("inf")
+        verdict = "a difference" if ratio > 2 else "within the noise"
+        lines.append(f"- {a['name']} < {b['name']}: gap {gap:.4f} {metric}, {ratio:.1f}× the combined spread: "
+                     f"{verdict}")
+    return lines
+
+
 def markdown(report: dict) -> str:
     from txl.bench.common import machine_markdown
 
@@ -290,14 +356,20 @@ def markdown(report: dict) -> str:
         "",
         machine_markdown({**report["machine"], "threads": f"{report['threads']} (per run)"}),
         "",
-        f"| variant | what | params | d_inner | valid {metric} | steps | train tokens/s | peak RSS (MB) |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| variant | what | params | d_inner | valid {metric} | {metric} over seeds (mean ± sd) | steps | "
+        "train tokens/s | peak RSS (MB) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: (r["valid"] is None, r["valid"] or 0)):
+        spread = "—"
+        if r.get("seeds"):
+            mean, sd = seed_spread(r)
+            spread = f"{mean:.4f} ± {sd:.4f} ({len(r['seeds'])} seeds)"
         lines.append(
             f"| {r['name']} | {r['about']} | {r['parameters']:,} | {r['d_inner']} | "
-            f"{r['valid']:.4f} | {r['steps']:,} | {r['tokens_per_second']:,.0f} | {r['peak_rss_mb']:,.0f} |"
+            f"{r['valid']:.4f} | {spread} | {r['steps']:,} | {r['tokens_per_second']:,.0f} | {r['peak_rss_mb']:,.0f} |"
         )
+    lines += noise_section(rows, metric)
     if ref:
         lines += ["", f"Parameter counts lie within {report['max_param_gap']:.2%} of the xl row "
                   f"({ref['parameters']:,})."]
@@ -340,6 +412,7 @@ def markdown(report: dict) -> str:
         "",
         "```",
         *[f"{r['command']}" for r in report["rows"]],
+        *[seed["command"] for r in report["rows"] for seed in r.get("seeds", [])[1:]],
         "```",
         "",
         f"All rows, side by side as above: `{report['reproduce']}`",
@@ -393,8 +466,8 @@ def run(args: argparse.Namespace) -> int:
         plot(report, out / "arena.png")
         print(f"wrote {out / 'arena.md'}, {out / 'arena.png'}")
         return 0
-    if args.minutes <= 0 or args.threads < 1 or args.jobs < 1:
-        raise UsageError("--minutes must be > 0 and --threads, --jobs >= 1")
+    if args.minutes <= 0 or args.threads < 1 or args.jobs < 1 or args.seeds < 1 or args.top < 0:
+        raise UsageError("--minutes must be > 0, --threads, --jobs and --seeds >= 1, --top >= 0")
     data = args.data or build_run_config(preset=PRESET).train.data
     vocab_size = len(open_corpus(data).vocab)
     base = build_run_config(preset=PRESET, sets=list(args.sets)).model.get("d_inner", 512)
@@ -403,29 +476,32 @@ def run(args: argparse.Namespace) -> int:
     for name in args.variants:
         variant = VARIANTS[name]
         d_inner, _ = match_d_inner(variant, target, vocab_size, base) if name != REFERENCE else (base, target)
-        argv = command(variant, d_inner, args)
-        line = shell_line(argv, args.threads)
-        run_dir = Path(args.runs) / name
-        item = {"name": name, "about": variant.about, "d_inner": d_inner, "argv": argv, "command": line,
-                "run_dir": str(run_dir), "peak_rss_mb": None, "mlm": variant.mlm}
-        stamp = None if args.fresh else finished_stamp(run_dir, line)
-        if stamp:
-            item["peak_rss_mb"] = stamp["peak_rss_mb"]
-            print(f"reusing {name}: {run_dir} (same command; --fresh retrains)")
-        plan.append(item)
+        plan.append(plan_item(variant, d_inner, args))
     started = time.time()
     train_variants(plan, args)
     rows = [collect(item) for item in plan]
+    if args.seeds > 1 and args.top > 0:  # the leading causal rows again with more seeds: their noise
+        first_seed = build_run_config(preset=PRESET, sets=list(args.sets)).train.seed
+        causal = sorted((r for r in rows if not r["mlm"] and r["valid"] is not None), key=lambda r: r["valid"])
+        extra = [plan_item(VARIANTS[r["name"]], r["d_inner"], args, seed=first_seed + k)
+                 for r in causal[:args.top] for k in range(1, args.seeds)]
+        train_variants(extra, args, desc="arena seeds")
+        for r in causal[:args.top]:
+            runs = [collect(item) for item in extra if item["name"] == r["name"]]
+            r["seeds"] = [{"seed": first_seed, **{k: r[k] for k in SEED_KEYS}},
+                          *({"seed": item["seed"], **{k: run[k] for k in SEED_KEYS}}
+                            for item, run in zip((i for i in extra if i["name"] == r["name"]), runs, strict=True))]
     ref = next((r for r in rows if r["name"] == REFERENCE), rows[0])
     flags = ["txl", "bench", "arena", "--variants", ",".join(args.variants), "--minutes", f"{args.minutes:g}",
-             "--threads", str(args.threads), "--jobs", str(args.jobs)]
+             "--threads", str(args.threads), "--jobs", str(args.jobs), "--seeds", str(args.seeds),
+             "--top", str(args.top)]
     if args.data:
         flags += ["--data", args.data]
     for s in args.sets:
         flags += ["--set", s]
     report = {
         "preset": PRESET, "minutes": args.minutes, "threads": args.threads, "jobs": args.jobs,
-        "machine": machine(), "wall_minutes": (time.time() - started) / 60,
+        "seeds": args.seeds, "top": args.top, "machine": machine(), "wall_minutes": (time.time() - started) / 60,
         "max_param_gap": max(abs(r["parameters"] - ref["parameters"]) / ref["parameters"] for r in rows),
         "reproduce": shlex.join(flags), "rows": rows,
     }
