@@ -181,6 +181,51 @@ def test_learning_rate_schedules_follow_the_reference():
     assert lr_at(8, **inv) == pytest.approx(8 / 16**1.5) and lr_at(64, **inv) == pytest.approx(1 / 8)
 
 
+def test_cosine_follows_the_wall_clock_budget_when_it_is_further_along():
+    cos = dict(schedule="cosine", lr=1.0, warmup_steps=10, max_steps=1000, eta_min=0.1)
+    assert lr_at(500, **cos, time_fraction=0.0) == lr_at(500, **cos)  # steps only: the reference's schedule
+    assert lr_at(20, **cos, time_fraction=0.5) == pytest.approx(lr_at(500, **cos))  # half the minutes spent
+    assert lr_at(700, **cos, time_fraction=0.5) == lr_at(700, **cos)  # the step budget is further along
+    assert lr_at(20, **cos, time_fraction=1.7) == pytest.approx(0.1)  # past the budget: eta_min
+    assert lr_at(5, **cos, time_fraction=0.9) == lr_at(5, **cos)  # warm-up stays in steps
+    constant = dict(cos, schedule="constant")
+    assert lr_at(20, **constant, time_fraction=0.9) == 1.0
+
+
+def test_a_run_cut_by_its_minutes_ends_its_cosine_at_eta_min(tmp_path, corpus, monkeypatch):
+    """max_minutes with a step budget it cannot reach: the schedule follows the clock (a fake one,
+    one second per reading) and reaches eta_min when the minutes are spent."""
+    import txl.train.loop as loop
+
+    clock = iter(range(10**6))
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: float(next(clock)))
+    config = write_config(tmp_path, corpus, steps=10**6, varlen="false")
+    run = build_run_config(config_file=config, sets=["max_minutes=0.5", "warmup_steps=0", "eta_min=0",
+                                                     "schedule=cosine", "save_interval=0"])
+    result = Trainer(run, tmp_path / "run", quiet=True).fit()
+    assert result["stopped_by"] == "max_minutes" and result["steps"] < 100
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+           if json.loads(line).get("split") == "train"]
+    assert lrs[0] > 0.9 * 2e-3 and lrs[-1] < 0.02 * 2e-3  # from the full rate to (almost) eta_min
+    assert all(b <= a for a, b in zip(lrs, lrs[1:], strict=False))
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_precision_auto_is_bf16_only_where_the_device_has_fast_bf16(fast, tmp_path, corpus, monkeypatch):
+    import txl.evaluate as evaluate
+
+    monkeypatch.setattr(evaluate, "fast_bf16", lambda device: fast)
+    cpu = torch.device("cpu")
+    assert evaluate.resolve_precision("auto", cpu) == ("bf16" if fast else "fp32")
+    assert evaluate.resolve_precision("fp32", cpu) == "fp32" and evaluate.resolve_precision("bf16", cpu) == "bf16"
+    with evaluate.autocast(cpu, "auto"):
+        assert torch.is_autocast_enabled("cpu") == fast
+    config = write_config(tmp_path, corpus, steps=2)
+    Trainer(build_run_config(config_file=config, sets=["precision=auto"]), tmp_path / "run", quiet=True).fit()
+    run_file = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run_file["config"]["train"]["precision"] == "auto" and run_file["precision"] == ("bf16" if fast else "fp32")
+
+
 def test_plot_writes_png(tmp_path, corpus):
     from txl.plot import plot_runs
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from txl.errors import OutputError, UsageError, describe_os_error
 from txl.rundir import write_text as write_file
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "auto")
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -104,7 +104,7 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
                         help="start each stream mem_len tokens early so every scored token has full context "
                              "(default: on)")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                        help="fp32, or bf16/fp16 autocast (default fp32)")
+                        help="fp32, or bf16/fp16 autocast, or auto = bf16 where the device has fast bf16 (default fp32)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="where to run (default: auto, a GPU when there is one)")
     parser.add_argument("--max-tokens", type=int, default=0, help="score only the first N targets (0 = all)")
@@ -431,7 +431,7 @@ def configure_recl(parser: argparse.ArgumentParser) -> None:
                         help="window mode: windows per forward (0 = automatic); memory mode: streams (0 = 1)")
     parser.add_argument("--names", help="comma-separated labels for the checkpoints (default: run names)")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                        help="fp32, or bf16/fp16 autocast (default fp32)")
+                        help="fp32, or bf16/fp16 autocast, or auto = bf16 where the device has fast bf16 (default fp32)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="where to run (default: auto, a GPU when there is one)")
     parser.add_argument("--cache", metavar="DIR",

@@ -83,7 +83,27 @@ def attention_length(*, mem_len: int, tgt_len: int, same_length: bool) -> int:
     return mem_len if same_length else mem_len + tgt_len
 
 
+def fast_bf16(device: torch.device) -> bool:
+    """Whether `device` runs bfloat16 matrix products natively (CUDA with bf16 support; an x86 CPU
+    with AVX512-BF16 or AMX), so bf16 autocast is a speed-up there rather than an emulation."""
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        cpu = getattr(torch, "cpu", None)
+        checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        return any(getattr(cpu, name, lambda: False)() for name in checks)
+    return False
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """`auto` = bf16 autocast where the device has fast bf16 (fast_bf16), else fp32; others as given."""
+    if precision != "auto":
+        return precision
+    return "bf16" if fast_bf16(device) else "fp32"
+
+
 def autocast(device: torch.device, precision: str):
+    precision = resolve_precision(precision, device)
     if precision == "fp32":
         return contextlib.nullcontext()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
@@ -693,8 +713,8 @@ def evaluate_checkpoint(
     """
     ckpt = checkpoint if isinstance(checkpoint, LoadedCheckpoint) else load_checkpoint(checkpoint, device=device)
     model = ckpt.model
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise UsageError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
+    if precision not in ("fp32", "bf16", "fp16", "auto"):
+        raise UsageError(f"precision must be fp32, bf16, fp16 or auto, got {precision!r}")
     for name, value in (("mem_len", mem_len), ("clamp_len", clamp_len), ("max_tokens", max_tokens)):
         if value is not None and value < 0:
             raise UsageError(f"{name} must be >= 0, got {value}")

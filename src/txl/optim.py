@@ -70,13 +70,19 @@ def build_optimizer(name: str, params, *, lr: float, weight_decay: float, betas=
     raise ValueError(f"unknown optimizer {name!r}")
 
 
-def lr_at(step: int, *, schedule: str, lr: float, warmup_steps: int, max_steps: int, eta_min: float) -> float:
+def lr_at(step: int, *, schedule: str, lr: float, warmup_steps: int, max_steps: int, eta_min: float,
+          time_fraction: float = 0.0) -> float:
     """Learning rate for optimiser step `step` (0-based), exactly as kimiyoung's train.py:
 
     cosine: linear warmup lr·step/warmup, then cosine from lr to eta_min over the *whole* run
     (CosineAnnealingLR(T_max=max_step) evaluated at the global step, warmup included);
     inv_sqrt: step/warmup^1.5 before warmup, 1/sqrt(step) after (times lr);
     constant: warmup then lr.
+
+    time_fraction: the share of a wall-clock budget (max_minutes) already spent. The cosine then follows
+    whichever budget is further along, so a run cut by its minutes ends at eta_min on any machine
+    instead of being stopped part-way down a schedule sized for another machine's speed (0 = steps only,
+    the reference's behaviour).
     """
     if schedule == "inv_sqrt":
         if step == 0 and warmup_steps == 0:
@@ -88,7 +94,7 @@ def lr_at(step: int, *, schedule: str, lr: float, warmup_steps: int, max_steps: 
         return lr * step / warmup_steps
     if schedule == "constant":
         return lr
-    progress = min(step, max_steps) / max(max_steps, 1)
+    progress = max(min(step, max_steps) / max(max_steps, 1), min(max(time_fraction, 0.0), 1.0))
     return eta_min + (lr - eta_min) * (1 + math.cos(math.pi * progress)) / 2
 
 

@@ -43,7 +43,9 @@ class TrainConfig:
     batch_size: int = 22  # global batch: parallel streams over all ranks and micro-batches
     grad_accum: int = 1  # micro-batches per step, each with its own memory (the reference's batch_chunk)
     max_steps: int = 400_000  # optimiser steps; also the cosine schedule's horizon
-    max_minutes: float = 0.0  # wall-clock budget (0 = none); the run stops cleanly when it is spent
+    # wall-clock budget (0 = none); the run stops cleanly when it is spent, and the cosine schedule
+    # follows whichever of max_steps and max_minutes is further along (it reaches eta_min at either)
+    max_minutes: float = 0.0
     optimizer: Literal["adam", "adamw", "lamb"] = "adam"
     lr: float = 2.5e-4
     weight_decay: float = 0.0
@@ -51,7 +53,9 @@ class TrainConfig:
     warmup_steps: int = 0
     eta_min: float = 0.0  # cosine floor
     clip: float = 0.25  # gradient-norm clip (0 = off)
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16 = autocast; fp16 adds a GradScaler
+    # bf16/fp16 = autocast with fp32 master weights; fp16 adds a GradScaler; auto = bf16 where the device
+    # has fast bf16 (CUDA with bf16, a CPU with AVX512-BF16 or AMX), else fp32
+    precision: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
     compile: bool = False  # torch.compile the model (slow first steps, faster after)
     seed: int = 1111
     varlen: bool = False  # reference's variable segment length during training

@@ -24,7 +24,7 @@ import torch
 
 from txl.checkpoint import build_model
 from txl.errors import ConfigError, DataError, TrainingError
-from txl.evaluate import EvalResult, autocast, evaluate, evaluate_mlm, metric_value
+from txl.evaluate import EvalResult, autocast, evaluate, evaluate_mlm, metric_value, resolve_precision
 from txl.masked_lm import mask_tokens
 from txl.memory import Memory
 from txl.optim import build_optimizer, lr_at, set_lr
@@ -123,7 +123,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.cfg.optimizer, self.model.parameters(), lr=self.cfg.lr,
                                          weight_decay=self.cfg.weight_decay, betas=self.cfg.adam_betas,
                                          eps=self.cfg.adam_eps)
-        self.scaler = torch.amp.GradScaler(self.dist.device.type, enabled=self.cfg.precision == "fp16")
+        self.precision = resolve_precision(self.cfg.precision, self.dist.device)  # `auto` decided once
+        self.scaler = torch.amp.GradScaler(self.dist.device.type, enabled=self.precision == "fp16")
         if self.seq2seq:  # batch_size pairs per step, bucketed by length
             from txl.seq2seq.data import PairBatches
 
@@ -177,7 +178,7 @@ class Trainer:
             last = j == self.cfg.grad_accum - 1
             sync = contextlib.nullcontext() if last or self.dist.world == 1 else self.ddp.no_sync()
             with sync:
-                with autocast(self.dist.device, self.cfg.precision):
+                with autocast(self.dist.device, self.precision):
                     out = self.forward(x, memory=self.memories[j], labels=y)
                 loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss  # compressive memory
                 self.scaler.scale(loss / self.cfg.grad_accum).backward()
@@ -202,7 +203,7 @@ class Trainer:
             last = j == len(chunks) - 1
             sync = contextlib.nullcontext() if last or self.dist.world == 1 else self.ddp.no_sync()
             with sync:
-                with autocast(device, self.cfg.precision):
+                with autocast(device, self.precision):
                     out = self.forward(src, mask, dec, labels, label_smoothing=self.cfg.label_smoothing)
                 # mean over the step's scored tokens, whatever their split into micro-batches
                 scale = int((labels != -100).sum()) / max(count, 1)
@@ -247,8 +248,9 @@ class Trainer:
                     self.check_token_ids(max(int(batch.targets.max()), int(batch.inputs[:, 0].max())), "train")
                 if batch.step == 0:
                     self.memories = [None] * cfg.grad_accum  # memory does not cross epochs
+                spent = self.elapsed / (60 * cfg.max_minutes) if cfg.max_minutes > 0 else 0.0
                 lr = lr_at(self.step, schedule=cfg.schedule, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
-                           max_steps=cfg.max_steps, eta_min=cfg.eta_min)
+                           max_steps=cfg.max_steps, eta_min=cfg.eta_min, time_fraction=spent)
                 nll_sum, count = self.train_step(batch)
                 local_bad = 0.0 if math.isfinite(nll_sum) else 1.0
                 total_nll, total_count, bad, stop = self.dist.all_sum(
@@ -345,7 +347,7 @@ class Trainer:
             from txl.seq2seq.evaluate import teacher_forced
 
             return teacher_forced(self.model, self.corpus, split, batch_size=cfg.eval_batch_size,
-                                  device=self.dist.device, precision=cfg.precision)
+                                  device=self.dist.device, precision=self.precision)
         tokens = self.corpus.split(split)
         if split not in self._checked_splits and len(tokens):  # once per split: one pass over <= 5% of the corpus
             self.check_token_ids(int(tokens[: max_tokens + 1 if max_tokens else None].max()), split)
@@ -354,7 +356,7 @@ class Trainer:
         if cfg.objective == "mlm":
             result = evaluate_mlm(self.model, tokens, metric=self.metric, batch_size=bsz,
                                   tgt_len=cfg.eval_tgt_len or cfg.tgt_len, mask_prob=cfg.mask_prob, seed=cfg.seed,
-                                  max_tokens=max_tokens, device=self.dist.device, precision=cfg.precision,
+                                  max_tokens=max_tokens, device=self.dist.device, precision=self.precision,
                                   shard=(self.dist.rank, self.dist.world))
             if self.dist.world > 1:
                 total, count, hits = self.dist.all_sum([result.loss * result.tokens, result.tokens,
@@ -369,7 +371,7 @@ class Trainer:
         result = evaluate(
             self.model, self.corpus.split(split), metric=self.metric, batch_size=bsz,
             tgt_len=cfg.eval_tgt_len or cfg.tgt_len, mem_len=cfg.eval_mem_len, warm_memory=cfg.eval_warm_memory,
-            max_tokens=max_tokens, device=self.dist.device, precision=cfg.precision, rows=rows,
+            max_tokens=max_tokens, device=self.dist.device, precision=self.precision, rows=rows,
             progress=progress and self.dist.main and not self.quiet,
         )
         if self.dist.world > 1:

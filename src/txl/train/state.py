@@ -223,7 +223,8 @@ def write_run_file(trainer: Trainer) -> None:
     data = {"config": trainer.run.to_dict(), "model": trainer.model_config.to_dict(), "world_size": trainer.dist.world,
             "data": trainer.cfg.data, "data_as_typed": trainer.data_as_typed, "metric": trainer.metric,
             "parameters": trainer.model.num_parameters(), "torch": torch.__version__,
-            "init_from": trainer.init_from, "validation": trainer.validates}
+            "init_from": trainer.init_from, "validation": trainer.validates,
+            "precision": trainer.precision}  # what `auto` became
     write_json(trainer.out / "run.json", data)
 
 
