@@ -44,6 +44,27 @@ def test_train_bench(smoke_shape, tmp_path, capsys):
     assert "| txl-fast |" in text and "cpu" in result["machine"]
 
 
+@pytest.mark.parametrize("preset", ["ptb-char-small", "ptb-word-small"])
+def test_train_bench_times_a_presets_shape(preset, tmp_path, capsys, monkeypatch):
+    import dataclasses
+
+    from txl.run_config import load_preset
+
+    values = load_preset(preset)
+    shape = SHAPES[preset]  # the preset's own model, segment, memory and batch
+    assert (shape.n_layer, shape.d_model, shape.mem_len) == tuple(values["model"][k] for k in ("n_layer", "d_model", "mem_len"))
+    assert (shape.tgt_len, shape.batch) == (values["train"]["tgt_len"], values["train"]["batch_size"])
+    assert shape.model_config().cutoffs == tuple(values["model"].get("cutoffs", ()))
+    # the same keys at a smaller size, so the smoke run takes a second
+    monkeypatch.setitem(SHAPES, preset, dataclasses.replace(shape, n_layer=1, batch=2, tgt_len=8, mem_len=8))
+    result, text = run_cli(["train", "--config", preset, "--steps", "1", "--warmup", "0", "--no-rss", "--impl",
+                            "fast"], tmp_path, capsys)
+    assert result["config"] == preset and result["rows"][0]["tokens_per_s"] > 0 and preset in text
+    if "cutoffs" in values["model"]:
+        assert main(["bench", "mfu", "--config", preset]) == 2
+        assert "adaptive softmax" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(hf_available() is None, reason="needs transformers==4.35.2 (bench extra)")
 def test_train_bench_against_hf_with_rss_probe(smoke_shape, tmp_path, capsys, monkeypatch):
     # the probe subprocess cannot see the monkeypatched shape: measure RSS with the real tiny

@@ -7,6 +7,8 @@ import argparse
 import importlib
 import importlib.util
 
+from txl.bench.common import SHAPES
+
 # NAME -> module providing TITLE, run(options) and table(result) (see txl/bench/__init__.py).
 BENCHES: dict[str, str] = {
     "train": "txl.bench.train",
@@ -83,9 +85,10 @@ def add_shared_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | N
     every benchmark's arguments have the same attributes."""
     flags = {
         "json": (("--json",), dict(metavar="FILE", help="also write the results as JSON")),
-        "config": (("--config",), dict(choices=["tiny", "base"], default="tiny",
+        "config": (("--config",), dict(choices=list(SHAPES), default="tiny",
                                        help="tiny: 4×128, tgt=mem=128, batch 8; base: enwik8-base 12×512, "
-                                            "tgt=mem=512, batch 2")),
+                                            "tgt=mem=512, batch 2; a preset's name: the shape it trains "
+                                            "(random tokens, its corpus's vocabulary size)")),
         "precision": (("--precision",), dict(choices=["fp32", "bf16"], default=None,
                                              help="fp32 or bf16 autocast (default fp32; mfu: both)")),
         "against": (("--against",), dict(choices=["hf"], action="append", default=[],

@@ -45,6 +45,7 @@ class Shape:
     eval_tgt_len: int = 128
     eval_batch: int = 16
     eval_mem_lens: tuple[int, ...] = (128, 512, 1600, 3800)
+    extra: tuple[tuple[str, Any], ...] = ()  # further model keys (a preset's cutoffs, div_val, dropatt...)
 
     def model_config(self, **overrides):
         from txl.config import TransformerXLConfig
@@ -53,12 +54,31 @@ class Shape:
             vocab_size=self.vocab, n_layer=self.n_layer, d_model=self.d_model, n_head=self.n_head,
             d_head=self.d_head, d_inner=self.d_inner, mem_len=self.mem_len, dropout=self.dropout, dropatt=0.0,
         )
+        values.update({key: list(value) if isinstance(value, tuple) else value for key, value in self.extra})
         values.update(overrides)
         return TransformerXLConfig(**values)
 
     def describe(self) -> str:
+        extra = "".join(f", {key} {list(value) if isinstance(value, tuple) else value}" for key, value in self.extra)
         return (f"{self.n_layer} layers, d_model {self.d_model}, {self.n_head}×{self.d_head} heads, "
-                f"d_inner {self.d_inner}, vocab {self.vocab}, dropout {self.dropout}")
+                f"d_inner {self.d_inner}, vocab {self.vocab}, dropout {self.dropout}{extra}")
+
+
+def preset_shape(preset: str, vocab: int) -> Shape:
+    """A training preset's model, segment, memory and batch as a benchmark shape (random tokens from a
+    vocabulary of its corpus's size), so `txl bench train/mfu --config PRESET` times the shape that
+    preset trains."""
+    from txl.run_config import load_preset
+
+    values = load_preset(preset)
+    model, train = dict(values.get("model", {})), values.get("train", {})
+    core = {key: model.pop(key) for key in ("n_layer", "d_model", "n_head", "d_head", "d_inner", "mem_len")}
+    dropout = model.pop("dropout", 0.1)
+    extra = tuple(sorted((key, tuple(v) if isinstance(v, list) else v) for key, v in model.items()))
+    tgt_len = train["tgt_len"]
+    return Shape(preset, **core, tgt_len=tgt_len, batch=train["batch_size"], vocab=vocab, dropout=dropout,
+                 eval_tgt_len=train.get("eval_tgt_len") or tgt_len, eval_batch=train.get("eval_batch_size", 10),
+                 eval_mem_lens=(core["mem_len"],), extra=extra)
 
 
 SHAPES: dict[str, Shape] = {
@@ -68,6 +88,9 @@ SHAPES: dict[str, Shape] = {
     "base": Shape("base", n_layer=12, d_model=512, n_head=8, d_head=64, d_inner=2048, tgt_len=512, mem_len=512,
                   batch=2, eval_tgt_len=128, eval_batch=16, eval_mem_lens=(128, 512, 1600, 3800)),
 }
+# the CPU-hour presets and the ones they replace (issue 23), with their corpora's vocabulary sizes
+PRESET_VOCABS = {"ptb-char-small": 50, "ptb-word-small": 10_000}
+SHAPES.update({name: preset_shape(name, vocab) for name, vocab in PRESET_VOCABS.items()})
 
 
 @dataclass
@@ -168,6 +191,9 @@ def build_hf(shape: Shape, *, mem_len: int | None = None, tgt_len: int | None = 
         warnings.simplefilter("ignore")
         from transformers import TransfoXLConfig, TransfoXLLMHeadModel
 
+        if any(key != "dropatt" for key, _ in shape.extra):
+            raise UsageError(f"--against hf mirrors plain shapes only; {shape.name} also sets "
+                             f"{', '.join(key for key, _ in shape.extra)}")
         torch.manual_seed(0)
         config = TransfoXLConfig(
             vocab_size=shape.vocab, n_layer=shape.n_layer, d_model=shape.d_model, d_embed=shape.d_model,

@@ -34,6 +34,7 @@ from txl.bench.common import (
     options_dict,
     setup_torch,
 )
+from txl.errors import UsageError
 
 TITLE = "Model FLOP utilisation of a training step"
 PEAK_N = 2048
@@ -67,6 +68,9 @@ def run(options: BenchOptions) -> dict:
 
     setup_torch(options)
     shape = options.shape
+    if dict(shape.extra).get("cutoffs"):
+        raise UsageError(f"MFU counts the FLOPs of a full softmax; {shape.name} has an adaptive softmax "
+                         "(cutoffs): time it with `txl bench train` instead")
     precisions = options.extra.get("precisions") or [options.precision]
     flops = train_step_flops(shape)
     tokens = shape.batch * shape.tgt_len
