@@ -226,6 +226,20 @@ def test_precision_auto_is_bf16_only_where_the_device_has_fast_bf16(fast, tmp_pa
     assert run_file["config"]["train"]["precision"] == "auto" and run_file["precision"] == ("bf16" if fast else "fp32")
 
 
+def test_final_splits_are_scored_whole_with_final_max_tokens_zero(tmp_path, corpus):
+    """Validation during training on a slice (eval_max_tokens), the final score on the whole split."""
+    from txl.train.finish import finish as finish_run
+
+    config = write_config(tmp_path, corpus, steps=2)
+    scored = {}
+    for name, extra in (("capped", []), ("whole", ["final_max_tokens=0"])):
+        run = build_run_config(config_file=config, sets=["eval_max_tokens=100", "final_splits=[\"valid\"]", *extra])
+        trainer = Trainer(run, tmp_path / name, quiet=True)
+        finish_run(trainer, trainer.fit())
+        scored[name] = json.loads((tmp_path / name / "result.json").read_text())["final"]["valid"]["tokens"]
+    assert scored["capped"] <= 100 < scored["whole"]
+
+
 def test_plot_writes_png(tmp_path, corpus):
     from txl.plot import plot_runs
 

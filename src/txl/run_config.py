@@ -68,7 +68,8 @@ class TrainConfig:
     eval_batch_size: int = 10
     eval_max_tokens: int = 0  # validate on the first N tokens only (0 = the whole split)
     eval_warm_memory: bool = True  # warm each eval stream's memory so every scored token has full context
-    final_splits: tuple[str, ...] = ("valid",)  # scored at the end of the run (eval_max_tokens applies)
+    final_splits: tuple[str, ...] = ("valid",)  # scored at the end of the run with the best weights
+    final_max_tokens: int | None = None  # tokens scored per final split (None = eval_max_tokens, 0 = whole)
     max_nonfinite: int = 5  # stop after this many non-finite losses in a row
     sample_tokens: int = 0  # generate this many tokens at the end (0 = no sample)
     sample_prompt: str = ""  # "" = the first line of the valid split (at most 64 tokens)
@@ -97,6 +98,8 @@ class TrainConfig:
         for name in ("warmup_steps", "save_interval", "eval_tgt_len", "eval_max_tokens", "sample_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.final_max_tokens is not None and not 0 <= self.final_max_tokens <= TRAIN_UPPER_BOUNDS["eval_max_tokens"]:
+            raise ConfigError(f"train.final_max_tokens must be between 0 and 2^62, got {self.final_max_tokens}")
         if self.eval_mem_len is not None and self.eval_mem_len < 0:
             raise ConfigError(f"train.eval_mem_len must be >= 0, got {self.eval_mem_len}")
         for name, limit in TRAIN_UPPER_BOUNDS.items():

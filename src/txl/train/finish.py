@@ -64,6 +64,11 @@ def _newline_id(vocab) -> int | None:
     return int(ids[0]) if len(ids) == 1 else None
 
 
+def final_cap(cfg) -> int:
+    """Tokens scored per final split: final_max_tokens, else eval_max_tokens (0 = the whole split)."""
+    return cfg.eval_max_tokens if cfg.final_max_tokens is None else cfg.final_max_tokens
+
+
 def finish(trainer: Trainer, summary: dict) -> dict:
     """Evaluate the final splits with the best weights; write result.json (before the sample, so a
     failing sample cannot lose the scores), then the sample; print a summary and the next commands."""
@@ -77,7 +82,7 @@ def finish(trainer: Trainer, summary: dict) -> dict:
     for split in cfg.final_splits:
         if split not in trainer.corpus.splits:
             continue
-        result = trainer.evaluate_split(split, max_tokens=cfg.eval_max_tokens, progress=True)
+        result = trainer.evaluate_split(split, max_tokens=final_cap(cfg), progress=True)
         results[split] = result.to_dict()
         if trainer.seq2seq and trainer.dist.main:
             results[split]["decoded"] = decode_final(trainer, split)
@@ -130,7 +135,7 @@ def write_sample(trainer: Trainer) -> tuple[str, list[int]]:
 
 def print_summary(trainer: Trainer, summary: dict) -> None:
     metric = summary["metric"]
-    cap = trainer.cfg.eval_max_tokens
+    cap = final_cap(trainer.cfg)
     out = trainer.out
     print(f"\nrun: {out}  ({summary['parameters']:,} parameters, {summary['steps']} steps, "
           f"{summary['tokens']:,} tokens, {summary['tokens_per_second']:,.0f} tokens/s, stopped by "
@@ -155,7 +160,7 @@ def print_summary(trainer: Trainer, summary: dict) -> None:
                 print(f"| {split} | {d['method']} | {100 * d['exact_match']:.2f}% | {rouge} | "
                       f"{100 * accuracy:.2f}% | {d['pairs']:,} |")
         if cap:
-            print(f"(scored on the first {cap:,} tokens of each split; train.eval_max_tokens=0 scores them whole)")
+            print(f"(scored on the first {cap:,} tokens of each split; train.final_max_tokens=0 scores them whole)")
     elif not trainer.validates:
         print("\n(no valid split: validation was off and there is no final score)")
     if summary.get("sample_text") is not None:
