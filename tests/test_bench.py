@@ -230,6 +230,42 @@ def test_arena_trains_side_by_side_and_reuses_finished_runs(tmp_path, capsys):
     assert "is not an arena run directory" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_recipe_sweep_ranks_proxies_then_confirms_with_seeds(tmp_path, capsys):
+    """`txl bench recipes`: proxies cut by their minutes (the cosine follows them), scored on the whole
+    valid split; a confirmation trains one candidate with two seeds and scores valid and test whole."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox {i % 7} jumps\n" for i in range(600)))
+    argv = ["bench", "recipes", "--sweep", "ptb-char", "--candidates", "centre,mem-0", "--minutes", "0.03",
+            "--data", f"text:{corpus}", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "docs")]
+    for s in ("model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.d_head=16", "model.d_inner=64",
+              "train.batch_size=2", "train.tgt_len=16", "train.eval_tgt_len=16", "train.warmup_steps=0"):
+        argv += ["--set", s]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "docs" / "recipes_ptb-char.json").read_text())
+    rows = {row["name"]: row for row in report["rows"]}
+    assert set(rows) == {"centre", "mem-0"} and rows["mem-0"]["changes"] == ["model.mem_len=0"]
+    for row in rows.values():
+        assert row["steps"] > 0 and row["valid"] > 0 and row["test"] is None and row["precision"] in ("fp32", "bf16")
+        assert "--max-minutes 0.03" in row["command"] and "--preset ptb-char-hour" in row["command"]
+        metrics = [json.loads(line) for line in (tmp_path / "runs" / f"ptb-char-{row['name']}" / "metrics.jsonl")
+                   .read_text().splitlines()]
+        lrs = [r["lr"] for r in metrics if r.get("split") == "train"]
+        assert lrs[-1] < lrs[0]  # the cosine follows the minutes although max_steps is never reached
+    text = (tmp_path / "docs" / "recipes_ptb-char.md").read_text()
+    assert "| mem-0 | `model.mem_len=0` |" in text and (tmp_path / "docs" / "recipes_ptb-char.png").stat().st_size > 0
+    capsys.readouterr()
+    assert main([*argv, "--confirm", "mem-0", "--seeds", "2"]) == 0
+    report = json.loads((tmp_path / "docs" / "confirm_ptb-char_mem-0.json").read_text())
+    assert [row["seed"] for row in report["rows"]] == [1111, 1112]
+    for row in report["rows"]:
+        result = json.loads((tmp_path / "runs" / f"ptb-char-confirm-mem-0-seed{row['seed']}" / "result.json").read_text())
+        assert row["test"] > 0 and result["final"]["valid"]["tokens"] > 0 and "--seed" in row["command"]
+    assert "Test bpc:" in (tmp_path / "docs" / "confirm_ptb-char_mem-0.md").read_text()
+    assert main([*argv[:5], "nope", *argv[6:]]) == 2
+    assert "unknown candidate(s) nope" in capsys.readouterr().err
+
+
 def test_every_attention_scaling_variant_builds_and_runs_one_layer():
     """Each kernel listed by `txl bench attention-scaling` (the issue-21 rest included: the
     bidirectional sliding window, memory tokens) runs one layer forward and backward at a tiny length."""

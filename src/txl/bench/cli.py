@@ -21,6 +21,7 @@ BENCHES: dict[str, str] = {
     "attention-scaling": "txl.bench.attention_scaling",
     "arena": "txl.bench.arena",
     "claims": "txl.bench.claims",
+    "recipes": "txl.bench.recipes",
 }
 
 

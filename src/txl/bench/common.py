@@ -89,7 +89,7 @@ SHAPES: dict[str, Shape] = {
                   batch=2, eval_tgt_len=128, eval_batch=16, eval_mem_lens=(128, 512, 1600, 3800)),
 }
 # the CPU-hour presets and the ones they replace (issue 23), with their corpora's vocabulary sizes
-PRESET_VOCABS = {"ptb-char-small": 50, "ptb-word-small": 10_000}
+PRESET_VOCABS = {"ptb-char-small": 50, "ptb-word-small": 10_000, "ptb-char-hour": 50, "ptb-word-hour": 10_000}
 SHAPES.update({name: preset_shape(name, vocab) for name, vocab in PRESET_VOCABS.items()})
 
 

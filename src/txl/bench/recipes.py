@@ -1,0 +1,300 @@
+"""`txl bench recipes`: the recipe search behind the CPU-hour presets (issue 23; docs/cpu_hour.md).
+
+A sweep is a centre recipe (every swept key set explicitly, on top of a base preset that supplies the
+corpus and the evaluation settings) and candidates that each change a few of its keys: model width
+and depth, batch and tokens per step, tgt_len and mem_len, learning rate and warm-up, dropout, weight
+decay. Every candidate is one ordinary `txl train` run in its own process (its command is in the
+table), cut by `--minutes` of wall clock with a cosine schedule that follows those minutes (so every
+proxy run ends its schedule, whatever its speed), then scored once on the whole valid split with its
+best weights. Short proxy runs rank the candidates; `--confirm NAME` then trains one candidate for the
+full budget with `--seeds` seeds and scores valid and test whole.
+
+The budget is time, so a cheaper recipe takes more steps: that is the point (the best model for the
+compute). Runs side by side share the machine: `--jobs` × `--threads` should not exceed its cores,
+and nothing else should run meanwhile. Finished runs with the same command are reused (an
+interrupted sweep continues where it stopped); `--fresh` retrains.
+
+Writes recipes_<sweep>.json/.md/.png (or confirm_<sweep>.*) to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from txl.bench.arena import finished_stamp, shell_line, train_variants
+from txl.errors import UsageError
+from txl.rundir import write_text
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    sets: tuple[str, ...]  # changes to the centre recipe (full keys: model.x=..., train.y=...)
+    about: str
+
+
+@dataclass(frozen=True)
+class Sweep:
+    preset: str  # supplies the corpus, evaluation settings and every key the sweep does not set
+    centre: tuple[str, ...]  # the recipe every candidate starts from
+    candidates: tuple[Candidate, ...]
+    about: str
+
+
+# Proxy runs validate once at the end on the whole valid split and write no sample.
+PROXY_SETS = ("train.eval_interval=1000000000", "train.eval_max_tokens=0", "train.final_splits=[]",
+              "train.sample_tokens=0", "train.max_steps=1000000000", "train.log_interval=25")
+# Confirmations: validation every few minutes' worth of steps on a slice, the final splits whole.
+CONFIRM_SETS = ('train.final_splits=["valid", "test"]', "train.final_max_tokens=0")
+
+SWEEPS: dict[str, Sweep] = {
+    "ptb-char": Sweep(
+        preset="ptb-char-hour",
+        centre=("model.n_layer=6", "model.d_model=256", "model.n_head=4", "model.d_head=64", "model.d_inner=1024",
+                "model.dropout=0.1", "model.dropatt=0.0", "model.mem_len=128", "train.tgt_len=128",
+                "train.batch_size=16", "train.lr=1e-3", "train.warmup_steps=200", "train.weight_decay=0",
+                "train.optimizer=adam", "train.schedule=cosine", "train.precision=auto"),
+        candidates=(
+            Candidate("centre", (), "the centre recipe: 6 × 256, tgt = mem = 128, batch 16, lr 1e-3, bf16 where fast"),
+            Candidate("fp32", ("train.precision=fp32",), "the centre in fp32 (what bf16 buys)"),
+            Candidate("lr-2e-3", ("train.lr=2e-3",), "learning rate 2e-3"),
+            Candidate("lr-5e-4", ("train.lr=5e-4",), "learning rate 5e-4"),
+            Candidate("mem-0", ("model.mem_len=0",), "no memory (does the memory pay for itself at this budget?)"),
+            Candidate("mem-256", ("model.mem_len=256",), "memory 256"),
+            Candidate("tgt-256", ("train.tgt_len=256", "train.batch_size=8"), "segments of 256, batch 8 (same tokens per step)"),
+            Candidate("batch-32", ("train.batch_size=32",), "batch 32 (twice the tokens per step)"),
+            Candidate("batch-8", ("train.batch_size=8",), "batch 8 (half the tokens per step)"),
+            Candidate("narrow-deep", ("model.n_layer=8", "model.d_model=192", "model.n_head=3", "model.d_inner=768"),
+                      "8 × 192 (about the same parameters)"),
+            Candidate("wide-shallow", ("model.n_layer=4", "model.d_model=320", "model.n_head=5", "model.d_inner=1280"),
+                      "4 × 320 (about the same parameters)"),
+            Candidate("small", ("model.n_layer=4", "model.d_model=192", "model.n_head=3", "model.d_inner=768"),
+                      "4 × 192 (fewer parameters, more steps)"),
+            Candidate("large", ("model.n_layer=8", "model.d_model=320", "model.n_head=5", "model.d_inner=1280"),
+                      "8 × 320 (more parameters, fewer steps)"),
+            Candidate("dropout-0", ("model.dropout=0.0",), "no dropout"),
+            Candidate("dropout-0.2", ("model.dropout=0.2",), "dropout 0.2"),
+            Candidate("wd-0.01", ("train.optimizer=adamw", "train.weight_decay=0.01"), "AdamW, weight decay 0.01"),
+        ),
+        about="Penn Treebank characters (test bpc; AWD-LSTM 1.175 after GPU-days)",
+    ),
+    "ptb-word": Sweep(
+        preset="ptb-word-hour",
+        centre=("model.n_layer=4", "model.d_model=256", "model.n_head=4", "model.d_head=64", "model.d_inner=1024",
+                "model.dropout=0.3", "model.dropatt=0.1", "model.mem_len=70", "train.tgt_len=70",
+                "train.batch_size=32", "train.lr=5e-4", "train.warmup_steps=300", "train.weight_decay=0",
+                "train.optimizer=adam", "train.schedule=cosine", "train.precision=auto"),
+        candidates=(
+            Candidate("centre", (), "the centre recipe: ptb-word-small's shape, cosine over the minutes, bf16 where fast"),
+            Candidate("lr-1e-3", ("train.lr=1e-3",), "learning rate 1e-3"),
+            Candidate("lr-2.5e-4", ("train.lr=2.5e-4",), "learning rate 2.5e-4"),
+            Candidate("dropout-0.4", ("model.dropout=0.4",), "dropout 0.4"),
+            Candidate("dropout-0.5", ("model.dropout=0.5", "model.dropatt=0.2"), "dropout 0.5, attention dropout 0.2"),
+            Candidate("dropout-0.2", ("model.dropout=0.2",), "dropout 0.2"),
+            Candidate("mem-0", ("model.mem_len=0",), "no memory"),
+            Candidate("mem-150", ("model.mem_len=150",), "memory 150"),
+            Candidate("wide", ("model.d_model=384", "model.n_head=6", "model.d_inner=1536"), "4 × 384"),
+            Candidate("deep", ("model.n_layer=6",), "6 × 256"),
+            Candidate("batch-16", ("train.batch_size=16",), "batch 16"),
+            Candidate("wd-0.1", ("train.optimizer=adamw", "train.weight_decay=0.1"), "AdamW, weight decay 0.1"),
+        ),
+        about="Penn Treebank words, 10k vocabulary (test perplexity; Transformer-XL 54.5 after GPU-days)",
+    ),
+}
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sweep", choices=sorted(SWEEPS), required=True, help="which recipe sweep")
+    parser.add_argument("--candidates", type=_names, default=(), metavar="LIST",
+                        help="candidates to run (default all of the sweep)")
+    parser.add_argument("--data", default=None, help="data spec (default: the preset's corpus from its download location)")
+    parser.add_argument("--minutes", type=float, default=10.0, help="wall-clock budget of each run (default 10)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
+    parser.add_argument("--jobs", type=int, default=2, help="runs side by side (default 2)")
+    parser.add_argument("--confirm", metavar="NAME", default=None,
+                        help="train this candidate with --seeds seeds and score valid and test whole")
+    parser.add_argument("--seeds", type=int, default=2, help="seeds of a --confirm (default 2)")
+    parser.add_argument("--runs", default="runs/recipes", help="directory of the run directories (default runs/recipes)")
+    parser.add_argument("--out", default="docs/cpu_hour", help="directory for the tables and plots (default docs/cpu_hour)")
+    parser.add_argument("--fresh", action="store_true", help="retrain runs that already finished")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra override for every run (after the candidate's keys)")
+
+
+def command(sweep: Sweep, candidate: Candidate, args: argparse.Namespace, *, run_name: str,
+            seed: int | None = None, confirm: bool = False) -> list[str]:
+    argv = ["txl", "train", "--preset", sweep.preset]
+    if args.data:
+        argv += ["--data", args.data]
+    argv += ["--max-minutes", f"{args.minutes:g}"]
+    if seed is not None:
+        argv += ["--seed", str(seed)]
+    for s in (*(CONFIRM_SETS if confirm else PROXY_SETS), *sweep.centre, *candidate.sets, *args.sets):
+        argv += ["--set", s]
+    argv += ["--out", str(Path(args.runs) / run_name)]
+    return argv
+
+
+def plan_item(sweep: Sweep, candidate: Candidate, args: argparse.Namespace, *, run_name: str,
+              seed: int | None = None, confirm: bool = False) -> dict:
+    argv = command(sweep, candidate, args, run_name=run_name, seed=seed, confirm=confirm)
+    line = shell_line(argv, args.threads)
+    run_dir = Path(args.runs) / run_name
+    item = {"name": candidate.name, "about": candidate.about, "changes": list(candidate.sets), "argv": argv,
+            "command": line, "run_dir": str(run_dir), "peak_rss_mb": None, "seed": seed}
+    stamp = None if args.fresh else finished_stamp(run_dir, line)
+    if stamp:
+        item["peak_rss_mb"] = stamp["peak_rss_mb"]
+        print(f"reusing {run_name}: {run_dir} (same command; --fresh retrains)")
+    return item
+
+
+def collect(item: dict) -> dict:
+    """One finished run: its final scores, speed and training curve (minutes, train and valid metric)."""
+    run_dir = Path(item["run_dir"])
+    result = json.loads((run_dir / "result.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    metric = result.get("metric", "bpc")
+    final = {split: scores[metric] for split, scores in (result.get("final") or {}).items()}
+    valid = [r for r in records if r.get("split") == "valid"]
+    return {
+        **{k: item[k] for k in ("name", "about", "changes", "command", "peak_rss_mb", "seed")},
+        "metric": metric,
+        "parameters": result["parameters"],
+        "steps": result["steps"],
+        "tokens": result["tokens"],
+        "train_minutes": result["elapsed"] / 60,
+        "tokens_per_second": result["tokens_per_second"],
+        "precision": json.loads((run_dir / "run.json").read_text()).get("precision"),
+        "valid": final.get("valid", valid[-1][metric] if valid else None),
+        "test": final.get("test"),
+        "curve": [(r["elapsed"] / 60, r[metric]) for r in records if r.get("split") == "train"],
+        "valid_curve": [(r["elapsed"] / 60, r[metric]) for r in valid],
+    }
+
+
+def markdown(report: dict) -> str:
+    from txl.bench.common import machine_markdown
+
+    rows, metric = report["rows"], report["rows"][0]["metric"] if report["rows"] else "bpc"
+    confirm = report.get("confirm")
+    title = (f"# Confirmation: `{confirm}` of the {report['sweep']} sweep, {report['minutes']:g} minutes, "
+             f"{len(rows)} seed(s)") if confirm else f"# Recipe sweep: {report['sweep']}, {report['minutes']:g}-minute proxies"
+    lines = [
+        title, "",
+        f"Written by `txl bench recipes` (src/txl/bench/recipes.py). {report['about']}. Every row is one `txl train "
+        f"--preset {report['preset']}` run with the centre recipe and the row's changes, cut by "
+        f"{report['minutes']:g} minutes of training wall clock (the cosine schedule follows the minutes), "
+        f"{report['threads']} torch thread(s), {report['jobs']} run(s) side by side, then scored with its best weights "
+        "on the whole split(s).", "",
+        f"Centre recipe: `{' '.join(report['centre'])}`", "",
+        machine_markdown({**report["machine"], "threads": f"{report['threads']} (per run)"}), "",
+    ]
+    if confirm:
+        lines += [f"| seed | params | steps | tokens | tokens/s | precision | valid {metric} | test {metric} | peak RSS (MB) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['seed']} | {r['parameters']:,} | {r['steps']:,} | {r['tokens']:,} | "
+                         f"{r['tokens_per_second']:,.0f} | {r['precision']} | {r['valid']:.4f} | {r['test']:.4f} | "
+                         f"{r['peak_rss_mb']:,.0f} |")
+        tests = [r["test"] for r in rows]
+        spread = f" ± {statistics.stdev(tests):.4f} (sample sd)" if len(tests) > 1 else ""
+        lines += ["", f"Test {metric}: {', '.join(f'{t:.4f}' for t in tests)}; mean {statistics.mean(tests):.4f}{spread}."]
+    else:
+        lines += [f"| candidate | changes | params | steps | tokens (M) | tokens/s | precision | valid {metric} | "
+                  "peak RSS (MB) |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in sorted(rows, key=lambda r: (r["valid"] is None, r["valid"] or 0)):
+            changes = " ".join(f"`{c}`" for c in r["changes"]) or "—"
+            lines.append(f"| {r['name']} | {changes} | {r['parameters']:,} | {r['steps']:,} | {r['tokens'] / 1e6:.2f} | "
+                         f"{r['tokens_per_second']:,.0f} | {r['precision']} | {r['valid']:.4f} | {r['peak_rss_mb']:,.0f} |")
+    lines += ["", f"![{metric} against minutes]({report['stem']}.png)", "", "## Reproduce", "", "```",
+              *[r["command"] for r in rows], "```", "", f"All of it: `{report['reproduce']}`", ""]
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    colours = plt.get_cmap("tab20").colors
+    metric = report["rows"][0]["metric"] if report["rows"] else "bpc"
+    ends = []
+    for index, r in enumerate(report["rows"]):
+        label = f"seed {r['seed']}" if report.get("confirm") else r["name"]
+        if r["curve"]:
+            xs, ys = zip(*r["curve"], strict=True)
+            k = 8  # running mean over 8 log records
+            smooth = [statistics.mean(ys[max(0, i - k + 1): i + 1]) for i in range(len(ys))]
+            ax.plot(xs, smooth, color=colours[index % 20], label=f"{label} train ({r['valid']:.3f} valid)")
+            ends.append(smooth[-1])
+        if len(r["valid_curve"]) > 1:
+            xs, ys = zip(*r["valid_curve"], strict=True)
+            ax.plot(xs, ys, color=colours[index % 20], linestyle="--", marker="o", markersize=3, label=f"{label} valid")
+    ax.set_xlabel("training minutes")
+    ax.set_ylabel(f"{metric} (train: running mean)")
+    ax.set_title(f"{report['sweep']}: " + ("confirmation runs" if report.get("confirm") else "recipe proxies"))
+    if ends:
+        ax.set_ylim(min(ends) - 0.15 * abs(min(ends)), max(ends) + 0.3 * abs(max(ends)))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    from txl.bench.common import machine
+    from txl.run_config import build_run_config
+
+    if args.minutes <= 0 or args.threads < 1 or args.jobs < 1 or args.seeds < 1:
+        raise UsageError("--minutes must be > 0 and --threads, --jobs, --seeds >= 1")
+    sweep = SWEEPS[args.sweep]
+    known = {c.name: c for c in sweep.candidates}
+    wanted = (args.confirm,) if args.confirm else (args.candidates or tuple(known))
+    unknown = [name for name in wanted if name not in known]
+    if unknown:
+        raise UsageError(f"unknown candidate(s) {', '.join(unknown)} of sweep {args.sweep}; known: {', '.join(known)}")
+    if args.confirm:
+        first = build_run_config(preset=sweep.preset, sets=[*sweep.centre, *known[args.confirm].sets,
+                                                             *args.sets]).train.seed
+        plan = [plan_item(sweep, known[args.confirm], args, run_name=f"{args.sweep}-confirm-{args.confirm}-seed{first + k}",
+                          seed=first + k, confirm=True) for k in range(args.seeds)]
+    else:
+        plan = [plan_item(sweep, known[name], args, run_name=f"{args.sweep}-{name}") for name in wanted]
+    started = time.time()
+    train_variants(plan, args, desc=f"recipes {args.sweep}")
+    flags = ["txl", "bench", "recipes", "--sweep", args.sweep, "--minutes", f"{args.minutes:g}", "--threads",
+             str(args.threads), "--jobs", str(args.jobs)]
+    flags += ["--confirm", args.confirm, "--seeds", str(args.seeds)] if args.confirm else (
+        ["--candidates", ",".join(args.candidates)] if args.candidates else [])
+    if args.data:
+        flags += ["--data", args.data]
+    for s in args.sets:
+        flags += ["--set", s]
+    stem = f"confirm_{args.sweep}_{args.confirm}" if args.confirm else f"recipes_{args.sweep}"
+    report = {"sweep": args.sweep, "preset": sweep.preset, "about": sweep.about, "centre": list(sweep.centre),
+              "confirm": args.confirm, "minutes": args.minutes, "threads": args.threads, "jobs": args.jobs,
+              "machine": machine(), "wall_minutes": (time.time() - started) / 60, "stem": stem,
+              "reproduce": shlex.join(flags), "rows": [collect(item) for item in plan]}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_text(out / f"{stem}.json", json.dumps(report, indent=2) + "\n")
+    text = markdown(report)
+    write_text(out / f"{stem}.md", text)
+    plot(report, out / f"{stem}.png")
+    print(text.split("## Reproduce")[0])
+    print(f"wrote {out / stem}.md, .json, .png")
+    return 0
