@@ -392,11 +392,14 @@ def markdown(report: dict) -> str:
             lines.append(
                 f"| {r['name']} | {r['about']} | {r['parameters']:,} | {r['d_inner']} | {r['valid']:.4f} | "
                 f"{r['accuracy']:.4f} | {r['steps']:,} | {r['tokens_per_second']:,.0f} | {r['peak_rss_mb']:,.0f} |")
+    cheaper = [r["name"] for r in rows if ref and r is not ref and r["valid"] is not None and ref["valid"] is not None
+               and r["steps"] > ref["steps"] and r["valid"] < ref["valid"]]
     lines += [
         "",
         "Reading the table: the budget is time, so a cheaper variant takes more steps (the steps column); "
-        "at this short budget that can outweigh what it gives up (xl-mem0 and the local kernels against "
-        "xl). The absolute encodings (sinusoidal, learned) restart their positions in every segment, so "
+        "at this short budget that can outweigh what it gives up. "
+        + (f"Here {', '.join(cheaper)} took more steps than xl and reached a lower {metric}. " if cheaper else "")
+        + "The absolute encodings (sinusoidal, learned) restart their positions in every segment, so "
         "with memory a key's position no longer tells which segment it came from: the temporal confusion "
         "Dai et al. (2019, §3.3) built relative positions to remove. The sinusoidal-mem0 and learned-mem0 rows "
         "train the same encodings without memory, where that confusion cannot arise.",

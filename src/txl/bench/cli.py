@@ -66,6 +66,7 @@ SUMMARIES: dict[str, str] = {
     "attention-scaling": "time and peak memory of one attention layer of each arena variant against length",
     "arena": "train every attention kernel and positional encoding on PTB-char under one CPU budget",
     "claims": "the paper's claims at CPU scale: RECL against LSTM/SHA-RNN/vanilla, the ablation, longer evaluation memory",
+    "recipes": "the recipe search for the best model per CPU-hour: proxy runs of recipe candidates, then seeded confirmations",
     "all": "train, eval, generate, mfu, kernel and curve in one go; writes benchmarks.md, benchmarks.json, plots",
 }
 
@@ -127,7 +128,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         summary = SUMMARIES.get(name) or (module.__doc__ or name).strip().splitlines()[0]
         doc = {"arena": "docs/arena.md", "attention-scaling": "docs/attention_scaling.md",
                "eval-speedup": "docs/evaluation.md",
-               "claims": "docs/claims.md"}.get(name, "docs/benchmarks.md")
+               "claims": "docs/claims.md", "recipes": "docs/cpu_hour.md"}.get(name, "docs/benchmarks.md")
         p = sub.add_parser(name, help=summary, description=f"txl bench {name}: {summary}. Method and results: {doc}.")
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         if has_own_cli(module):
