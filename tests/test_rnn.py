@@ -371,6 +371,8 @@ def test_cli_journey(arch, chars, tmp_path, capsys, monkeypatch):
     assert code == 0 and json.loads(out)["mem_len"] == 4, out
     code, out = cli(capsys, "eval", run, "--max-tokens", 200, "--sweep-mem", "0,4,12", "--sweep-out", tmp_path / "sweep")
     assert code == 0, out
+    header = (tmp_path / "sweep.md").read_text().split("|")[0]  # names the recurrent model, not a Transformer's
+    assert {"lstm": "AWD-LSTM", "sha-rnn": "SHA-RNN"}[arch] in header and "d_model" not in header
     code, out = cli(capsys, "generate", run, "--prompt", "the ", "--max-new-tokens", 10, "--seed", 0)
     assert code == 0 and out.startswith("the "), out
     code, out = cli(capsys, "recl", run, "--mode", "window", "--contexts", "4,8", "--max-tokens", 150,

@@ -194,6 +194,26 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def model_summary(config) -> str:
+    """One phrase naming the model: a Transformer's layers and width, or the recurrent arch's sizes."""
+    if config.arch == "lstm":
+        return f"AWD-LSTM, {config.n_layer} layers, hidden {config.d_inner}, embedding {config.d_model}"
+    if config.arch == "sha-rnn":
+        return f"SHA-RNN, {config.n_layer} blocks, width {config.d_model}, Boom {config.d_inner}"
+    return f"{config.n_layer} layers, d_model {config.d_model}"
+
+
+def memory_meaning(config) -> str:
+    """What the sweep's memory length means for this model (the x-axis of the sweep)."""
+    if config.arch == "lstm":
+        return ("mem_len > 0 carries each stream's LSTM state across segments (its value does not matter; "
+                "0 starts every segment from a zero state); attention length = mem_len + tgt_len as for a Transformer")
+    if config.arch == "sha-rnn":
+        return ("attention length = mem_len + tgt_len (states the last query of the attention layer sees); "
+                "mem_len > 0 also carries the LSTM state")
+    return "attention length = mem_len + tgt_len (keys the last query of a segment sees)"
+
+
 def _check_finite(result, ckpt, args: argparse.Namespace) -> None:
     import math
 
@@ -232,14 +252,14 @@ def _run_sweep(args: argparse.Namespace, ckpt, mem_lens: list[int], common: dict
     train_tgt = ckpt.train_setting("tgt_len")
     train_attn = config.mem_len + train_tgt if train_tgt else None
     data = args.data or ckpt.data_spec
-    header = (f"# Evaluation memory sweep\n\n- checkpoint: `{ckpt.path}` ({config.n_layer} layers, d_model {config.d_model}, trained with "
+    header = (f"# Evaluation memory sweep\n\n- checkpoint: `{ckpt.path}` ({model_summary(config)}, trained with "
               f"mem_len {config.mem_len}" + (f", tgt_len {train_tgt}" if train_tgt else "") + ")\n"
               f"- data: `{data}`, split {args.split}"
               + (f", first {args.max_tokens:,} targets" if args.max_tokens else "") + "\n"
               f"- settings: tgt_len {results[0].tgt_len}, batch {args.batch_size} streams, warm memory "
               f"{args.warm_memory}, same_length {results[0].same_length}, clamp_len {results[0].clamp_len}, "
               f"{args.precision}\n"
-              f"- attention length = mem_len + tgt_len (keys the last query of a segment sees)\n"
+              f"- {memory_meaning(config)}\n"
               f"- machine: {_cpu_name() or platform.machine()}, {torch.get_num_threads()} torch threads, torch "
               f"{torch.__version__}, {time.strftime('%Y-%m-%d')}\n\n")
     table = sweep_markdown(results)
