@@ -98,8 +98,9 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
                                                       "vector (0 = no clamp; default: the checkpoint's)")
     parser.add_argument("--same-length", action=argparse.BooleanOptionalAction, default=None,
                         help="every query attends to exactly mem_len keys (default: the checkpoint's)")
-    parser.add_argument("--batch-size", type=int, default=10,
-                        help="parallel streams (vanilla: windows per forward, 0 = automatic); default 10")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="parallel streams (vanilla: windows per forward, 0 = automatic); default 10 "
+                             "(dynamic evaluation: 1, the only value it takes)")
     parser.add_argument("--warm-memory", action=argparse.BooleanOptionalAction, default=True,
                         help="start each stream mem_len tokens early so every scored token has full context "
                              "(default: on)")
@@ -128,6 +129,12 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
     vanilla.add_argument("--attn-len", type=int, help="window length L (default: mem_len + tgt_len)")
     vanilla.add_argument("--stride", type=int, default=1,
                          help="score the last S positions of each window (default 1, the paper's figure)")
+    dynamic = parser.add_argument_group("dynamic evaluation (Krause et al. 2018): keep learning from the scored text")
+    dynamic.add_argument("--dynamic-lr", type=float, metavar="ETA",
+                         help="after scoring each segment, one SGD step of size ETA on it (one stream; reported "
+                              "as dynamic, apart from static scores)")
+    dynamic.add_argument("--dynamic-decay", type=float, default=0.0, metavar="LAMBDA",
+                         help="pull the weights back toward the trained ones by LAMBDA per segment (default 0)")
     sweep = parser.add_argument_group("memory sweep")
     sweep.add_argument("--sweep-mem", metavar="M1,M2,...",
                        help="evaluate once per memory length; prints a markdown table, writes PREFIX.md, "
@@ -137,6 +144,20 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    if args.dynamic_lr is not None:
+        from txl.dynamic_eval import check_dynamic
+
+        check_dynamic(args.dynamic_lr, args.dynamic_decay)
+        if args.batch_size not in (None, 1):
+            raise UsageError("dynamic evaluation reads one stream (--batch-size 1): with parallel streams the "
+                             "weights would learn from text after what another stream scores next")
+        if args.vanilla or args.sweep_mem:
+            raise UsageError("--dynamic-lr does not combine with --vanilla or --sweep-mem")
+        args.batch_size = 1
+    elif args.dynamic_decay:
+        raise UsageError("--dynamic-decay needs --dynamic-lr")
+    if args.batch_size is None:
+        args.batch_size = 10
     _check_nonnegative(args, "mem_len", "clamp_len", "batch_size")
     _check_nonnegative(args, "max_tokens", limit=MAX_COUNT)
     _check_positive(args, "tgt_len", "attn_len", "stride")
@@ -176,7 +197,8 @@ def run_eval(args: argparse.Namespace) -> int:
         raise UsageError(f"--mask-prob and --mask-seed apply to masked-LM checkpoints; {ckpt.path} is a causal LM")
     result, nll = evaluate_checkpoint(ckpt, mem_len=args.mem_len, vanilla=args.vanilla, attn_len=args.attn_len,
                                       stride=args.stride, per_token=bool(args.per_token), mask_prob=args.mask_prob,
-                                      seed=args.mask_seed, **common)
+                                      seed=args.mask_seed, dynamic_lr=args.dynamic_lr,
+                                      dynamic_decay=args.dynamic_decay, **common)
     _check_finite(result, ckpt, args)
     out = result.to_dict()
     out["checkpoint"] = str(ckpt.path)

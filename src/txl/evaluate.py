@@ -54,6 +54,8 @@ class EvalResult:
     split: str | None = None
     accuracy: float | None = None  # mlm: share of masked tokens whose argmax prediction is the original
     mask_prob: float | None = None  # mlm: positions picked per window
+    dynamic_lr: float | None = None  # dynamic evaluation (txl.dynamic_eval): SGD step size η ...
+    dynamic_decay: float | None = None  # ... and decay λ toward the trained weights
 
     @property
     def value(self) -> float:
@@ -702,6 +704,8 @@ def evaluate_checkpoint(
     text: str | Path | None = None,
     mask_prob: float | None = None,
     seed: int = 0,
+    dynamic_lr: float | None = None,
+    dynamic_decay: float = 0.0,
 ) -> tuple[EvalResult, np.ndarray | None]:
     """What `txl eval` computes: (result, per-token NLL in corpus order or None).
 
@@ -710,6 +714,8 @@ def evaluate_checkpoint(
     the checkpoint's config. vanilla: the Al-Rfou evaluator with `attn_len` (default mem_len + tgt_len)
     and `stride`; `batch_size` then counts windows per forward. A bidirectional (masked-LM) model is
     scored by `evaluate_mlm` (mask_prob: default the run's, seed: which positions are masked).
+    dynamic_lr: dynamic evaluation (`txl.dynamic_eval`) with this step size and `dynamic_decay`, one
+    stream (batch_size and warm_memory do not apply).
     """
     ckpt = checkpoint if isinstance(checkpoint, LoadedCheckpoint) else load_checkpoint(checkpoint, device=device)
     model = ckpt.model
@@ -731,15 +737,23 @@ def evaluate_checkpoint(
         mem_len = ckpt.train_setting("eval_mem_len")  # what the run validated with (None: the model's)
     nll = np.zeros(max(len(tokens) - 1, 0), dtype=np.float32) if per_token else None
     if not model.config.causal:  # a masked-LM encoder: masked-token loss and accuracy
-        if vanilla or per_token:
-            raise UsageError(f"{ckpt.path} is a bidirectional (masked-LM) model: --vanilla and --per-token "
-                             "apply to causal LMs")
+        if vanilla or per_token or dynamic_lr is not None:
+            raise UsageError(f"{ckpt.path} is a bidirectional (masked-LM) model: --vanilla, --per-token and "
+                             "dynamic evaluation apply to causal LMs")
         result = evaluate_mlm(model, tokens, metric=metric, batch_size=batch_size, tgt_len=tgt_len,
                               mask_prob=mask_prob if mask_prob is not None else ckpt.train_setting("mask_prob") or 0.15,
                               seed=seed, device=device, precision=precision, progress=progress)
         result.split = split
         return result, None
-    if vanilla:
+    if dynamic_lr is not None:
+        from txl.dynamic_eval import evaluate_dynamic
+
+        if vanilla:
+            raise UsageError("dynamic evaluation reads the text with memory; it does not combine with --vanilla")
+        result = evaluate_dynamic(model, tokens, metric=metric, lr=dynamic_lr, decay=dynamic_decay, tgt_len=tgt_len,
+                                  mem_len=mem_len, device=device, precision=precision, per_token=nll,
+                                  progress=progress, clamp_len=clamp_len, same_length=same_length)
+    elif vanilla:
         mem = model.mem_len if mem_len is None else mem_len
         result = evaluate_vanilla(model, tokens, metric=metric, attn_len=attn_len or mem + tgt_len,
                                   stride=stride, batch_size=batch_size, device=device, precision=precision,
@@ -793,6 +807,11 @@ def result_table(result: EvalResult) -> str:
         rows += [("evaluator", "masked LM (BERT 80/10/10): loss, bpc/ppl and accuracy of the masked tokens"),
                  ("masked-token accuracy", f"{r.accuracy:.4f}"), ("mask_prob", str(r.mask_prob)),
                  ("tgt_len (window)", str(r.tgt_len)), ("windows per forward", str(r.batch_size))]
+    elif r.mode == "dynamic":
+        rows += [("evaluator", "dynamic evaluation (Krause et al. 2018): one stream with memory, an SGD step on "
+                               "each segment after scoring it"),
+                 ("learning rate η", f"{r.dynamic_lr:g}"), ("decay λ", f"{r.dynamic_decay:g}"),
+                 ("mem_len", str(r.mem_len)), ("tgt_len", str(r.tgt_len)), ("attention length", str(r.attn_len))]
     elif r.mode == "vanilla":
         rows += [("evaluator", "vanilla (Al-Rfou et al. 2018): a fresh window per token, no memory"),
                  ("attention length", str(r.attn_len)), ("stride", str(r.stride)),

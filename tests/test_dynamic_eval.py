@@ -1,0 +1,106 @@
+"""Dynamic evaluation (txl.dynamic_eval, `txl eval --dynamic-lr`): pinned against static evaluation,
+causal in the text, adapting where text repeats, and leaving the model as it found it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import make_corpus
+from tiny_models import build
+from txl.cli import main
+from txl.dynamic_eval import evaluate_dynamic
+from txl.errors import UsageError
+from txl.evaluate import evaluate
+
+
+def static_per_token(model, tokens, **kwargs):
+    per = np.zeros(len(tokens) - 1, dtype=np.float32)
+    result = evaluate(model, tokens, metric="ppl", batch_size=1, warm_memory=False, per_token=per, **kwargs)
+    return result, per
+
+
+def dynamic_per_token(model, tokens, **kwargs):
+    per = np.zeros(len(tokens) - 1, dtype=np.float32)
+    return evaluate_dynamic(model, tokens, metric="ppl", per_token=per, **kwargs), per
+
+
+@pytest.fixture
+def tokens():
+    rng = np.random.default_rng(0)
+    return rng.integers(0, 61, size=181)
+
+
+@pytest.mark.parametrize("lr, decay", [(0.0, 0.0), (0.5, 1.0)])
+def test_no_step_or_full_decay_is_static_evaluation(lr, decay, tokens):
+    """η = 0, or λ = 1 (every segment starts again from the trained weights): the static scores."""
+    model = build()
+    static, want = static_per_token(model, tokens, tgt_len=12, mem_len=16)
+    dynamic, got = dynamic_per_token(model, tokens, lr=lr, decay=decay, tgt_len=12, mem_len=16)
+    assert np.abs(got - want).max() < 1e-5 and dynamic.tokens == static.tokens == len(tokens) - 1
+    assert abs(dynamic.loss - static.loss) < 1e-6 and dynamic.mode == "dynamic"
+
+
+def test_a_token_is_never_scored_by_weights_that_saw_it_or_later_text(tokens):
+    model = build()
+    _, before = dynamic_per_token(model, tokens, lr=0.3, tgt_len=12, mem_len=16)
+    changed = tokens.copy()
+    changed[100:] = (changed[100:] + 7) % 61  # rewrite the text from target 100 on
+    _, after = dynamic_per_token(model, changed, lr=0.3, tgt_len=12, mem_len=16)
+    assert np.array_equal(before[:99], after[:99])  # targets 1..99 are read before anything changed
+    assert not np.allclose(before[99:], after[99:])
+
+
+def test_it_adapts_to_repeated_text_and_restores_the_weights():
+    rng = np.random.default_rng(1)
+    phrase = rng.integers(0, 61, size=48)
+    tokens = np.concatenate([phrase] * 5)
+    model = build()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    static, _ = static_per_token(model, tokens, tgt_len=16, mem_len=0)  # no memory: only the weights can learn
+    dynamic, per = dynamic_per_token(model, tokens, lr=0.5, tgt_len=16, mem_len=0)
+    assert dynamic.loss < static.loss - 0.5  # it learned the phrase while reading it
+    assert per[-48:].mean() < per[:47].mean()
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())  # θ0 restored
+    assert not model.training
+
+
+def test_fast_backend_steps_like_the_reference(tokens):
+    fast = build()
+    reference = build(attention_impl="eager", backend="reference")
+    reference.load_state_dict(fast.state_dict())
+    a, got = dynamic_per_token(fast, tokens, lr=0.2, decay=0.1, tgt_len=12, mem_len=16)
+    b, want = dynamic_per_token(reference, tokens, lr=0.2, decay=0.1, tgt_len=12, mem_len=16)
+    assert np.abs(got - want).max() < 1e-4
+
+
+def test_bad_settings_are_one_line_errors(tokens):
+    model = build()
+    for lr, decay in ((-1.0, 0.0), (float("nan"), 0.0), (0.1, 1.5)):
+        with pytest.raises(UsageError, match="dynamic-evaluation"):
+            evaluate_dynamic(model, tokens, metric="ppl", lr=lr, decay=decay)
+
+
+def test_cli(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    corpus = make_corpus(tmp_path / "corpus.txt", lines=600)
+    run = tmp_path / "run"
+    sets = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.d_head=16", "model.d_inner=64",
+            "model.mem_len=16", "tgt_len=16", "batch_size=4", "eval_tgt_len=16", "sample_tokens=0"]
+    argv = ["train", "--data", f"text:{corpus}?tokenizer=bytes", "--out", str(run), "--max-steps", "5", "--quiet"]
+    assert main([*argv, *[x for s in sets for x in ("--set", s)]]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(run), "--max-tokens", "400", "--dynamic-lr", "0.01", "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["mode"] == "dynamic" and out["dynamic_lr"] == 0.01 and out["batch_size"] == 1 and out["tokens"] == 400
+    assert main(["eval", str(run), "--max-tokens", "400", "--dynamic-lr", "0.01", "--quiet"]) == 0
+    assert "dynamic evaluation (Krause et al. 2018)" in capsys.readouterr().out
+    for bad, message in ((["--batch-size", "4"], "one stream"), (["--vanilla"], "does not combine"),
+                         (["--dynamic-lr", "-1"], "finite number >= 0")):
+        argv = ["eval", str(run), "--dynamic-lr", "0.01", *bad]
+        assert main(argv) == 2 and message in capsys.readouterr().err
+    assert main(["eval", str(run), "--dynamic-decay", "0.1"]) == 2
+    assert "needs --dynamic-lr" in capsys.readouterr().err
