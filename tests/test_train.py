@@ -69,6 +69,25 @@ def test_ddp_two_gloo_processes_equal_one_process(tmp_path, corpus):
     assert sorted(p.name for p in (tmp_path / "two").iterdir() if p.is_dir()) == ["best", "last"]
 
 
+def test_ddp_ranks_share_one_clock_for_the_minutes_budget(tmp_path, corpus):
+    """max_minutes under DDP: the ranks stop at the same step (their mean clock decides), so nobody
+    waits forever in the next all-reduce, and the cosine follows that shared clock."""
+    config = write_config(tmp_path, corpus, steps=10**6, dropout=0.0, varlen="false")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "txl",
+         "train", "--config", str(config), "--out", str(tmp_path / "two"), "--quiet", "--set", "max_minutes=0.1",
+         "--set", "schedule=cosine", "--set", "warmup_steps=0", "--set", "save_interval=0"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "two" / "result.json").read_text())
+    assert result["stopped_by"] == "max_minutes" and result["steps"] > 1
+    lrs = [r["lr"] for r in map(json.loads, (tmp_path / "two" / "metrics.jsonl").read_text().splitlines())
+           if r.get("split") == "train"]
+    assert lrs[-1] < 0.5 * lrs[0]  # well down the cosine although max_steps is a million
+
+
 def test_sigterm_saves_and_exits_zero(tmp_path, corpus):
     config = write_config(tmp_path, corpus, steps=5000)
     run = tmp_path / "run"

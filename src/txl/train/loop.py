@@ -253,8 +253,11 @@ class Trainer:
                            max_steps=cfg.max_steps, eta_min=cfg.eta_min, time_fraction=spent)
                 nll_sum, count = self.train_step(batch)
                 local_bad = 0.0 if math.isfinite(nll_sum) else 1.0
-                total_nll, total_count, bad, stop = self.dist.all_sum(
-                    [0.0 if local_bad else nll_sum, count, local_bad, float(self.stop_requested)]
+                # the ranks agree on the clock (their mean), so the time-following schedule and the
+                # max_minutes stop are the same decision everywhere
+                total_nll, total_count, bad, stop, elapsed_sum = self.dist.all_sum(
+                    [0.0 if local_bad else nll_sum, count, local_bad, float(self.stop_requested),
+                     elapsed_before + time.perf_counter() - session_start]
                 )
                 finite = bad == 0
                 self.optimizer_step(lr, finite)
@@ -262,7 +265,7 @@ class Trainer:
                 # over all ranks (a pair batch: its scored target tokens)
                 processed = int(total_count) if self.seq2seq else cfg.batch_size * batch.inputs.shape[1]
                 self.tokens_seen += processed
-                self.elapsed = elapsed_before + time.perf_counter() - session_start
+                self.elapsed = elapsed_sum / self.dist.world
                 if finite:
                     self.nonfinite_streak = 0
                     window_nll += total_nll
