@@ -16,7 +16,7 @@ import torch
 import helpers
 from helpers import finish, saved_step, train_losses, txl, write_config
 from txl.checkpoint import load_tensors
-from txl.errors import ConfigError, TrainingError
+from txl.errors import ConfigError, TrainingError, UsageError
 from txl.optim import lr_at
 from txl.run_config import RunConfig, build_run_config, load_preset, preset_names
 from txl.train import LAST, Trainer
@@ -77,7 +77,8 @@ def test_ddp_ranks_share_one_clock_for_the_minutes_budget(tmp_path, corpus):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "txl",
          "train", "--config", str(config), "--out", str(tmp_path / "two"), "--quiet", "--set", "max_minutes=0.1",
-         "--set", "schedule=cosine", "--set", "warmup_steps=0", "--set", "save_interval=0"],
+         "--set", "schedule_clock=minutes", "--set", "schedule=cosine", "--set", "warmup_steps=0",
+         "--set", "save_interval=0"],
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -86,6 +87,41 @@ def test_ddp_ranks_share_one_clock_for_the_minutes_budget(tmp_path, corpus):
     lrs = [r["lr"] for r in map(json.loads, (tmp_path / "two" / "metrics.jsonl").read_text().splitlines())
            if r.get("split") == "train"]
     assert lrs[-1] < 0.5 * lrs[0]  # well down the cosine although max_steps is a million
+
+
+def test_the_all_reduced_clock_decides_the_stop_and_the_schedule(tmp_path, corpus):
+    """The ranks' mean clock from the per-step all-reduce, not this process's own, decides: a
+    reduced clock past the budget stops the run at that step on every rank alike."""
+    config = write_config(tmp_path, corpus, steps=10**6, varlen="false")
+    run = build_run_config(config_file=config, sets=["max_minutes=10", "schedule_clock=minutes", "save_interval=0"])
+    trainer = Trainer(run, tmp_path / "run", quiet=True)
+    calls = []
+    plain = trainer.dist.all_sum
+
+    def skewed(values):  # the other rank's clock is far ahead from the third step on
+        calls.append(values)
+        out = plain(values)
+        return [*out[:-1], 10 * 60 * 2] if len(calls) >= 3 else out
+
+    trainer.dist.all_sum = skewed
+    result = trainer.fit()
+    assert result["stopped_by"] == "max_minutes" and result["steps"] == 3  # this process's clock says seconds
+
+
+def test_resuming_with_a_new_time_budget_states_the_schedule_or_refuses_a_spent_one(tmp_path, corpus):
+    from txl.train.cli import schedule_note
+
+    before = build_run_config(config_file=write_config(tmp_path, corpus), sets=[
+        "max_minutes=10", "schedule_clock=minutes", "max_steps=100000", "warmup_steps=0"]).train
+    after = build_run_config(config_file=write_config(tmp_path, corpus), sets=[
+        "max_minutes=20", "schedule_clock=minutes", "max_steps=100000", "warmup_steps=0"]).train
+    note = schedule_note(before, after, step=50, elapsed=600.0)  # the first budget was spent: lr at eta_min
+    assert "max_minutes 10 -> 20" in note and "decays more slowly" in note
+    with pytest.raises(UsageError, match="--max-minutes 10 is not beyond the run's 15.0 minutes"):
+        schedule_note(after, before, step=50, elapsed=900.0)
+    steps_clock = build_run_config(config_file=write_config(tmp_path, corpus), sets=["max_minutes=20"]).train
+    plain = build_run_config(config_file=write_config(tmp_path, corpus), sets=["max_minutes=10"]).train
+    assert "does not depend on it" in schedule_note(plain, steps_clock, step=5, elapsed=60.0)
 
 
 def test_sigterm_saves_and_exits_zero(tmp_path, corpus):
@@ -212,21 +248,27 @@ def test_cosine_follows_the_wall_clock_budget_when_it_is_further_along():
 
 
 def test_a_run_cut_by_its_minutes_ends_its_cosine_at_eta_min(tmp_path, corpus, monkeypatch):
-    """max_minutes with a step budget it cannot reach: the schedule follows the clock (a fake one,
-    one second per reading) and reaches eta_min when the minutes are spent."""
+    """max_minutes with a step budget it cannot reach: with schedule_clock = minutes the schedule
+    follows the clock (a fake one, one second per reading) and reaches eta_min when the minutes are
+    spent; with the default (steps) it does not depend on the clock."""
     import txl.train.loop as loop
 
-    clock = iter(range(10**6))
-    monkeypatch.setattr(loop.time, "perf_counter", lambda: float(next(clock)))
     config = write_config(tmp_path, corpus, steps=10**6, varlen="false")
-    run = build_run_config(config_file=config, sets=["max_minutes=0.5", "warmup_steps=0", "eta_min=0",
-                                                     "schedule=cosine", "save_interval=0"])
-    result = Trainer(run, tmp_path / "run", quiet=True).fit()
-    assert result["stopped_by"] == "max_minutes" and result["steps"] < 100
-    lrs = [json.loads(line)["lr"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-           if json.loads(line).get("split") == "train"]
-    assert lrs[0] > 0.9 * 2e-3 and lrs[-1] < 0.02 * 2e-3  # from the full rate to (almost) eta_min
-    assert all(b <= a for a, b in zip(lrs, lrs[1:], strict=False))
+    for clock in ("minutes", "steps"):
+        clock_iter = iter(range(10**6))
+        monkeypatch.setattr(loop.time, "perf_counter", lambda it=clock_iter: float(next(it)))
+        run = build_run_config(config_file=config, sets=["max_minutes=0.5", "warmup_steps=0", "eta_min=0",
+                                                         "schedule=cosine", "save_interval=0",
+                                                         f"schedule_clock={clock}"])
+        result = Trainer(run, tmp_path / clock, quiet=True).fit()
+        assert result["stopped_by"] == "max_minutes" and result["steps"] < 100
+        lrs = [json.loads(line)["lr"] for line in (tmp_path / clock / "metrics.jsonl").read_text().splitlines()
+               if json.loads(line).get("split") == "train"]
+        if clock == "minutes":
+            assert lrs[0] > 0.9 * 2e-3 and lrs[-1] < 0.02 * 2e-3  # from the full rate to (almost) eta_min
+            assert all(b <= a for a, b in zip(lrs, lrs[1:], strict=False))
+        else:  # the reference's schedule: a million-step cosine has barely moved
+            assert min(lrs) > 0.999 * 2e-3
 
 
 @pytest.mark.parametrize("fast", [True, False])

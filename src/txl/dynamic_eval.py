@@ -10,8 +10,7 @@ SGD with a decay toward the trained weights θ0:
 
     θ ← θ − η ∇L(segment) + λ (θ0 − θ)
 
-η = `lr`, λ = `decay` (0: no pull back; 1: every segment starts again from θ0, which is static
-evaluation). Their RMS-normalised variant (gradient statistics gathered on training data) is not
+η = `lr`, λ = `decay` (0: no pull back toward θ0); η = 0 is static evaluation. Their RMS-normalised variant (gradient statistics gathered on training data) is not
 implemented. Dropout stays off, and the caller's weights are restored when the function returns.
 Results are reported apart from static evaluation (`EvalResult.mode = "dynamic"`): the model adapts
 to the test text while it reads it.
@@ -19,6 +18,7 @@ to the test text while it reads it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -27,7 +27,14 @@ import numpy as np
 import torch
 
 from txl.errors import UsageError
-from txl.evaluate import EvalResult, _check_per_token, attention_length, autocast, runtime_settings
+from txl.evaluate import (
+    EvalResult,
+    _check_per_token,
+    attention_length,
+    autocast,
+    check_segment_settings,
+    runtime_settings,
+)
 
 
 def check_dynamic(lr: float, decay: float) -> None:
@@ -60,8 +67,7 @@ def evaluate_dynamic(
     check_dynamic(lr, decay)
     device = torch.device(device)
     mem_len = model.mem_len if mem_len is None else mem_len
-    if mem_len < 0 or tgt_len < 1 or max_tokens < 0:
-        raise UsageError(f"mem_len and max_tokens must be >= 0 and tgt_len >= 1, got {mem_len}, {max_tokens}, {tgt_len}")
+    check_segment_settings(model, mem_len=mem_len, tgt_len=tgt_len, max_tokens=max_tokens, same_length=same_length)
     if max_tokens:
         tokens = tokens[: max_tokens + 1]
     _check_per_token(per_token, max(len(tokens) - 1, 0))
@@ -83,7 +89,9 @@ def evaluate_dynamic(
             for batch in iterator:
                 inputs, targets, mask = batch.inputs.to(device), batch.targets.to(device), batch.score_mask.to(device)
                 labels = targets.masked_fill(~mask, -100)
-                with torch.enable_grad(), autocast(device, precision):
+                # cuDNN's LSTM has no backward in eval mode: the recurrent archs take the native kernel
+                no_cudnn = torch.backends.cudnn.flags(enabled=False) if device.type == "cuda" else contextlib.nullcontext()
+                with no_cudnn, torch.enable_grad(), autocast(device, precision):
                     out = model(inputs, memory=memory, labels=labels, mem_len=mem_len, return_logits=False,
                                 clamp_len=settings.clamp_len, same_length=settings.same_length)
                 nll = out.nll.float()
@@ -96,12 +104,12 @@ def evaluate_dynamic(
                 memory = out.memory
                 if scored and (lr > 0 or decay > 0):
                     grads = torch.autograd.grad(nll[mask].mean(), params, allow_unused=True)
-                    with torch.no_grad():
+                    with torch.no_grad():  # θ ← θ − η∇L + λ(θ0 − θ), both terms from the θ that scored
                         for p, g, p0 in zip(params, grads, trained, strict=True):
-                            if g is not None and lr > 0:
-                                p.sub_(g.to(p.dtype), alpha=lr)
                             if decay > 0:
                                 p.add_(p0 - p, alpha=decay)
+                            if g is not None and lr > 0:
+                                p.sub_(g.to(p.dtype), alpha=lr)
                 if bar is not None:
                     bar.update(1)
         finally:

@@ -182,6 +182,9 @@ def run_eval(args: argparse.Namespace) -> int:
     if ckpt.model.config.arch == "encoder-decoder":
         from txl.seq2seq.cli import run_eval as run_seq2seq_eval
 
+        if args.dynamic_lr is not None:
+            raise UsageError(f"{ckpt.path} is an encoder-decoder: dynamic evaluation applies to causal LMs")
+
         _check_nonnegative(args, "samples", "max_pairs")
         _check_positive(args, "beam_size")
         return run_seq2seq_eval(args, ckpt, device)

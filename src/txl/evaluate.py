@@ -88,8 +88,8 @@ def attention_length(*, mem_len: int, tgt_len: int, same_length: bool) -> int:
 def fast_bf16(device: torch.device) -> bool:
     """Whether `device` runs bfloat16 matrix products natively (CUDA with bf16 support; an x86 CPU
     with AVX512-BF16 or AMX), so bf16 autocast is a speed-up there rather than an emulation."""
-    if device.type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device.type == "cuda":  # compute capability 8 (Ampere) and later; older GPUs only emulate bf16
+        return torch.cuda.is_available() and torch.cuda.get_device_properties(device).major >= 8
     if device.type == "cpu":
         cpu = getattr(torch, "cpu", None)
         checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
@@ -132,6 +132,19 @@ def runtime_settings(model, *, clamp_len: int | None = None, same_length: bool |
                           same_length=inner.same_length if same_length is None else same_length)
 
 
+def check_segment_settings(model, *, mem_len: int, tgt_len: int, max_tokens: int, same_length: bool | None) -> None:
+    """The settings of reading a split segment by segment with memory (static or dynamic evaluation)."""
+    if mem_len < 0:
+        raise UsageError(f"mem_len must be >= 0, got {mem_len}")
+    if tgt_len < 1:
+        raise UsageError(f"tgt_len must be >= 1, got {tgt_len}")
+    if max_tokens < 0:
+        raise UsageError(f"max_tokens must be >= 0 (0 = the whole split), got {max_tokens}")
+    if (model.same_length if same_length is None else same_length) and mem_len < 1:
+        raise UsageError("same_length needs mem_len >= 1 (each query sees exactly mem_len keys); "
+                         "raise mem_len or turn same_length off")
+
+
 def _check_per_token(per_token: np.ndarray | None, n_targets: int) -> None:
     if per_token is not None and per_token.shape != (n_targets,):
         raise UsageError(f"per_token must have shape ({n_targets},) (one entry per target), got {per_token.shape}")
@@ -169,18 +182,12 @@ def evaluate(
     device = torch.device(device)
     inner = getattr(model, "module", model)
     mem_len = inner.mem_len if mem_len is None else mem_len
-    if mem_len < 0:
-        raise UsageError(f"mem_len must be >= 0, got {mem_len}")
-    if tgt_len < 1 or batch_size < 1:
-        raise UsageError(f"tgt_len and batch_size must be >= 1, got {tgt_len} and {batch_size}")
-    if max_tokens < 0:
-        raise UsageError(f"max_tokens must be >= 0 (0 = the whole split), got {max_tokens}")
+    if batch_size < 1:
+        raise UsageError(f"batch_size must be >= 1, got {batch_size}")
+    check_segment_settings(inner, mem_len=mem_len, tgt_len=tgt_len, max_tokens=max_tokens, same_length=same_length)
     if max_tokens:
         tokens = tokens[: max_tokens + 1]
     _check_per_token(per_token, max(len(tokens) - 1, 0))
-    if (inner.same_length if same_length is None else same_length) and mem_len < 1:
-        raise UsageError("same_length needs mem_len >= 1 (each query sees exactly mem_len keys); "
-                         "raise mem_len or turn same_length off")
     iterator = EvalIterator(tokens, batch_size=batch_size, tgt_len=tgt_len, warm_len=mem_len if warm_memory else 0)
     was_training = model.training
     model.eval()

@@ -43,9 +43,11 @@ class TrainConfig:
     batch_size: int = 22  # global batch: parallel streams over all ranks and micro-batches
     grad_accum: int = 1  # micro-batches per step, each with its own memory (the reference's batch_chunk)
     max_steps: int = 400_000  # optimiser steps; also the cosine schedule's horizon
-    # wall-clock budget (0 = none); the run stops cleanly when it is spent, and the cosine schedule
-    # follows whichever of max_steps and max_minutes is further along (it reaches eta_min at either)
-    max_minutes: float = 0.0
+    max_minutes: float = 0.0  # wall-clock budget (0 = none); the run stops cleanly when it is spent
+    # what the cosine schedule's horizon is: "steps" = max_steps (the reference; bit-exact on resume),
+    # "minutes" = whichever of max_steps and max_minutes is further along, so a run cut by its minutes
+    # ends at eta_min on any machine (the learning rate then depends on the clock: not bit-reproducible)
+    schedule_clock: Literal["steps", "minutes"] = "steps"
     optimizer: Literal["adam", "adamw", "lamb"] = "adam"
     lr: float = 2.5e-4
     weight_decay: float = 0.0

@@ -14,7 +14,7 @@ compute). Runs side by side share the machine: `--jobs` × `--threads` should no
 and nothing else should run meanwhile. Finished runs with the same command are reused (an
 interrupted sweep continues where it stopped); `--fresh` retrains.
 
-Writes recipes_<sweep>.json/.md/.png (or confirm_<sweep>.*) to `--out`.
+Writes recipes_<sweep>.json/.md/.png (or confirm_<sweep>_<candidate>.*) to `--out`.
 """
 
 from __future__ import annotations
@@ -118,7 +118,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--candidates", type=_names, default=(), metavar="LIST",
                         help="candidates to run (default all of the sweep)")
     parser.add_argument("--data", default=None, help="data spec (default: the preset's corpus from its download location)")
-    parser.add_argument("--minutes", type=float, default=10.0, help="wall-clock budget of each run (default 10)")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="wall-clock budget of each run (default: 10 for the proxies, the preset's "
+                             "max_minutes for --confirm)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     parser.add_argument("--jobs", type=int, default=2, help="runs side by side (default 2)")
     parser.add_argument("--confirm", metavar="NAME", default=None,
@@ -259,9 +261,11 @@ def run(args: argparse.Namespace) -> int:
     from txl.bench.common import machine
     from txl.run_config import build_run_config
 
+    sweep = SWEEPS[args.sweep]
+    if args.minutes is None:
+        args.minutes = build_run_config(preset=sweep.preset).train.max_minutes if args.confirm else 10.0
     if args.minutes <= 0 or args.threads < 1 or args.jobs < 1 or args.seeds < 1:
         raise UsageError("--minutes must be > 0 and --threads, --jobs, --seeds >= 1")
-    sweep = SWEEPS[args.sweep]
     known = {c.name: c for c in sweep.candidates}
     wanted = (args.confirm,) if args.confirm else (args.candidates or tuple(known))
     unknown = [name for name in wanted if name not in known]

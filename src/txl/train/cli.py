@@ -80,7 +80,8 @@ def run_cli(args: argparse.Namespace) -> int:
             run = resume_config(out, max_steps=args.max_steps, max_minutes=args.max_minutes)
             if args.data:
                 run.train.data = args.data  # the fingerprints are compared when the checkpoint is restored
-            note = schedule_note(before.train, run.train, saved_step(out))
+            state = saved_state(out)
+            note = schedule_note(before.train, run.train, int(state["step"]), float(state.get("elapsed") or 0.0))
             if note:
                 print(f"note: {note}", file=sys.stderr)
         else:
@@ -139,27 +140,46 @@ def init_model_section(source: str) -> dict:
 
 
 def saved_step(run_dir: Path) -> int:
+    return int(saved_state(run_dir)["step"])
+
+
+def saved_state(run_dir: Path) -> dict:
     from txl.checkpoint import read_json
 
-    return int(read_json(run_dir / LAST / STATE_FILE, "training state")["step"])
+    return read_json(run_dir / LAST / STATE_FILE, "training state")
 
 
-def schedule_note(before, after, step: int) -> str:
-    """What a new step budget does to a resumed run's learning-rate schedule, in one line."""
-    if after.max_steps == before.max_steps:
+def schedule_note(before, after, step: int, elapsed: float = 0.0) -> str:
+    """What a new step or time budget does to a resumed run's learning-rate schedule, in one line
+    (`elapsed`: the run's training seconds so far). A budget already spent is an error."""
+    steps_changed = after.max_steps != before.max_steps
+    minutes_changed = after.max_minutes != before.max_minutes
+    if not (steps_changed or minutes_changed):
         return ""
-    if after.max_steps <= step:
+    if steps_changed and after.max_steps <= step:
         raise UsageError(f"--max-steps {after.max_steps} is not beyond the run's step {step}; give a larger total")
-    if after.schedule == "constant" or (after.schedule == "inv_sqrt" and step >= after.warmup_steps):
-        return f"max_steps {before.max_steps} -> {after.max_steps}; the {after.schedule} schedule does not depend on it"
+    if minutes_changed and 0 < after.max_minutes * 60 <= elapsed:
+        raise UsageError(f"--max-minutes {after.max_minutes:g} is not beyond the run's {elapsed / 60:.1f} minutes of "
+                         "training; give a larger total")
+    change = " and ".join(
+        [f"max_steps {before.max_steps} -> {after.max_steps}"] * steps_changed
+        + [f"max_minutes {before.max_minutes:g} -> {after.max_minutes:g}"] * minutes_changed)
+    by_clock = after.schedule_clock == "minutes"
+    if after.schedule == "constant" or (after.schedule == "inv_sqrt" and step >= after.warmup_steps) or (
+            not steps_changed and not by_clock):
+        return f"{change}; the {after.schedule} schedule does not depend on it"
 
     def lr(cfg, at):
+        spent = elapsed / (60 * cfg.max_minutes) if cfg.schedule_clock == "minutes" and cfg.max_minutes > 0 else 0.0
         return lr_at(at, schedule=cfg.schedule, lr=cfg.lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
-                     eta_min=cfg.eta_min)
+                     eta_min=cfg.eta_min, time_fraction=spent)
 
-    return (f"max_steps {before.max_steps} -> {after.max_steps}: the {after.schedule} schedule now ends at step "
-            f"{after.max_steps}, so the learning rate at step {step} is {lr(after, step):.3g} instead of "
-            f"{lr(before, step):.3g} and decays more slowly from here")
+    horizon = "whichever of max_steps and max_minutes is further along" if by_clock else f"step {after.max_steps}"
+    now, was = lr(after, step), lr(before, step)
+    trend = "the same rate" if abs(now - was) <= 1e-12 * max(abs(was), 1e-30) else (
+        "it decays more slowly from here" if now > was else "it decays faster from here")
+    return (f"{change}: the {after.schedule} schedule now ends at {horizon}, so the learning rate at step {step} "
+            f"is {now:.3g} instead of {was:.3g}; {trend}")
 
 
 def launch(nproc: int) -> int:

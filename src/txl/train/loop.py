@@ -248,7 +248,8 @@ class Trainer:
                     self.check_token_ids(max(int(batch.targets.max()), int(batch.inputs[:, 0].max())), "train")
                 if batch.step == 0:
                     self.memories = [None] * cfg.grad_accum  # memory does not cross epochs
-                spent = self.elapsed / (60 * cfg.max_minutes) if cfg.max_minutes > 0 else 0.0
+                spent = (self.elapsed / (60 * cfg.max_minutes)
+                         if cfg.schedule_clock == "minutes" and cfg.max_minutes > 0 else 0.0)
                 lr = lr_at(self.step, schedule=cfg.schedule, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
                            max_steps=cfg.max_steps, eta_min=cfg.eta_min, time_fraction=spent)
                 nll_sum, count = self.train_step(batch)
