@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from txl.bench.cli import BENCHES
-from txl.bench.common import SHAPES, Shape, hf_available
+from txl.bench.common import SHAPES, Shape, hf_available, shape_named
 from txl.bench.mfu import forward_flops, train_step_flops
 from txl.cli import main
 
@@ -51,7 +51,7 @@ def test_train_bench_times_a_presets_shape(preset, tmp_path, capsys, monkeypatch
     from txl.run_config import load_preset
 
     values = load_preset(preset)
-    shape = SHAPES[preset]  # the preset's own model, segment, memory and batch
+    shape = shape_named(preset)  # the preset's own model, segment, memory and batch
     assert (shape.n_layer, shape.d_model, shape.mem_len) == tuple(values["model"][k] for k in ("n_layer", "d_model", "mem_len"))
     assert (shape.tgt_len, shape.batch) == (values["train"]["tgt_len"], values["train"]["batch_size"])
     assert shape.model_config().cutoffs == tuple(values["model"].get("cutoffs", ()))
@@ -167,6 +167,14 @@ def test_each_bench_has_help(name, capsys):
     with pytest.raises(SystemExit) as info:
         main(["bench", name, "--help"])
     assert info.value.code == 0 and "--json" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["arena", "--variants", "xl,shaw,xl"],
+                                  ["recipes", "--sweep", "ptb-char", "--candidates", "centre,centre"]])
+def test_a_run_named_twice_is_refused_before_anything_trains(argv, capsys):
+    with pytest.raises(SystemExit) as info:  # two jobs would share one run directory
+        main(["bench", *argv])
+    assert info.value.code == 2 and "named twice" in capsys.readouterr().err
 
 
 def test_arena_variants_get_the_reference_parameter_count():

@@ -49,8 +49,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "txl.plot:run_cli",
     ),
     "bench": (
-        "speed and memory benchmarks: train, eval, generate, mfu, kernel, curve, eval-speedup, attention-scaling, "
-        "arena, all",
+        "benchmarks and studies: train, eval, generate, mfu, kernel, curve, eval-speedup, attention-scaling, "
+        "arena, claims, recipes, all",
         "txl.bench.cli:configure",
         "txl.bench.cli:run",
     ),

@@ -263,7 +263,7 @@ def _run_sweep(args: argparse.Namespace, ckpt, mem_lens: list[int], common: dict
 
     import torch
 
-    from txl.evaluate import evaluate_checkpoint, plot_sweep, sweep_markdown
+    from txl.evaluate import evaluate_checkpoint, plot_sweep, resolve_precision, sweep_markdown
 
     results = []
     for mem_len in mem_lens:
@@ -283,7 +283,7 @@ def _run_sweep(args: argparse.Namespace, ckpt, mem_lens: list[int], common: dict
               + (f", first {args.max_tokens:,} targets" if args.max_tokens else "") + "\n"
               f"- settings: tgt_len {results[0].tgt_len}, batch {args.batch_size} streams, warm memory "
               f"{args.warm_memory}, same_length {results[0].same_length}, clamp_len {results[0].clamp_len}, "
-              f"{args.precision}\n"
+              f"{resolve_precision(args.precision, common['device'])}\n"
               f"- {memory_meaning(config)}\n"
               f"- machine: {_cpu_name() or platform.machine()}, {torch.get_num_threads()} torch threads, torch "
               f"{torch.__version__}, {time.strftime('%Y-%m-%d')}\n\n")

@@ -200,7 +200,9 @@ def context_losses(
     With `cache` (a directory), each context's losses are stored as .npy and reused on the next run.
     `max_context` (window mode): the model reads at most this many previous tokens, so l(c, t) =
     l(max_context, t) for longer c (a vanilla Transformer's fixed context; see `fixed_context`)."""
-    from txl.evaluate import context_nll, evaluate
+    import torch
+
+    from txl.evaluate import context_nll, evaluate, resolve_precision
 
     if mode not in MODES:
         raise UsageError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -217,7 +219,8 @@ def context_losses(
             continue
         path = None
         if cache is not None:
-            digest = hashlib.sha256(f"{cache_key}|{mode}|{c}|{tgt_len}|{batch_size}|{precision}".encode())
+            used = resolve_precision(precision, torch.device(device))  # `auto` keyed by what it became
+            digest = hashlib.sha256(f"{cache_key}|{mode}|{c}|{tgt_len}|{batch_size}|{used}".encode())
             digest.update(np.ascontiguousarray(positions, dtype=np.int64).tobytes())
             path = Path(cache) / f"losses-{mode}-c{c}-{digest.hexdigest()[:16]}.npy"
             if path.exists():

@@ -32,7 +32,7 @@ TRAIN_UPPER_BOUNDS = {
     "tgt_len": _LENGTH, "batch_size": _LENGTH, "grad_accum": _LENGTH, "eval_tgt_len": _LENGTH,
     "eval_mem_len": _LENGTH, "eval_batch_size": _LENGTH, "sample_tokens": _LENGTH, "max_steps": _STEPS,
     "warmup_steps": _STEPS, "log_interval": _STEPS, "eval_interval": _STEPS, "save_interval": _STEPS,
-    "eval_max_tokens": 1 << 62, "max_nonfinite": _STEPS,
+    "eval_max_tokens": 1 << 62, "final_max_tokens": 1 << 62, "max_nonfinite": _STEPS,
 }
 
 
@@ -100,8 +100,8 @@ class TrainConfig:
         for name in ("warmup_steps", "save_interval", "eval_tgt_len", "eval_max_tokens", "sample_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
-        if self.final_max_tokens is not None and not 0 <= self.final_max_tokens <= TRAIN_UPPER_BOUNDS["eval_max_tokens"]:
-            raise ConfigError(f"train.final_max_tokens must be between 0 and 2^62, got {self.final_max_tokens}")
+        if self.final_max_tokens is not None and self.final_max_tokens < 0:
+            raise ConfigError(f"train.final_max_tokens must be >= 0, got {self.final_max_tokens}")
         if self.eval_mem_len is not None and self.eval_mem_len < 0:
             raise ConfigError(f"train.eval_mem_len must be >= 0, got {self.eval_mem_len}")
         for name, limit in TRAIN_UPPER_BOUNDS.items():

@@ -112,6 +112,9 @@ REFERENCE = "xl"
 
 def _names(text: str) -> tuple[str, ...]:
     names = tuple(x.strip() for x in text.split(",") if x.strip())
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # two jobs would train in one run directory
+        raise argparse.ArgumentTypeError(f"variant(s) named twice: {', '.join(twice)}")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown arena variant(s) {', '.join(unknown)}; "
@@ -185,20 +188,25 @@ def command(variant: Variant, d_inner: int, args: argparse.Namespace, *, seed: i
 SEED_KEYS = ("valid", "steps", "tokens_per_second", "peak_rss_mb", "command")
 
 
-def plan_item(variant: Variant, d_inner: int, args: argparse.Namespace, *, seed: int | None = None) -> dict:
-    """One planned run (the first pass: the preset's seed; else `seed` in `<name>-seed<seed>`), marked
-    finished when its directory holds a finished run of the same command (reused, not retrained)."""
-    run_name = variant.name if seed is None else f"{variant.name}-seed{seed}"
-    argv = command(variant, d_inner, args, seed=seed, name=run_name)
-    line = shell_line(argv, args.threads)
-    run_dir = Path(args.runs) / run_name
-    item = {"name": variant.name, "about": variant.about, "d_inner": d_inner, "argv": argv, "command": line,
-            "run_dir": str(run_dir), "peak_rss_mb": None, "mlm": variant.mlm, "seed": seed}
-    stamp = None if args.fresh else finished_stamp(run_dir, line)
+def planned_run(argv: list[str], run_dir: Path, *, threads: int, fresh: bool, **fields) -> dict:
+    """One planned `txl train` run for `train_variants` (arena, claims, recipes): its argv, its shell
+    line and `fields`; marked finished (peak_rss_mb set) when `run_dir` holds a finished run of the
+    same command, which is then reused instead of retrained (unless `fresh`)."""
+    line = shell_line(argv, threads)
+    item = {**fields, "argv": argv, "command": line, "run_dir": str(run_dir), "peak_rss_mb": None}
+    stamp = None if fresh else finished_stamp(run_dir, line)
     if stamp:
         item["peak_rss_mb"] = stamp["peak_rss_mb"]
-        print(f"reusing {run_name}: {run_dir} (same command; --fresh retrains)")
+        print(f"reusing {run_dir.name}: {run_dir} (same command; --fresh retrains)")
     return item
+
+
+def plan_item(variant: Variant, d_inner: int, args: argparse.Namespace, *, seed: int | None = None) -> dict:
+    """One arena run (the first pass: the preset's seed; else `seed` in `<name>-seed<seed>`)."""
+    run_name = variant.name if seed is None else f"{variant.name}-seed{seed}"
+    argv = command(variant, d_inner, args, seed=seed, name=run_name)
+    return planned_run(argv, Path(args.runs) / run_name, threads=args.threads, fresh=args.fresh,
+                       name=variant.name, about=variant.about, d_inner=d_inner, mlm=variant.mlm, seed=seed)
 
 
 def shell_line(argv: list[str], threads: int) -> str:
@@ -323,7 +331,7 @@ def noise_section(rows: list[dict], metric: str) -> list[str]:
     for a, b in zip(seeded, seeded[1:], strict=False):
         (mean_a, sd_a), (mean_b, sd_b) = seed_spread(a), seed_spread(b)
         gap, spread = mean_b - mean_a, (sd_a ** 2 + sd_b ** 2) ** 0.5
-        ratio = gap / spread if spread > 0 else float("inf")
+        ratio = gap / spread if spread > 0 else (float("inf") if gap > 0 else 0.0)
         verdict = "a difference" if ratio > 2 else "within the noise"
         lines.append(f"- {a['name']} < {b['name']}: gap {gap:.4f} {metric}, {ratio:.1f}× the combined spread: "
                      f"{verdict}")

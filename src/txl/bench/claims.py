@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from txl.bench.arena import finished_stamp, shell_line, train_variants
+from txl.bench.arena import planned_run, train_variants
 from txl.errors import UsageError
 from txl.rundir import save_array, write_text
 
@@ -182,16 +182,11 @@ def plan_runs(args: argparse.Namespace) -> list[dict]:
                 for s in [*sets, *variant.size_sets(size), f"train.seed={seed}"]:
                     argv += ["--set", s]
                 argv += ["--out", str(run_dir)]
-                line = shell_line(argv, args.threads)
-                item = {"name": f"{corpus}/{name}-s{seed}", "corpus": corpus, "spec": spec, "variant": name,
-                        "seed": seed, "about": variant.about, "size": f"{variant.knob} {size}", "parameters": params,
-                        "trained_mem": trained_mem([*sets, *variant.size_sets(size)], vocab_size),
-                        "target_parameters": target, "argv": argv, "command": line, "run_dir": str(run_dir),
-                        "peak_rss_mb": None}
-                stamp = finished_stamp(run_dir, line)
-                if stamp:
-                    item["peak_rss_mb"] = stamp["peak_rss_mb"]
-                plan.append(item)
+                plan.append(planned_run(
+                    argv, run_dir, threads=args.threads, fresh=False, name=f"{corpus}/{name}-s{seed}", corpus=corpus,
+                    spec=spec, variant=name, seed=seed, about=variant.about, size=f"{variant.knob} {size}",
+                    parameters=params, trained_mem=trained_mem([*sets, *variant.size_sets(size)], vocab_size),
+                    target_parameters=target))
         mine = [i for i in plan if i["corpus"] == corpus]
         memory = [i["trained_mem"] for i in mine if i["variant"] == REFERENCE] or [max(i["trained_mem"] for i in mine)]
         for i in mine:  # the ablation evaluates every row with the reference's training memory

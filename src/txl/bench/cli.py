@@ -7,7 +7,7 @@ import argparse
 import importlib
 import importlib.util
 
-from txl.bench.common import SHAPES
+from txl.bench.common import CONFIG_NAMES
 
 # NAME -> module providing TITLE, run(options) and table(result) (see txl/bench/__init__.py).
 BENCHES: dict[str, str] = {
@@ -87,7 +87,7 @@ def add_shared_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | N
     every benchmark's arguments have the same attributes."""
     flags = {
         "json": (("--json",), dict(metavar="FILE", help="also write the results as JSON")),
-        "config": (("--config",), dict(choices=list(SHAPES), default="tiny",
+        "config": (("--config",), dict(choices=list(CONFIG_NAMES), default="tiny",
                                        help="tiny: 4×128, tgt=mem=128, batch 8; base: enwik8-base 12×512, "
                                             "tgt=mem=512, batch 2; a preset's name: the shape it trains "
                                             "(random tokens, its corpus's vocabulary size)")),

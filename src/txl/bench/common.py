@@ -67,18 +67,19 @@ class Shape:
 def preset_shape(preset: str, vocab: int) -> Shape:
     """A training preset's model, segment, memory and batch as a benchmark shape (random tokens from a
     vocabulary of its corpus's size), so `txl bench train/mfu --config PRESET` times the shape that
-    preset trains."""
-    from txl.run_config import load_preset
+    preset trains. Every value comes from the preset as `txl train` resolves it (defaults included)."""
+    from txl.run_config import build_run_config
 
-    values = load_preset(preset)
-    model, train = dict(values.get("model", {})), values.get("train", {})
-    core = {key: model.pop(key) for key in ("n_layer", "d_model", "n_head", "d_head", "d_inner", "mem_len")}
-    dropout = model.pop("dropout", 0.1)
-    extra = tuple(sorted((key, tuple(v) if isinstance(v, list) else v) for key, v in model.items()))
-    tgt_len = train["tgt_len"]
-    return Shape(preset, **core, tgt_len=tgt_len, batch=train["batch_size"], vocab=vocab, dropout=dropout,
-                 eval_tgt_len=train.get("eval_tgt_len") or tgt_len, eval_batch=train.get("eval_batch_size", 10),
-                 eval_mem_lens=(core["mem_len"],), extra=extra)
+    run = build_run_config(preset=preset)
+    config = run.model_config(vocab_size=vocab)
+    core = ("n_layer", "d_model", "n_head", "d_head", "d_inner", "mem_len")
+    extra = tuple(sorted((key, tuple(v) if isinstance(v := getattr(config, key), list | tuple) else v)
+                         for key in run.model if key not in (*core, "dropout")))
+    train = run.train
+    return Shape(preset, **{key: getattr(config, key) for key in core}, tgt_len=train.tgt_len,
+                 batch=train.batch_size, vocab=vocab, dropout=config.dropout,
+                 eval_tgt_len=train.eval_tgt_len or train.tgt_len, eval_batch=train.eval_batch_size,
+                 eval_mem_lens=(config.mem_len,), extra=extra)
 
 
 SHAPES: dict[str, Shape] = {
@@ -88,9 +89,19 @@ SHAPES: dict[str, Shape] = {
     "base": Shape("base", n_layer=12, d_model=512, n_head=8, d_head=64, d_inner=2048, tgt_len=512, mem_len=512,
                   batch=2, eval_tgt_len=128, eval_batch=16, eval_mem_lens=(128, 512, 1600, 3800)),
 }
-# the CPU-hour presets and the ones they replace (issue 23), with their corpora's vocabulary sizes
+# Presets `--config` also takes (the CPU-hour presets and the ones they replace, issue 23), with their
+# corpora's vocabulary sizes; their shapes are read from the preset files when first asked for.
 PRESET_VOCABS = {"ptb-char-small": 50, "ptb-word-small": 10_000, "ptb-char-hour": 50, "ptb-word-hour": 10_000}
-SHAPES.update({name: preset_shape(name, vocab) for name, vocab in PRESET_VOCABS.items()})
+CONFIG_NAMES = (*SHAPES, *PRESET_VOCABS)
+
+
+def shape_named(name: str) -> Shape:
+    """A `--config` name's shape: a built-in one, or a preset's (read once, then kept in SHAPES)."""
+    if name not in SHAPES and name in PRESET_VOCABS:
+        SHAPES[name] = preset_shape(name, PRESET_VOCABS[name])
+    if name not in SHAPES:
+        raise UsageError(f"unknown bench config {name!r}; choose one of {', '.join(CONFIG_NAMES)}")
+    return SHAPES[name]
 
 
 @dataclass
@@ -112,9 +123,7 @@ class BenchOptions:
 
     @property
     def shape(self) -> Shape:
-        if self.config not in SHAPES:
-            raise UsageError(f"unknown bench config {self.config!r}; choose one of {', '.join(SHAPES)}")
-        return SHAPES[self.config]
+        return shape_named(self.config)
 
     def with_(self, **changes) -> BenchOptions:
         return replace(self, **changes)

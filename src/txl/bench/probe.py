@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
-from txl.bench.common import SHAPES, peak_rss_mb, rss_mb
+from txl.bench.common import peak_rss_mb, rss_mb, shape_named
 
 
 def main(argv: list[str]) -> int:
@@ -19,7 +19,7 @@ def main(argv: list[str]) -> int:
 
     if payload.get("threads"):
         torch.set_num_threads(payload["threads"])
-    shape = SHAPES[payload["config"]]
+    shape = shape_named(payload["config"])
     if kind == "train":
         from txl.bench.train import make_step
 

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from txl.bench.arena import finished_stamp, shell_line, train_variants
+from txl.bench.arena import planned_run, train_variants
 from txl.errors import UsageError
 from txl.rundir import write_text
 
@@ -110,7 +110,11 @@ SWEEPS: dict[str, Sweep] = {
 
 
 def _names(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # two jobs would train in one run directory
+        raise argparse.ArgumentTypeError(f"candidate(s) named twice: {', '.join(twice)}")
+    return names
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -150,15 +154,8 @@ def command(sweep: Sweep, candidate: Candidate, args: argparse.Namespace, *, run
 def plan_item(sweep: Sweep, candidate: Candidate, args: argparse.Namespace, *, run_name: str,
               seed: int | None = None, confirm: bool = False) -> dict:
     argv = command(sweep, candidate, args, run_name=run_name, seed=seed, confirm=confirm)
-    line = shell_line(argv, args.threads)
-    run_dir = Path(args.runs) / run_name
-    item = {"name": candidate.name, "about": candidate.about, "changes": list(candidate.sets), "argv": argv,
-            "command": line, "run_dir": str(run_dir), "peak_rss_mb": None, "seed": seed}
-    stamp = None if args.fresh else finished_stamp(run_dir, line)
-    if stamp:
-        item["peak_rss_mb"] = stamp["peak_rss_mb"]
-        print(f"reusing {run_name}: {run_dir} (same command; --fresh retrains)")
-    return item
+    return planned_run(argv, Path(args.runs) / run_name, threads=args.threads, fresh=args.fresh,
+                       name=candidate.name, about=candidate.about, changes=list(candidate.sets), seed=seed)
 
 
 def collect(item: dict) -> dict:
