@@ -41,7 +41,17 @@ def test_train_bench(smoke_shape, tmp_path, capsys):
     result, text = run_cli(["train", "--steps", "1", "--warmup", "0", "--no-rss"], tmp_path, capsys)
     assert [row["contender"] for row in result["rows"]] == ["txl-eager", "txl-fast"]
     assert all(row["tokens_per_s"] > 0 for row in result["rows"])
-    assert "| txl-fast |" in text and "cpu" in result["machine"]
+    assert "| txl-fast |" in text and "cpu" in result["machine"] and result["profiles"] == {}
+
+
+def test_train_bench_profiles_where_a_step_goes(smoke_shape, tmp_path, capsys):
+    result, text = run_cli(["train", "--steps", "1", "--warmup", "0", "--no-rss", "--impl", "fast", "--profile", "2"],
+                           tmp_path, capsys)
+    ops = result["profiles"]["txl-fast"]
+    assert 0 < len(ops) <= 25 and all(op["self_ms_per_step"] >= 0 for op in ops)
+    assert ops == sorted(ops, key=lambda op: -op["self_ms_per_step"]) and sum(op["percent"] for op in ops) <= 100.001
+    assert any("mm" in op["op"] or "linear" in op["op"] for op in ops)  # a training step multiplies matrices
+    assert "**profile of txl-fast**" in text
 
 
 @pytest.mark.parametrize("preset", ["ptb-char-small", "ptb-word-small"])

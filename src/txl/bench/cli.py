@@ -73,7 +73,7 @@ SUMMARIES: dict[str, str] = {
 # The shared flags and which benchmarks read them (a benchmark shows only its own).
 _COMMON = ("json", "config", "precision", "steps", "warmup", "threads", "quick")
 FLAGS_OF: dict[str, tuple[str, ...]] = {
-    "train": (*_COMMON, "against", "impl", "no_rss"),
+    "train": (*_COMMON, "against", "impl", "no_rss", "profile"),
     "eval": (*_COMMON, "against", "impl", "mem_lens", "no_rss"),
     "generate": (*_COMMON, "impl", "context"),
     "mfu": (*_COMMON, "impl"),
@@ -105,6 +105,9 @@ def add_shared_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | N
                                            help="memory lengths to sweep (default: the benchmark's)")),
         "context": (("--context",), dict(type=int, default=1024, help="context length (default 1024)")),
         "no_rss": (("--no-rss",), dict(action="store_true", help="skip the peak-RSS subprocesses")),
+        "profile": (("--profile",), dict(type=int, default=0, metavar="N",
+                                         help="also profile N more steps of each contender and list the operators "
+                                              "that take the most time (default 0: off)")),
         "quick": (("--quick",), dict(action="store_true", help="few steps and small shapes: a smoke run")),
         "out": (("--out",), dict(default="docs", help="directory for benchmarks.md and the plots (default docs)")),
     }
@@ -158,7 +161,9 @@ def options_from(args: argparse.Namespace):
         if impl not in ATTENTION_IMPLS:
             raise UsageError(f"--impl {impl!r} is not an attention implementation ({', '.join(ATTENTION_IMPLS)})")
     quick = args.quick
-    extra = {"context": args.context}
+    if args.profile < 0:
+        raise UsageError(f"--profile must be >= 0, got {args.profile}")
+    extra = {"context": args.context, "profile": args.profile}
     if args.name == "mfu" and args.precision is None:
         extra["precisions"] = ["fp32", "bf16"]
     return BenchOptions(

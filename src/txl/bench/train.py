@@ -95,6 +95,8 @@ def run(options: BenchOptions) -> dict:
     steps = {name: make_step(name, shape, options.precision, seed=options.seed) for name in names}
     timing = interleaved_medians(steps, warmup=options.warmup, timed=options.steps)
     tokens = shape.batch * shape.tgt_len
+    profiles = {name: profile_steps(step, options.extra["profile"]) for name, step in steps.items()} if (
+        options.extra.get("profile")) else {}
     rows = []
     for name in names:
         row = {"contender": name, "tokens_per_s": tokens / timing[name]["median_s"],
@@ -118,7 +120,22 @@ def run(options: BenchOptions) -> dict:
         "machine": machine(),
         "rows": rows,
         "timing": timing,
+        "profiles": profiles,
     }
+
+
+def profile_steps(step: Callable[[], float], n: int, *, top: int = 25) -> list[dict]:
+    """Run `step` n more times under the torch profiler (CPU): the operators with the most self time,
+    per step, with their share of the profiled time (where a training step's time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            step()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    return [{"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 1000 / n, "calls_per_step": e.count / n,
+             "percent": 100 * e.self_cpu_time_total / total} for e in events[:top]]
 
 
 def table(result: dict) -> str:
@@ -127,4 +144,9 @@ def table(result: dict) -> str:
     columns += [(k, h) for k, h in (("x_hf", "× HF"), ("x_txl-eager", "× eager"), ("peak_rss_mb", "peak RSS MiB"))
                 if k in keys]
     head = f"**{result['config']}, {result['precision']}** — {result['shape']}\n\n"
-    return head + markdown_table(result["rows"], columns)
+    text = head + markdown_table(result["rows"], columns)
+    for name, ops in (result.get("profiles") or {}).items():
+        text += (f"\n\n**profile of {name}** (self time per step, the {len(ops)} costliest operators)\n\n"
+                 + markdown_table(ops, [("op", "operator"), ("self_ms_per_step", "ms/step"),
+                                        ("calls_per_step", "calls/step"), ("percent", "% of time")]))
+    return text
