@@ -271,7 +271,7 @@ def test_recipe_sweep_ranks_proxies_then_confirms_with_seeds(tmp_path, capsys):
         lrs = [r["lr"] for r in metrics if r.get("split") == "train"]
         assert lrs[-1] < lrs[0]  # the cosine follows the minutes although max_steps is never reached
     text = (tmp_path / "docs" / "recipes_ptb-char.md").read_text()
-    assert "| mem-0 | `model.mem_len=0` |" in text and (tmp_path / "docs" / "recipes_ptb-char.png").stat().st_size > 0
+    assert "| mem-0 | preset | `model.mem_len=0` |" in text and (tmp_path / "docs" / "recipes_ptb-char.png").stat().st_size > 0
     capsys.readouterr()
     assert main([*argv, "--confirm", "mem-0", "--seeds", "2"]) == 0
     report = json.loads((tmp_path / "docs" / "confirm_ptb-char_mem-0.json").read_text())
@@ -282,6 +282,19 @@ def test_recipe_sweep_ranks_proxies_then_confirms_with_seeds(tmp_path, capsys):
     assert "Test bpc:" in (tmp_path / "docs" / "confirm_ptb-char_mem-0.md").read_text()
     assert main([*argv[:5], "nope", *argv[6:]]) == 2
     assert "unknown candidate(s) nope" in capsys.readouterr().err
+    # a step budget (e.g. bf16 against fp32 over the same steps), two seeds each, in its own directories
+    steps = [*argv[:5], "centre,fp32", *argv[8:], "--steps", "4", "--seeds", "2"]
+    assert main(steps) == 0
+    report = json.loads((tmp_path / "docs" / "recipes_ptb-char_4steps.json").read_text())
+    assert sorted((r["name"], r["seed"] or 0) for r in report["rows"]) == [
+        ("centre", 0), ("centre", 1112), ("fp32", 0), ("fp32", 1112)]  # 0: the preset's seed, no --seed
+    assert all(r["steps"] == 4 for r in report["rows"])
+    assert {r["precision"] for r in report["rows"] if r["name"] == "fp32"} == {"fp32"}
+    assert (tmp_path / "runs" / "ptb-char-fp32-4steps-seed1112").is_dir()
+    assert (tmp_path / "runs" / "ptb-char-centre" / "result.json").is_file()  # the minute proxies are untouched
+    text = (tmp_path / "docs" / "recipes_ptb-char_4steps.md").read_text()
+    assert "4-step proxies" in text and "| fp32 |" in text and "gap to centre" in text
+    assert main([*steps, "--minutes", "1"]) == 2 and "not both" in capsys.readouterr().err
 
 
 def test_every_attention_scaling_variant_builds_and_runs_one_layer():

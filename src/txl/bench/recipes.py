@@ -49,7 +49,7 @@ class Sweep:
 
 # Proxy runs validate once at the end on the whole valid split and write no sample.
 PROXY_SETS = ("train.eval_interval=1000000000", "train.eval_max_tokens=0", "train.final_splits=[]",
-              "train.sample_tokens=0", "train.max_steps=1000000000", "train.log_interval=25")
+              "train.sample_tokens=0", "train.log_interval=25")
 # Confirmations: validation every few minutes' worth of steps on a slice, the final splits whole.
 CONFIRM_SETS = ('train.final_splits=["valid", "test"]', "train.final_max_tokens=0")
 
@@ -125,11 +125,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--minutes", type=float, default=None,
                         help="wall-clock budget of each run (default: 10 for the proxies, the preset's "
                              "max_minutes for --confirm)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="a step budget instead of minutes: every candidate trains the same steps (what a step "
+                             "learns, e.g. bf16 against fp32), the cosine over those steps")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     parser.add_argument("--jobs", type=int, default=2, help="runs side by side (default 2)")
     parser.add_argument("--confirm", metavar="NAME", default=None,
                         help="train this candidate with --seeds seeds and score valid and test whole")
-    parser.add_argument("--seeds", type=int, default=2, help="seeds of a --confirm (default 2)")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help="seeds per candidate (default 1; --confirm: 2); the spread is reported next to the gaps")
     parser.add_argument("--runs", default="runs/recipes", help="directory of the run directories (default runs/recipes)")
     parser.add_argument("--out", default="docs/cpu_hour", help="directory for the tables and plots (default docs/cpu_hour)")
     parser.add_argument("--fresh", action="store_true", help="retrain runs that already finished")
@@ -142,7 +146,11 @@ def command(sweep: Sweep, candidate: Candidate, args: argparse.Namespace, *, run
     argv = ["txl", "train", "--preset", sweep.preset]
     if args.data:
         argv += ["--data", args.data]
-    argv += ["--max-minutes", f"{args.minutes:g}"]
+    if args.steps:  # the same steps for everyone; the schedule over them
+        argv += ["--max-steps", str(args.steps), "--set", "train.max_minutes=0"]
+    else:  # the same minutes; the schedule over them
+        argv += ["--max-minutes", f"{args.minutes:g}", "--set", "train.max_steps=1000000000", "--set",
+                 "train.schedule_clock=minutes"]
     if seed is not None:
         argv += ["--seed", str(seed)]
     for s in (*(CONFIRM_SETS if confirm else PROXY_SETS), *sweep.centre, *candidate.sets, *args.sets):
@@ -182,18 +190,38 @@ def collect(item: dict) -> dict:
     }
 
 
+def budget_words(report: dict) -> tuple[str, str]:
+    """(short, long) descriptions of the runs' budget: minutes of wall clock, or steps."""
+    if report.get("steps"):
+        return f"{report['steps']:,}-step", f"{report['steps']:,} steps (the cosine schedule over them)"
+    return (f"{report['minutes']:g}-minute",
+            f"{report['minutes']:g} minutes of training wall clock (the cosine schedule follows the minutes)")
+
+
+def seed_summary(rows: list[dict], key: str = "valid") -> list[dict]:
+    """Per candidate: its seeds' values of `key`, their mean and sample standard deviation."""
+    names = list(dict.fromkeys(r["name"] for r in rows))
+    out = []
+    for name in names:
+        values = [r[key] for r in rows if r["name"] == name and r[key] is not None]
+        if values:
+            out.append({"name": name, "values": values, "mean": statistics.mean(values),
+                        "sd": statistics.stdev(values) if len(values) > 1 else None})
+    return out
+
+
 def markdown(report: dict) -> str:
     from txl.bench.common import machine_markdown
 
     rows, metric = report["rows"], report["rows"][0]["metric"] if report["rows"] else "bpc"
     confirm = report.get("confirm")
-    title = (f"# Confirmation: `{confirm}` of the {report['sweep']} sweep, {report['minutes']:g} minutes, "
-             f"{len(rows)} seed(s)") if confirm else f"# Recipe sweep: {report['sweep']}, {report['minutes']:g}-minute proxies"
+    short, long = budget_words(report)
+    title = (f"# Confirmation: `{confirm}` of the {report['sweep']} sweep, {short} runs, {len(rows)} seed(s)"
+             if confirm else f"# Recipe sweep: {report['sweep']}, {short} proxies")
     lines = [
         title, "",
         f"Written by `txl bench recipes` (src/txl/bench/recipes.py). {report['about']}. Every row is one `txl train "
-        f"--preset {report['preset']}` run with the centre recipe and the row's changes, cut by "
-        f"{report['minutes']:g} minutes of training wall clock (the cosine schedule follows the minutes), "
+        f"--preset {report['preset']}` run with the centre recipe and the row's changes, for {long}, "
         f"{report['threads']} torch thread(s), {report['jobs']} run(s) side by side, then scored with its best weights "
         "on the whole split(s).", "",
         f"Centre recipe: `{' '.join(report['centre'])}`", "",
@@ -210,12 +238,29 @@ def markdown(report: dict) -> str:
         spread = f" ± {statistics.stdev(tests):.4f} (sample sd)" if len(tests) > 1 else ""
         lines += ["", f"Test {metric}: {', '.join(f'{t:.4f}' for t in tests)}; mean {statistics.mean(tests):.4f}{spread}."]
     else:
-        lines += [f"| candidate | changes | params | steps | tokens (M) | tokens/s | precision | valid {metric} | "
-                  "peak RSS (MB) |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| candidate | seed | changes | params | steps | tokens (M) | tokens/s | precision | valid {metric} | "
+                  "peak RSS (MB) |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(rows, key=lambda r: (r["valid"] is None, r["valid"] or 0)):
             changes = " ".join(f"`{c}`" for c in r["changes"]) or "—"
-            lines.append(f"| {r['name']} | {changes} | {r['parameters']:,} | {r['steps']:,} | {r['tokens'] / 1e6:.2f} | "
-                         f"{r['tokens_per_second']:,.0f} | {r['precision']} | {r['valid']:.4f} | {r['peak_rss_mb']:,.0f} |")
+            lines.append(f"| {r['name']} | {r['seed'] or 'preset'} | {changes} | {r['parameters']:,} | {r['steps']:,} | "
+                         f"{r['tokens'] / 1e6:.2f} | {r['tokens_per_second']:,.0f} | {r['precision']} | "
+                         f"{r['valid']:.4f} | {r['peak_rss_mb']:,.0f} |")
+        summary = seed_summary(rows)
+        if any(s["sd"] is not None for s in summary):
+            centre = next((s for s in summary if s["name"] == "centre"), None)
+            lines += ["", "Over seeds (mean ± sample sd), and each candidate's gap to the centre against the "
+                          "combined spread sqrt(sd² + sd_centre²):", "",
+                      f"| candidate | valid {metric} per seed | mean ± sd | gap to centre | gap / spread |",
+                      "|---|---|---|---|---|"]
+            for s in sorted(summary, key=lambda s: s["mean"]):
+                gap = ratio = "—"
+                if centre and s is not centre and s["sd"] is not None and centre["sd"] is not None:
+                    spread = (s["sd"] ** 2 + centre["sd"] ** 2) ** 0.5
+                    gap = f"{s['mean'] - centre['mean']:+.4f}"
+                    ratio = f"{(s['mean'] - centre['mean']) / spread:+.1f}" if spread > 0 else "—"
+                sd = f" ± {s['sd']:.4f}" if s["sd"] is not None else ""
+                lines.append(f"| {s['name']} | {', '.join(f'{v:.4f}' for v in s['values'])} | {s['mean']:.4f}{sd} | "
+                             f"{gap} | {ratio} |")
     lines += ["", f"![{metric} against minutes]({report['stem']}.png)", "", "## Reproduce", "", "```",
               *[r["command"] for r in rows], "```", "", f"All of it: `{report['reproduce']}`", ""]
     return "\n".join(lines)
@@ -232,7 +277,7 @@ def plot(report: dict, path: Path) -> None:
     metric = report["rows"][0]["metric"] if report["rows"] else "bpc"
     ends = []
     for index, r in enumerate(report["rows"]):
-        label = f"seed {r['seed']}" if report.get("confirm") else r["name"]
+        label = f"seed {r['seed']}" if report.get("confirm") else r["name"] + (f" (seed {r['seed']})" if r["seed"] else "")
         if r["curve"]:
             xs, ys = zip(*r["curve"], strict=True)
             k = 8  # running mean over 8 log records
@@ -242,7 +287,7 @@ def plot(report: dict, path: Path) -> None:
         if len(r["valid_curve"]) > 1:
             xs, ys = zip(*r["valid_curve"], strict=True)
             ax.plot(xs, ys, color=colours[index % 20], linestyle="--", marker="o", markersize=3, label=f"{label} valid")
-    ax.set_xlabel("training minutes")
+    ax.set_xlabel("training minutes (wall clock)")
     ax.set_ylabel(f"{metric} (train: running mean)")
     ax.set_title(f"{report['sweep']}: " + ("confirmation runs" if report.get("confirm") else "recipe proxies"))
     if ends:
@@ -259,35 +304,48 @@ def run(args: argparse.Namespace) -> int:
     from txl.run_config import build_run_config
 
     sweep = SWEEPS[args.sweep]
-    if args.minutes is None:
+    if args.steps is not None and args.minutes is not None:
+        raise UsageError("give --minutes or --steps, not both")
+    if args.steps is not None and args.steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {args.steps}")
+    if args.minutes is None and not args.steps:
         args.minutes = build_run_config(preset=sweep.preset).train.max_minutes if args.confirm else 10.0
-    if args.minutes <= 0 or args.threads < 1 or args.jobs < 1 or args.seeds < 1:
+    if args.seeds is None:
+        args.seeds = 2 if args.confirm else 1
+    if (args.minutes is not None and args.minutes <= 0) or args.threads < 1 or args.jobs < 1 or args.seeds < 1:
         raise UsageError("--minutes must be > 0 and --threads, --jobs, --seeds >= 1")
+    budget = f"{args.steps}steps" if args.steps else ""
     known = {c.name: c for c in sweep.candidates}
     wanted = (args.confirm,) if args.confirm else (args.candidates or tuple(known))
     unknown = [name for name in wanted if name not in known]
     if unknown:
         raise UsageError(f"unknown candidate(s) {', '.join(unknown)} of sweep {args.sweep}; known: {', '.join(known)}")
+    first = build_run_config(preset=sweep.preset, sets=[*sweep.centre, *args.sets]).train.seed
     if args.confirm:
-        first = build_run_config(preset=sweep.preset, sets=[*sweep.centre, *known[args.confirm].sets,
-                                                             *args.sets]).train.seed
-        plan = [plan_item(sweep, known[args.confirm], args, run_name=f"{args.sweep}-confirm-{args.confirm}-seed{first + k}",
-                          seed=first + k, confirm=True) for k in range(args.seeds)]
-    else:
-        plan = [plan_item(sweep, known[name], args, run_name=f"{args.sweep}-{name}") for name in wanted]
+        plan = [plan_item(sweep, known[args.confirm], args, seed=first + k, confirm=True,
+                          run_name=f"{args.sweep}-confirm-{args.confirm}{'-' + budget if budget else ''}-seed{first + k}")
+                for k in range(args.seeds)]
+    else:  # the first seed without --seed (its command as before); a step budget in its own directories
+        plan = [plan_item(sweep, known[name], args, seed=first + k if k else None,
+                          run_name="-".join([args.sweep, name, *([budget] if budget else []),
+                                             *([f"seed{first + k}"] if k else [])]))
+                for name in wanted for k in range(args.seeds)]
     started = time.time()
     train_variants(plan, args, desc=f"recipes {args.sweep}")
-    flags = ["txl", "bench", "recipes", "--sweep", args.sweep, "--minutes", f"{args.minutes:g}", "--threads",
-             str(args.threads), "--jobs", str(args.jobs)]
-    flags += ["--confirm", args.confirm, "--seeds", str(args.seeds)] if args.confirm else (
+    flags = ["txl", "bench", "recipes", "--sweep", args.sweep,
+             *(["--steps", str(args.steps)] if args.steps else ["--minutes", f"{args.minutes:g}"]),
+             "--threads", str(args.threads), "--jobs", str(args.jobs), "--seeds", str(args.seeds)]
+    flags += ["--confirm", args.confirm] if args.confirm else (
         ["--candidates", ",".join(args.candidates)] if args.candidates else [])
     if args.data:
         flags += ["--data", args.data]
     for s in args.sets:
         flags += ["--set", s]
-    stem = f"confirm_{args.sweep}_{args.confirm}" if args.confirm else f"recipes_{args.sweep}"
+    stem = (f"confirm_{args.sweep}_{args.confirm}" if args.confirm else f"recipes_{args.sweep}") + (
+        f"_{budget}" if budget else "")
     report = {"sweep": args.sweep, "preset": sweep.preset, "about": sweep.about, "centre": list(sweep.centre),
-              "confirm": args.confirm, "minutes": args.minutes, "threads": args.threads, "jobs": args.jobs,
+              "confirm": args.confirm, "minutes": args.minutes, "steps": args.steps, "seeds": args.seeds,
+              "threads": args.threads, "jobs": args.jobs,
               "machine": machine(), "wall_minutes": (time.time() - started) / 60, "stem": stem,
               "reproduce": shlex.join(flags), "rows": [collect(item) for item in plan]}
     out = Path(args.out)
