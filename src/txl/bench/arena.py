@@ -126,7 +126,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", type=_names, default=tuple(VARIANTS), metavar="LIST",
                         help=f"variants to train (default all: {','.join(VARIANTS)})")
     parser.add_argument("--data", default=None, help="data spec, e.g. ptb-char:DIR (default: the preset's ptb-char from its download location)")
-    parser.add_argument("--minutes", type=float, default=6.0, help="training budget of each run (default 6)")
+    parser.add_argument("--minutes", type=float, default=5.0, help="training budget of each run (default 5)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     parser.add_argument("--jobs", type=int, default=2, help="runs side by side (default 2: one per core)")
     parser.add_argument("--runs", default="runs/arena", help="directory of the run directories (default runs/arena)")
