@@ -14,6 +14,7 @@ import torch
 from txl import TransformerXLConfig
 from txl.attention import KERNELS, resolve_kernel
 from txl.attention.xl_fast import fast_attention, rel_shift_fast
+from txl.fast import linear as fast_linear
 from txl.fast.dropout import cheap_dropout
 from txl.fast.memory import projection_key
 from txl.model import TransformerXL
@@ -84,6 +85,37 @@ def test_fast_matches_eager(pos, variant):
     eager, fast = pair(pos_encoding=pos, **EXTRA.get(pos, {}), **VARIANTS[variant])
     assert fast.blocks[0].attn.kernel is fast_attention
     assert_same(eager, fast)
+
+
+@pytest.mark.skipif(fast_linear._ONEDNN is None, reason="no oneDNN linear on this machine")
+@pytest.mark.parametrize("overrides", [{}, {"mem_len": 0}, {"pre_lnorm": True}])
+@pytest.mark.parametrize("pos", ENCODINGS)
+def test_fast_matches_eager_with_every_linear_through_onednn(pos, overrides, monkeypatch):
+    """The parity test's shapes are below the oneDNN linear's break-even, so here every product goes
+    through it. A Function output that is a view once carried a gradient-less `_base`, and the
+    training kernel rebuilt keys and values from it: the key/value projection got no gradient at all
+    in fp32 training at real sizes while every small-shape test passed."""
+    monkeypatch.setattr(fast_linear, "MIN_MACS", 0)
+    monkeypatch.setattr(fast_linear, "MIN_WEIGHT", 0)
+    eager, fast = pair(pos_encoding=pos, **EXTRA.get(pos, {}), **overrides)
+    x = torch.randn(2, 5, 32)
+    assert fast_linear.applies(x, fast.blocks[0].attn.kv_proj.weight)
+    assert_same(eager, fast)
+
+
+def test_packed_kv_never_reads_a_base_that_autograd_does_not_track():
+    """k and v as views of a tensor whose `_base` needs no gradient (a Function's view output): the
+    packed tensor must still carry the gradient back to them."""
+    from txl.attention.xl_fast import packed_kv
+
+    buffer = torch.randn(2 * 7, 2 * 4 * 8)  # (b·n, 2·h·d), as made inside a Function
+    kv = buffer.view(2, 7, 64).requires_grad_()  # a requires-grad view whose _base needs no gradient
+    assert kv._base is buffer and not buffer.requires_grad
+    k, v = kv.view(2, 7, 2, 4, 8).permute(2, 0, 3, 1, 4).unbind(0)
+    packed = packed_kv(k, v)
+    assert packed.requires_grad
+    (packed * torch.arange(packed.numel()).view_as(packed)).sum().backward()
+    torch.testing.assert_close(kv.grad, torch.arange(kv.numel(), dtype=torch.float32).view_as(kv))
 
 
 @pytest.mark.parametrize("overrides", [

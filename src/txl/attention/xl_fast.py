@@ -360,7 +360,11 @@ def packed_kv(k: Tensor, v: Tensor) -> Tensor:
     `as_strided` view of k: autograd would then give v's half of the gradient to nobody.)"""
     b, h, n, d = k.shape
     base = k._base
-    if (base is not None and v._base is base and base.is_contiguous() and base.numel() == b * n * 2 * h * d
+    # A view's `_base` is the tensor autograd tracks only if it requires grad whenever the views do: a
+    # view returned by an autograd.Function has a gradient-less buffer as its `_base`, and reading
+    # that would cut the projection out of the graph (the weight then gets no gradient at all).
+    if (base is not None and v._base is base and (base.requires_grad or not (k.requires_grad or v.requires_grad))
+            and base.is_contiguous() and base.numel() == b * n * 2 * h * d
             and k.stride() == (n * 2 * h * d, d, 2 * h * d, 1) and v.stride() == k.stride()
             and k.storage_offset() == base.storage_offset() and v.storage_offset() == base.storage_offset() + h * d):
         return base.view(b, n, 2 * h * d)

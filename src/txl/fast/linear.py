@@ -110,7 +110,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if not applies(x, weight):
         return F.linear(x, weight, bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
-        return _OneDNNLinear.apply(x, weight, bias)
+        # On 2-d rows, viewed back outside the Function: the op returns an (.., out) input's result as a
+        # view of a 2-d buffer, and a Function output that is a view has that buffer, which autograd
+        # never sees, as its `_base`; a kernel that rebuilds a tensor from its views' `_base`
+        # (`xl_fast.packed_kv`) then read a gradient-less tensor and the weight got no gradient.
+        out = _OneDNNLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
+        return out.view(*x.shape[:-1], weight.shape[0])
     return _onednn(x, weight, bias)
 
 

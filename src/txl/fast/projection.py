@@ -29,12 +29,14 @@ class _ContextProjection(torch.autograd.Function):
         context, weight_c = context.to(dtype), weight.to(dtype)
         ctx.save_for_backward(context, weight_c)
         ctx.fresh_len, ctx.dtypes = fresh.shape[1], (fresh.dtype, weight.dtype)
-        return linear(context, weight_c)
+        # 2-d rows out (`project_context` views them back): a Function output that is a view of a
+        # buffer made inside forward has a `_base` autograd does not know (see `txl.fast.linear.linear`)
+        return linear(context.flatten(0, 1), weight_c)
 
     @staticmethod
     def backward(ctx, grad):
         context, weight = ctx.saved_tensors
-        grad = grad.to(context.dtype)
+        grad = grad.to(context.dtype).view(*context.shape[:2], -1)
         grad_fresh = grad_weight = None
         if ctx.needs_input_grad[1]:
             grad_fresh = input_grad(grad[:, -ctx.fresh_len :], weight).to(ctx.dtypes[0])
@@ -49,4 +51,5 @@ def project_context(context: Tensor, fresh: Tensor, weight: Tensor) -> Tensor:
     device = context.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     with torch.autocast(device, enabled=False):
-        return _ContextProjection.apply(context.detach(), fresh, weight, dtype)
+        rows = _ContextProjection.apply(context.detach(), fresh, weight, dtype)
+    return rows.view(*context.shape[:2], weight.shape[0])
