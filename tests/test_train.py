@@ -287,6 +287,34 @@ def test_precision_auto_is_bf16_only_where_the_device_has_fast_bf16(fast, tmp_pa
     assert run_file["config"]["train"]["precision"] == "auto" and run_file["precision"] == ("bf16" if fast else "fp32")
 
 
+@pytest.mark.parametrize("fp32_seconds, bf16_seconds, chosen", [(2.0, 1.0, True), (1.0, 2.0, False), (1.2, 1.0, False)])
+def test_cpu_bf16_is_chosen_only_when_the_probe_finds_it_faster(fp32_seconds, bf16_seconds, chosen, monkeypatch):
+    """bf16 instructions are not enough on a CPU (AVX512-BF16 without AMX ran bf16 products at 0.5x fp32
+    here): `auto` times both once per process and takes bf16 only when it is >= 1.25x faster."""
+    import txl.evaluate as evaluate
+
+    calls = []
+    monkeypatch.setattr(evaluate, "bf16_instructions", lambda device: True)
+    monkeypatch.setattr(evaluate, "matmul_seconds", lambda dtypes: calls.append(dtypes) or [fp32_seconds, bf16_seconds])
+    monkeypatch.setattr(evaluate, "_CPU_BF16_VERDICT", [])
+    cpu = torch.device("cpu")
+    assert [evaluate.fast_bf16(cpu) for _ in range(3)] == [chosen] * 3
+    assert calls == [(torch.float32, torch.bfloat16)]  # probed once
+    assert evaluate.resolve_precision("auto", cpu) == ("bf16" if chosen else "fp32")
+    monkeypatch.setattr(evaluate, "bf16_instructions", lambda device: False)
+    monkeypatch.setattr(evaluate, "_CPU_BF16_VERDICT", [])
+    assert not evaluate.fast_bf16(cpu) and calls == [(torch.float32, torch.bfloat16)]  # no instructions: no probe
+
+
+def test_matmul_probe_times_each_dtype_and_restores_the_threads():
+    import txl.evaluate as evaluate
+
+    threads = torch.get_num_threads()
+    seconds = evaluate.matmul_seconds((torch.float32, torch.bfloat16), size=64, repeats=2)
+    assert len(seconds) == 2 and all(0 < s < 1 for s in seconds)
+    assert torch.get_num_threads() == threads
+
+
 def test_final_splits_are_scored_whole_with_final_max_tokens_zero(tmp_path, corpus):
     """Validation during training on a slice (eval_max_tokens), the final score on the whole split."""
     from txl.train.finish import finish as finish_run

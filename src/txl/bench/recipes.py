@@ -62,7 +62,8 @@ SWEEPS: dict[str, Sweep] = {
                 "train.optimizer=adam", "train.schedule=cosine", "train.precision=auto"),
         candidates=(
             Candidate("centre", (), "the centre recipe: 6 × 256, tgt = mem = 128, batch 16, lr 1e-3, bf16 where fast"),
-            Candidate("fp32", ("train.precision=fp32",), "the centre in fp32 (what bf16 buys)"),
+            Candidate("fp32", ("train.precision=fp32",), "the centre in fp32"),
+            Candidate("bf16", ("train.precision=bf16",), "the centre in bf16 autocast (fp32 master weights)"),
             Candidate("lr-2e-3", ("train.lr=2e-3",), "learning rate 2e-3"),
             Candidate("lr-5e-4", ("train.lr=5e-4",), "learning rate 5e-4"),
             Candidate("mem-0", ("model.mem_len=0",), "no memory (does the memory pay for itself at this budget?)"),
