@@ -920,3 +920,17 @@ def test_sliding_with_everything_at_once_equals_its_dense_reference(window, dila
     mask = AttentionMask(window=window, global_mask=chosen_tokens(i), memory_tokens=3)
     torch.testing.assert_close(attend(fast, q, k_all, v_all, mask, positions=positions),
                                attend(eager, q, k_all, v_all, mask, positions=positions), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["elu", "relu"])
+def test_linear_feature_map_is_the_formula_with_its_gradient(kind):
+    """φ is shifted in place (one buffer: see txl/attention/linear.py); value and gradient are the formula's."""
+    import torch.nn.functional as F
+
+    from txl.attention.linear import feature_map
+    from txl.attention.performer import FEATURE_EPS
+
+    x = torch.randn(2, 3, 7, 4, dtype=torch.float64, requires_grad=True)
+    formula = (F.elu(x) + 1.0 if kind == "elu" else F.relu(x)) + FEATURE_EPS
+    torch.testing.assert_close(feature_map(x, kind), formula)
+    assert torch.autograd.gradcheck(lambda t: feature_map(t, kind), (x,))

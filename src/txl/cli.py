@@ -105,8 +105,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit codes: 0 done, 2 a user error (one line on stderr), 1 an internal error (a bug: the
     traceback is kept), 130 interrupted, 141 stdout closed early (`txl data list | head -1`)."""
+    from txl.allocator import keep_freed_memory
     from txl.errors import TxlError
 
+    keep_freed_memory()  # large per-step tensors reuse the heap instead of fresh mmap pages (txl/allocator.py)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         build_parser(only="").print_help()  # bare `txl` explains itself; it starts nothing

@@ -107,12 +107,16 @@ def causal_linear_attention(
     key_scale = key_scale.detach()
     # v with a column of ones: every product with it carries the normaliser z = Σ φk along with
     # S = Σ φk vᵀ, so numerator and denominator come out of the same matmuls (half the small ops).
-    v = torch.cat([v, v.new_ones(b, h, n, 1)], dim=-1)  # (b, h, n, d+1)
+    # Appended per group of chunks, not to the whole v: at 32k tokens a (b, h, n, d+1) copy is a
+    # fresh 34 MB buffer, above glibc's largest mmap threshold, i.e. new pages faulted in every call.
+    def with_ones(x: Tensor) -> Tensor:
+        return torch.cat([x, x.new_ones(*x.shape[:-1], 1)], dim=-1)
+
     # Running state in the scale exp(-top): [S | z] = Σ φk e^{s-top} [vᵀ | 1].
     if memory_len:
         top = key_scale[..., :memory_len].amax(-1)  # (b, h)
         weight = (key_scale[..., :memory_len] - top[..., None]).exp()[..., None]
-        state = torch.einsum("bhjm,bhjd->bhmd", phi_k[:, :, :memory_len] * weight, v[:, :, :memory_len])
+        state = torch.einsum("bhjm,bhjd->bhmd", phi_k[:, :, :memory_len] * weight, with_ones(v[:, :, :memory_len]))
     else:
         top = key_scale.new_full((b, h), float("-inf"))
         state = v.new_zeros(b, h, m, d + 1)
@@ -129,7 +133,7 @@ def causal_linear_attention(
 
     q_c = chunked(phi_q, 1.0)  # (b, h, nc, c, m)
     k_c = chunked(phi_k[:, :, memory_len:], 0.0)
-    v_c = chunked(v[:, :, memory_len:], 0.0)  # (b, h, nc, c, d+1)
+    v_c = chunked(v[:, :, memory_len:], 0.0)  # (b, h, nc, c, d); padding keys weigh 0 (scale -inf, features 0)
     s_seg = torch.nn.functional.pad(key_scale[:, :, memory_len:], (0, pad), value=float("-inf"))
     # Each query's scale: the largest stabiliser among the keys it sees (a causal running max);
     # the state entering chunk t is kept in the scale reached at the end of chunk t-1.
@@ -148,6 +152,7 @@ def causal_linear_attention(
         q_c.split(group, 2), k_c.split(group, 2), v_c.split(group, 2), s_c.split(group, 2),
         query_top.split(group, 2), before.split(group, -1), chunk_top.split(group, -1),
     ):
+        v_g = with_ones(v_g)  # (b, h, g, c, d+1)
         # Inside each chunk: the masked quadratic product, for the group's chunks at once.
         exponent = (s_g[..., None, :] - top_g[..., None]).masked_fill_(~causal, float("-inf")).exp_()
         weights = (q_g @ k_g.transpose(-1, -2)).mul_(exponent)  # (b, h, g, c, c), 0 above the diagonal

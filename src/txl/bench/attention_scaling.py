@@ -165,8 +165,10 @@ PROBE_KEYS = ("heads", "d_head", "batch", "pos", "window", "stride", "features",
 def probe_main(payload: dict) -> int:
     import torch
 
+    from txl.allocator import keep_freed_memory
     from txl.bench.common import peak_rss_mb, rss_mb
 
+    keep_freed_memory()  # as every `txl` command does
     args = argparse.Namespace(**payload)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -324,6 +324,10 @@ def machine() -> dict[str, Any]:
     version = hf_available()
     if version:
         info["transformers"] = version
+    from txl.allocator import freed_memory_kept
+
+    info["allocator"] = ("glibc, freed memory kept (txl's default, txl/allocator.py)" if freed_memory_kept()
+                         else "the C library's defaults")
     return info
 
 
@@ -335,6 +339,7 @@ def machine_markdown(info: dict[str, Any]) -> str:
         f"- torch {info.get('torch')}, {info.get('threads')} threads; Python {info.get('python')}; "
         f"transformers {info.get('transformers', 'not installed')}",
         f"- {info.get('platform')}; load average at start {info.get('load_average')}",
+        f"- allocator: {info.get('allocator', '?')}",
     ]
     return "\n".join(lines)
 

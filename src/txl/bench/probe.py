@@ -17,6 +17,10 @@ def main(argv: list[str]) -> int:
     kind, payload = argv[0], json.loads(argv[1])
     import torch
 
+    from txl.allocator import keep_freed_memory
+
+    keep_freed_memory()  # as every `txl` command does
+
     if payload.get("threads"):
         torch.set_num_threads(payload["threads"])
     shape = shape_named(payload["config"])
