@@ -36,7 +36,7 @@ class _ContextProjection(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         context, weight = ctx.saved_tensors
-        grad = grad.to(context.dtype).view(*context.shape[:2], -1)
+        grad = grad.to(context.dtype).reshape(*context.shape[:2], -1)
         grad_fresh = grad_weight = None
         if ctx.needs_input_grad[1]:
             grad_fresh = input_grad(grad[:, -ctx.fresh_len :], weight).to(ctx.dtypes[0])
