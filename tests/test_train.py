@@ -306,6 +306,19 @@ def test_cpu_bf16_is_chosen_only_when_the_probe_finds_it_faster(fp32_seconds, bf
     assert not evaluate.fast_bf16(cpu) and calls == [(torch.float32, torch.bfloat16)]  # no instructions: no probe
 
 
+def test_auto_precision_is_one_decision_across_ranks():
+    from types import SimpleNamespace
+
+    from txl.train.loop import shared_precision
+
+    def ranks(other_vote):  # this rank's vote plus the other rank's, as the all-reduce returns it
+        return SimpleNamespace(world=2, all_sum=lambda values: [values[0] + other_vote])
+
+    assert shared_precision("bf16", ranks(1.0)) == "bf16"
+    assert shared_precision("bf16", ranks(0.0)) == "fp32" and shared_precision("fp32", ranks(1.0)) == "fp32"
+    assert shared_precision("bf16", SimpleNamespace(world=1)) == "bf16"
+
+
 def test_matmul_probe_times_each_dtype_and_restores_the_threads():
     import txl.evaluate as evaluate
 

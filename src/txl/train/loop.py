@@ -46,6 +46,15 @@ from txl.train.state import (
 )
 
 
+def shared_precision(chosen: str, dist) -> str:
+    """What `auto` became on this rank -> what every rank uses: on a CPU it comes from a timed probe
+    (`txl.evaluate.fast_bf16`) that may differ between processes, so bf16 only if every rank chose it."""
+    if dist.world == 1:
+        return chosen
+    votes = dist.all_sum([float(chosen == "bf16")])[0]
+    return "bf16" if votes == dist.world else "fp32"
+
+
 class Trainer:
     def __init__(self, run: RunConfig, out_dir: str | Path, *, device: str = "auto", resume: bool = False,
                  quiet: bool = False, init_from: str | Path | None = None, force: bool = False):
@@ -124,6 +133,8 @@ class Trainer:
                                          weight_decay=self.cfg.weight_decay, betas=self.cfg.adam_betas,
                                          eps=self.cfg.adam_eps)
         self.precision = resolve_precision(self.cfg.precision, self.dist.device)  # `auto` decided once
+        if self.cfg.precision == "auto":
+            self.precision = shared_precision(self.precision, self.dist)
         self.scaler = torch.amp.GradScaler(self.dist.device.type, enabled=self.precision == "fp16")
         if self.seq2seq:  # batch_size pairs per step, bucketed by length
             from txl.seq2seq.data import PairBatches
