@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from txl.bench.cli import BENCHES
+from txl.bench.recipes import SWEEPS
 from txl.bench.common import SHAPES, Shape, hf_available, shape_named
 from txl.bench.mfu import forward_flops, train_step_flops
 from txl.cli import main
@@ -295,6 +296,22 @@ def test_recipe_sweep_ranks_proxies_then_confirms_with_seeds(tmp_path, capsys):
     text = (tmp_path / "docs" / "recipes_ptb-char_4steps.md").read_text()
     assert "4-step proxies" in text and "| fp32 |" in text and "gap to centre" in text
     assert main([*steps, "--minutes", "1"]) == 2 and "not both" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sweep", sorted(SWEEPS))
+def test_every_recipe_candidate_is_a_valid_config(sweep):
+    """Each candidate's keys on top of its sweep's centre and preset build a run config and a model
+    (a typo in a key or an impossible shape fails here, not an hour into a sweep)."""
+    from txl.run_config import build_run_config
+
+    for candidate in SWEEPS[sweep].candidates:
+        cfg = build_run_config(preset=SWEEPS[sweep].preset, sets=[*SWEEPS[sweep].centre, *candidate.sets])
+        model = cfg.model_config(vocab_size=10_000)  # validated
+        for key in candidate.sets:
+            section, rest = key.split(".", 1)
+            field, value = rest.split("=", 1)
+            got = getattr(model if section == "model" else cfg.train, field)
+            assert str(got) == value or float(got) == float(value), (candidate.name, key, got)
 
 
 def test_every_attention_scaling_variant_builds_and_runs_one_layer():

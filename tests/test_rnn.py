@@ -286,8 +286,12 @@ def test_transformer_settings_are_refused_for_rnn_archs(arch, field, value):
 
 @pytest.mark.parametrize("field", ["dropout_embed", "dropout_input", "dropout_hidden", "weight_drop"])
 def test_rnn_fields_are_checked(field):
-    with pytest.raises(ConfigError, match=f"config.{field} only applies to arch='lstm' or 'sha-rnn'"):
-        TransformerXLConfig(**{field: 0.1})
+    if field in ("dropout_embed", "dropout_input"):  # the decoder reads them too (tests/test_regularization.py)
+        with pytest.raises(ConfigError, match=f"config.{field} only applies to arch='decoder', 'lstm' or 'sha-rnn'"):
+            TransformerXLConfig(arch="encoder-decoder", mem_len=0, **{field: 0.1})
+    else:
+        with pytest.raises(ConfigError, match=f"config.{field} only applies to arch='lstm' or 'sha-rnn'"):
+            TransformerXLConfig(**{field: 0.1})
     with pytest.raises(ConfigError, match=rf"config.{field} must be in \[0, 1\)"):
         rnn_config("lstm", **{field: 1.0})
     with pytest.raises(ConfigError, match="rnn_attention only applies"):

@@ -46,6 +46,7 @@ RNN_FIELDS = {
                 "rnn_attention"},
 }
 RNN_ONLY_FIELDS = ("dropout_embed", "dropout_input", "dropout_hidden", "weight_drop", "rnn_attention")
+DECODER_TOO = ("dropout_embed", "dropout_input")  # of RNN_ONLY_FIELDS, what arch = "decoder" reads as well
 
 POSITIONAL_NAMES: tuple[str, ...] = get_args(PositionalName)
 ATTENTION_NAMES: tuple[str, ...] = get_args(AttentionName)
@@ -169,9 +170,11 @@ class TransformerXLConfig:
     n_encoder_layer: int = 0  # encoder blocks; 0 = n_layer
     source_vocab_size: int = 0  # source ids; 0 = one vocabulary shared with the target (vocab_size)
     share_embeddings: bool = True  # one vocabulary: source and target read one embedding table
-    # --- recurrent LMs (arch = "lstm" | "sha-rnn", txl/rnn.py; AWD-LSTM's dropoute/dropouti/dropouth/wdrop)
+    # --- AWD-LSTM's dropoute/dropouti (txl/regularization.py): the recurrent LMs and arch = "decoder"
     dropout_embed: float = 0.0  # whole-word dropout: a dropped word's embedding is zero everywhere in the batch
     dropout_input: float = 0.0  # locked (variational) dropout on the embeddings: one mask per sequence
+    # (decoder: instead of `dropout` on the embeddings)
+    # --- recurrent LMs only (arch = "lstm" | "sha-rnn", txl/rnn.py; AWD-LSTM's dropouth/wdrop)
     dropout_hidden: float = 0.0  # lstm: locked dropout between layers; sha-rnn: dropout inside the blocks
     weight_drop: float = 0.0  # DropConnect on the LSTM hidden-to-hidden matrices (training only)
     rnn_attention: RNNAttention = "penultimate"  # sha-rnn: attention on the penultimate block (the paper) or all
@@ -341,7 +344,10 @@ class TransformerXLConfig:
         if self.arch not in RNN_ARCHS:
             for f in dataclasses.fields(self):
                 if f.name in RNN_ONLY_FIELDS and getattr(self, f.name) != f.default:
-                    raise ConfigError(f"config.{f.name} only applies to arch='lstm' or 'sha-rnn' (recurrent LMs)")
+                    if f.name in DECODER_TOO and self.arch == "decoder":
+                        continue
+                    able = "'decoder', 'lstm' or 'sha-rnn'" if f.name in DECODER_TOO else "'lstm' or 'sha-rnn' (recurrent LMs)"
+                    raise ConfigError(f"config.{f.name} only applies to arch={able}")
             return
         used = RNN_FIELDS[self.arch]
         for f in dataclasses.fields(self):

@@ -1,7 +1,7 @@
 """Transformer-XL language model (Dai et al. 2019, arXiv 1901.02860).
 
-Reads top to bottom: adaptive embedding -> dropout -> blocks over [memory ; segment] -> (final
-LayerNorm when pre-LN) -> dropout -> adaptive softmax. Tensors are batch-first; memory is explicit
+Reads top to bottom: adaptive embedding (-> whole-word dropout) -> dropout (or locked dropout) ->
+blocks over [memory ; segment] -> (final LayerNorm when pre-LN) -> dropout -> adaptive softmax. Tensors are batch-first; memory is explicit
 state passed in and returned (`Memory`).
 
 Two arena options change the data flow (README "The arena"): compressive memory (`cmem_len > 0`,
@@ -26,6 +26,7 @@ from txl.config import TransformerXLConfig
 from txl.errors import UsageError
 from txl.memory import Memory, MemoryUpdate
 from txl.positional import LayerPositions, build_positional
+from txl.regularization import locked_dropout, word_dropout
 from txl.universal import UniversalDepth
 
 
@@ -230,7 +231,9 @@ class TransformerXL(nn.Module):
                              key_padding=key_padding, global_mask=global_mask)
 
         memory_update = self.memory_kind(self, memory, mem_len=mem_len, q_len=q_len)
-        h = self.drop(self.pos.embed(self.embed(input_ids)))  # (b, t, d_model)
+        h = self.pos.embed(self._embed(input_ids))  # (b, t, d_model)
+        # dropout_input: one mask per sequence (variational) instead of the per-position dropout
+        h = locked_dropout(h, self.config.dropout_input, self.training) if self.config.dropout_input else self.drop(h)
         k_len = memory_update.past_length + q_len
         pos_state = self.pos.prepare(k_len=k_len, clamp_len=clamp_len, device=h.device, dtype=h.dtype)
         hidden_states, attentions = [], []
@@ -272,6 +275,12 @@ class TransformerXL(nn.Module):
             hidden_states=tuple(hidden_states) if output_hidden_states else None,
             ponder_depth=ponder_depth,
         )
+
+    def _embed(self, input_ids: Tensor) -> Tensor:
+        """The (scaled) embeddings of input_ids; in training with dropout_embed, every occurrence of a
+        dropped word in the batch is zero (whole-word dropout)."""
+        x = self.embed(input_ids)
+        return word_dropout(x, input_ids, self.config.vocab_size, self.config.dropout_embed, self.training)
 
     def _global_mask(self, global_mask: Tensor, input_ids: Tensor) -> Tensor:
         from txl.attention.registry import SPECS

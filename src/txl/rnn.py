@@ -35,6 +35,7 @@ from txl.config import RNN_ARCHS, TransformerXLConfig
 from txl.errors import UsageError
 from txl.memory import Memory
 from txl.model import TransformerXLOutput
+from txl.regularization import embedding_dropout, locked_dropout
 
 EMBED_INIT = 0.1  # AWD-LSTM's initrange
 
@@ -91,27 +92,6 @@ class RecurrentMemory(Memory):
 
         states = layers(f"{prefix}_state")
         return cls(layers(prefix), states=states) if states else None
-
-
-# ---------------------------------------------------------------------------------------------
-# Regularisation (AWD-LSTM §4)
-
-
-def embedding_dropout(weight: Tensor, p: float, training: bool) -> Tensor:
-    """Whole-word dropout: a dropped word's embedding row is zero at every position of the batch
-    (Gal & Ghahramani 2016), the kept rows scaled by 1 / (1 - p)."""
-    if not training or p == 0.0:
-        return weight
-    keep = weight.new_empty(weight.shape[0], 1).bernoulli_(1 - p) / (1 - p)  # (V, 1)
-    return weight * keep
-
-
-def locked_dropout(x: Tensor, p: float, training: bool) -> Tensor:
-    """Variational dropout: one mask per sequence and feature, shared by every time step. x (b, t, d)."""
-    if not training or p == 0.0:
-        return x
-    mask = x.new_empty(x.shape[0], 1, x.shape[2]).bernoulli_(1 - p) / (1 - p)  # (b, 1, d)
-    return x * mask
 
 
 class DropConnectLSTM(nn.Module):

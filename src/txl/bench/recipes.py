@@ -104,6 +104,15 @@ SWEEPS: dict[str, Sweep] = {
             Candidate("deep", ("model.n_layer=6",), "6 × 256"),
             Candidate("batch-16", ("train.batch_size=16",), "batch 16"),
             Candidate("wd-0.1", ("train.optimizer=adamw", "train.weight_decay=0.1"), "AdamW, weight decay 0.1"),
+            # AWD-LSTM's word-level regularisers in the decoder (txl/regularization.py); the paper trains
+            # its PTB model with variational dropout
+            Candidate("embed-0.1", ("model.dropout_embed=0.1",), "whole-word dropout 0.1"),
+            Candidate("input-0.4", ("model.dropout_input=0.4",), "locked (variational) dropout 0.4 on the embeddings"),
+            Candidate("awd", ("model.dropout_embed=0.1", "model.dropout_input=0.4", "model.dropout=0.4"),
+                      "whole-word dropout 0.1, locked embedding dropout 0.4, dropout 0.4"),
+            Candidate("awd-wide", ("model.dropout_embed=0.1", "model.dropout_input=0.5", "model.dropout=0.5",
+                                   "model.d_model=384", "model.n_head=6", "model.d_inner=1536"),
+                      "4 × 384, whole-word dropout 0.1, locked embedding dropout 0.5, dropout 0.5"),
         ),
         about="Penn Treebank words, 10k vocabulary (test perplexity; Transformer-XL 54.5 after GPU-days)",
     ),
