@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tiny_models import build
 from txl import TransformerXLConfig
 from txl.config import ConfigError
 from txl.model import TransformerXL
 from txl.regularization import embedding_dropout, word_dropout
-from tiny_models import build
 
 
 def test_word_dropout_draws_the_mask_of_embedding_dropout():
