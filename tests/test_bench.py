@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from txl.bench.cli import BENCHES
-from txl.bench.recipes import SWEEPS
 from txl.bench.common import SHAPES, Shape, hf_available, shape_named
 from txl.bench.mfu import forward_flops, train_step_flops
+from txl.bench.recipes import SWEEPS
 from txl.cli import main
 
 # A shape even smaller than `tiny`, so the smoke runs take seconds.
