@@ -1,8 +1,8 @@
 """Transformer-XL language model (Dai et al. 2019, arXiv 1901.02860).
 
 Reads top to bottom: adaptive embedding (-> whole-word dropout) -> dropout (or locked dropout) ->
-blocks over [memory ; segment] -> (final LayerNorm when pre-LN) -> dropout -> adaptive softmax. Tensors are batch-first; memory is explicit
-state passed in and returned (`Memory`).
+blocks over [memory ; segment] -> (final LayerNorm when pre-LN) -> dropout -> adaptive softmax.
+Tensors are batch-first; memory is explicit state passed in and returned (`Memory`).
 
 Two arena options change the data flow (README "The arena"): compressive memory (`cmem_len > 0`,
 Rae et al. 2020) attends over [compressed ; memory ; segment] and returns `aux_loss`; `causal=False`
