@@ -82,6 +82,12 @@ SWEEPS: dict[str, Sweep] = {
             Candidate("dropout-0", ("model.dropout=0.0",), "no dropout"),
             Candidate("dropout-0.2", ("model.dropout=0.2",), "dropout 0.2"),
             Candidate("wd-0.01", ("train.optimizer=adamw", "train.weight_decay=0.01"), "AdamW, weight decay 0.01"),
+            Candidate("muon", ("train.optimizer=muon",), "Muon on the hidden matrices, AdamW on the rest"),
+            Candidate("small-muon", ("model.n_layer=4", "model.d_model=192", "model.n_head=3", "model.d_inner=768",
+                                     "train.optimizer=muon"), "4 × 192 (ptb-char-hour's shape) with Muon"),
+            Candidate("small-muon-lr-2e-3", ("model.n_layer=4", "model.d_model=192", "model.n_head=3",
+                                             "model.d_inner=768", "train.optimizer=muon", "train.lr=2e-3"),
+                      "4 × 192 with Muon, learning rate 2e-3"),
         ),
         about="Penn Treebank characters (test bpc; AWD-LSTM 1.175 after GPU-days)",
     ),
@@ -104,6 +110,7 @@ SWEEPS: dict[str, Sweep] = {
             Candidate("deep", ("model.n_layer=6",), "6 × 256"),
             Candidate("batch-16", ("train.batch_size=16",), "batch 16"),
             Candidate("wd-0.1", ("train.optimizer=adamw", "train.weight_decay=0.1"), "AdamW, weight decay 0.1"),
+            Candidate("muon", ("train.optimizer=muon",), "Muon on the hidden matrices, AdamW on the rest"),
             # AWD-LSTM's word-level regularisers in the decoder (txl/regularization.py); the paper trains
             # its PTB model with variational dropout
             Candidate("embed-0.1", ("model.dropout_embed=0.1",), "whole-word dropout 0.1"),

@@ -109,6 +109,9 @@ class Trainer:
         elif self.model_config.arch == "encoder-decoder":
             raise ConfigError(f"model.arch={self.model_config.arch!r} trains on a pair corpus (pairs:, reverse, "
                               f"pydoc-summaries), not {self.cfg.data!r}; pick one with --data")
+        if self.cfg.optimizer == "muon" and self.model_config.arch != "decoder":
+            raise ConfigError(f"train.optimizer='muon' is for the Transformer-XL decoder (model.arch='decoder'), "
+                              f"not model.arch={self.model_config.arch!r}; use adam or adamw")
         torch.manual_seed(self.cfg.seed)
         self.model = build_model(self.model_config).to(self.dist.device)
         self.init_from = None
@@ -129,7 +132,7 @@ class Trainer:
                     getattr(m, "unused_query_projection", False) for m in self.model.modules()),
             )
         self.forward = torch.compile(self.ddp) if self.cfg.compile else self.ddp
-        self.optimizer = build_optimizer(self.cfg.optimizer, self.model.parameters(), lr=self.cfg.lr,
+        self.optimizer = build_optimizer(self.cfg.optimizer, self.model, lr=self.cfg.lr,
                                          weight_decay=self.cfg.weight_decay, betas=self.cfg.adam_betas,
                                          eps=self.cfg.adam_eps)
         self.precision = resolve_precision(self.cfg.precision, self.dist.device)  # `auto` decided once

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 LAST, BEST = "last", "best"
 OPTIMIZER_STATE_KEYS = {"step", "exp_avg", "exp_avg_sq"}  # per parameter, for adam, adamw and lamb alike
+MUON_STATE_KEYS = {"momentum_buffer"}  # per matrix of a group that runs Muon (txl.optim.MuonAdam)
 STATE_FILE = "trainer_state.json"
 
 
@@ -341,11 +342,12 @@ def _load_optimizer(trainer: Trainer, path: Path) -> None:
     # torch compares neither state keys nor shapes with the parameters; a mismatch would only fail
     # at the first step, deep inside the optimiser
     for group in trainer.optimizer.param_groups:
+        expected = MUON_STATE_KEYS if group.get("muon") else OPTIMIZER_STATE_KEYS
         for param in group["params"]:
             state = trainer.optimizer.state.get(param, {})  # empty: the parameter never had a gradient
-            if state and set(state) != OPTIMIZER_STATE_KEYS:
+            if state and set(state) != expected:
                 raise CheckpointError(f"{unusable}: a parameter's state holds {sorted(state)}, expected "
-                                      f"{sorted(OPTIMIZER_STATE_KEYS)}")
+                                      f"{sorted(expected)}")
             for key, value in state.items():
                 ok = isinstance(value, torch.Tensor) and value.dtype.is_floating_point and (
                     value.numel() == 1 if key == "step" else tuple(value.shape) == tuple(param.shape))
@@ -443,6 +445,8 @@ def _check_param_groups(fresh: list[dict], saved) -> None:
         for key, value in want.items():
             if key == "params":
                 continue
+            if key == "muon" and got.get(key) is not value:  # which algorithm the group runs is not data
+                raise ValueError(f"a parameter group has muon={got.get(key)!r}, this optimiser's has {value!r}")
             if key not in got or not _same_kind(value, got[key]):
                 raise TypeError(f"hyperparameter {key!r} is {got.get(key)!r}, expected a value like {value!r}")
 
