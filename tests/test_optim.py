@@ -13,8 +13,14 @@ import helpers
 from helpers import finish, train_losses, txl, write_config
 from txl import TransformerXL, TransformerXLConfig
 from txl.checkpoint import load_tensors
-from txl.optim import (MuonAdam, build_optimizer, hidden_matrices, optimizer_state_join, optimizer_state_split,
-                       set_lr)
+from txl.optim import (
+    MuonAdam,
+    build_optimizer,
+    hidden_matrices,
+    optimizer_state_join,
+    optimizer_state_split,
+    set_lr,
+)
 from txl.train import LAST
 
 corpus, cache_dir = helpers.corpus, helpers.cache_dir  # fixtures
