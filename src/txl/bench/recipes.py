@@ -304,6 +304,7 @@ def plot(report: dict, path: Path) -> None:
         if len(r["valid_curve"]) > 1:
             xs, ys = zip(*r["valid_curve"], strict=True)
             ax.plot(xs, ys, color=colours[index % 20], linestyle="--", marker="o", markersize=3, label=f"{label} valid")
+            ends.append(ys[-1])  # the range holds where valid ends too (word-level valid sits far above train)
     ax.set_xlabel("training minutes (wall clock)")
     ax.set_ylabel(f"{metric} (train: running mean)")
     ax.set_title(f"{report['sweep']}: " + ("confirmation runs" if report.get("confirm") else "recipe proxies"))
