@@ -84,8 +84,9 @@ def test_muon_adam_is_torch_muon_on_the_matrices_and_adamw_on_the_rest():
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(p, q), name
     assert {len(g["params"]) for g in ours.param_groups if g["muon"]} == {len(matrices)}
-    # the matrices really moved as Muon moves them: orthogonalised, not Adam's update
+    # (the twin comparison is what shows the matrices moved as Muon moves them); Muon keeps only a momentum
     assert all(set(ours.state[p]) == {"momentum_buffer"} for p in hidden_matrices(model))
+    assert copy.deepcopy(ours).step() is None  # a copy keeps both halves
 
 
 def test_muon_state_survives_the_json_and_safetensors_split_bit_exactly():
@@ -97,8 +98,12 @@ def test_muon_state_survives_the_json_and_safetensors_split_bit_exactly():
     tensors = {k: v.clone() for k, v in tensors.items()}  # as read back from optimizer.safetensors
     plain = json.loads(json.dumps(plain))  # what optimizer.json holds
     resumed_model = copy.deepcopy(model)
-    resumed = build_optimizer("muon", resumed_model, lr=1e-3, weight_decay=0.0)
-    resumed.load_state_dict(optimizer_state_join(tensors, plain))
+    resumed = build_optimizer("muon", resumed_model, lr=5.0, weight_decay=0.5, betas=(0.1, 0.2))
+    resumed.load_state_dict(optimizer_state_join(tensors, plain))  # hyperparameters come from the checkpoint
+    for group, saved in zip(resumed.param_groups, optimizer.param_groups, strict=True):
+        assert {k: v for k, v in group.items() if k != "params"} == {k: v for k, v in saved.items() if k != "params"}
+    assert isinstance(resumed.param_groups[0]["ns_coefficients"], tuple)
+    assert isinstance(resumed.param_groups[1]["betas"], tuple)
     for step in range(3, 6):
         assert loss_step(model, optimizer, 1e-3, seed=step) == loss_step(resumed_model, resumed, 1e-3, seed=step)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed_model.parameters()))
@@ -107,6 +112,17 @@ def test_muon_state_survives_the_json_and_safetensors_split_bit_exactly():
 def test_muon_needs_the_model_to_find_its_matrices():
     with pytest.raises(TypeError, match="needs the model"):
         build_optimizer("muon", tiny_model().parameters(), lr=1e-3, weight_decay=0.0)
+    optimizer = build_optimizer("muon", tiny_model(), lr=1e-3, weight_decay=0.0)
+    with pytest.raises(ValueError, match="muon=True"):
+        optimizer.add_param_group({"params": [torch.zeros(3, requires_grad=True)]})
+
+
+def test_vectors_stored_as_matrices_are_not_hidden_matrices():
+    model = tiny_model(universal=True, n_layer=3)  # the halting unit is a Linear(d_model, 1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    chosen = [names[id(p)] for p in hidden_matrices(model)]
+    assert chosen and all(min(p.shape) > 1 for p in hidden_matrices(model))
+    assert not any("halt" in n for n in chosen) and any("halt" in n for n in names.values())
 
 
 @pytest.mark.slow

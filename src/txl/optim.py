@@ -66,7 +66,10 @@ def hidden_matrices(model: nn.Module) -> list[Tensor]:
     out = []
     for module in model.modules():
         weight = getattr(module, "weight", None) if isinstance(module, nn.Linear) else None
-        if weight is not None and weight.requires_grad and weight.ndim == 2 and id(weight) not in tied | seen:
+        # a (1, d) or (d, 1) weight (the Universal Transformer's halting unit) is a vector: orthogonalising
+        # it would only normalise its gradient
+        if (weight is not None and weight.requires_grad and weight.ndim == 2 and min(weight.shape) > 1
+                and id(weight) not in tied | seen):
             seen.add(id(weight))
             out.append(weight)
     return out
@@ -102,6 +105,15 @@ class MuonAdam(torch.optim.Optimizer):
                 groups.append(group)
         super().__init__(groups, {})
         self._parts = parts
+
+    def add_param_group(self, param_group: dict) -> None:
+        if not isinstance(param_group, dict) or not isinstance(param_group.get("muon"), bool):
+            raise ValueError("a MuonAdam parameter group must say muon=True (2-d matrices) or muon=False, with that "
+                             "optimiser's hyperparameters")
+        super().add_param_group(param_group)
+
+    def __getstate__(self) -> dict:  # copy.deepcopy keeps the two halves (torch's keeps only groups and state)
+        return {**super().__getstate__(), "_parts": self._parts}
 
     @torch.no_grad()
     def step(self, closure=None):
