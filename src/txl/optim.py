@@ -81,8 +81,8 @@ class MuonAdam(torch.optim.Optimizer):
     (each marked `muon`), one state, one state_dict (saved as the others are, nothing pickled).
 
     Muon scales each matrix's update as Liu et al. 2025 ("Muon is Scalable for LLM Training") do,
-    0.2·sqrt(max(rows, cols)), so its update has AdamW's RMS and the Adam learning rate, schedule and
-    weight decay carry over unchanged. The two halves are torch's own optimisers, stepped in turn on
+    0.2·sqrt(max(rows, cols)), so its update has AdamW's RMS and the Adam learning rate and schedule
+    carry over; weight decay is decoupled (AdamW's) on every parameter. The two halves are torch's own optimisers, stepped in turn on
     this optimiser's groups and state (load_state_dict replaces both, so they are re-pointed each step).
     """
 

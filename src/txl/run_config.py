@@ -48,7 +48,7 @@ class TrainConfig:
     # "minutes" = whichever of max_steps and max_minutes is further along, so a run cut by its minutes
     # ends at eta_min on any machine (the learning rate then depends on the clock: not bit-reproducible)
     schedule_clock: Literal["steps", "minutes"] = "steps"
-    # muon: Muon on the hidden matrices, AdamW on the rest (txl.optim.MuonAdam; same lr and weight decay)
+    # muon: Muon on the hidden matrices, AdamW on the rest (txl.optim.MuonAdam; Adam's lr, decoupled decay)
     optimizer: Literal["adam", "adamw", "lamb", "muon"] = "adam"
     lr: float = 2.5e-4
     weight_decay: float = 0.0
