@@ -311,5 +311,9 @@ def test_every_causal_kernel_never_sees_the_future(name, impl, tiny):
     with torch.no_grad():
         memory = model(torch.randint(0, 61, (2, 8))).memory
         a, b = model(x, memory=memory).logits, model(y, memory=memory).logits
-    assert torch.equal(a[:, :7], b[:, :7])
+    # rounding only: a kernel that groups tokens by content (routing's clusters) or stabilises features
+    # by a maximum over the keys (performer) may sum the past in another order when the future changes
+    # (1 ulp, 4e-8 to 6e-8, on an AMD EPYC; exactly equal on an Intel Xeon); a leak moves the past by
+    # the order of the future's change (0.7 to 1.0 here)
+    assert (a[:, :7] - b[:, :7]).abs().max() <= 1e-6 * a.abs().max()
     assert not torch.allclose(a[:, 7:], b[:, 7:])
