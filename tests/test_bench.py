@@ -4,6 +4,7 @@ lives in docs/benchmarks.md, not in tests)."""
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import pytest
 from txl.bench.cli import BENCHES
 from txl.bench.common import SHAPES, Shape, hf_available, shape_named
 from txl.bench.mfu import forward_flops, train_step_flops
-from txl.bench.recipes import SWEEPS
+from txl.bench.recipes import SWEEPS, markdown
 from txl.cli import main
 
 # A shape even smaller than `tiny`, so the smoke runs take seconds.
@@ -295,6 +296,13 @@ def test_recipe_sweep_ranks_proxies_then_confirms_with_seeds(tmp_path, capsys):
     assert (tmp_path / "runs" / "ptb-char-centre" / "result.json").is_file()  # the minute proxies are untouched
     text = (tmp_path / "docs" / "recipes_ptb-char_4steps.md").read_text()
     assert "4-step proxies" in text and "| fp32 |" in text and "gap to centre" in text
+    # without the centre, the gaps are to the first candidate named (fp32 for a bf16 check at another shape)
+    rows = [r for r in report["rows"] if r["name"] == "fp32"] + [
+        {**r, "name": "other"} for r in report["rows"] if r["name"] == "centre"]
+    text = markdown({**report, "rows": rows})
+    other = next(line for line in text.splitlines() if line.startswith("| other | ") and "±" in line)
+    mean = lambda name: statistics.mean(r["valid"] for r in rows if r["name"] == name)  # noqa: E731
+    assert "gap to fp32" in text and f"{mean('other') - mean('fp32'):+.4f}" in other
     assert main([*steps, "--minutes", "1"]) == 2 and "not both" in capsys.readouterr().err
 
 

@@ -77,6 +77,14 @@ SWEEPS: dict[str, Sweep] = {
                       "4 × 320 (about the same parameters)"),
             Candidate("small", ("model.n_layer=4", "model.d_model=192", "model.n_head=3", "model.d_inner=768"),
                       "4 × 192 (fewer parameters, more steps)"),
+            Candidate("small-fp32", ("model.n_layer=4", "model.d_model=192", "model.n_head=3", "model.d_inner=768",
+                                     "train.precision=fp32"), "4 × 192 (ptb-char-hour's shape) in fp32"),
+            Candidate("small-bf16", ("model.n_layer=4", "model.d_model=192", "model.n_head=3", "model.d_inner=768",
+                                     "train.precision=bf16"),
+                      "4 × 192 (ptb-char-hour's shape) in bf16 autocast (fp32 master weights)"),
+            Candidate("small-dropout-0", ("model.n_layer=4", "model.d_model=192", "model.n_head=3", "model.d_inner=768",
+                                          "model.dropout=0.0"),
+                      "4 × 192 without dropout (the hour's small model did not overfit in 7 epochs)"),
             Candidate("large", ("model.n_layer=8", "model.d_model=320", "model.n_head=5", "model.d_inner=1280"),
                       "8 × 320 (more parameters, fewer steps)"),
             Candidate("dropout-0", ("model.dropout=0.0",), "no dropout"),
@@ -264,10 +272,12 @@ def markdown(report: dict) -> str:
                          f"{r['valid']:.4f} | {r['peak_rss_mb']:,.0f} |")
         summary = seed_summary(rows)
         if any(s["sd"] is not None for s in summary):
-            centre = next((s for s in summary if s["name"] == "centre"), None)
-            lines += ["", "Over seeds (mean ± sample sd), and each candidate's gap to the centre against the "
-                          "combined spread sqrt(sd² + sd_centre²):", "",
-                      f"| candidate | valid {metric} per seed | mean ± sd | gap to centre | gap / spread |",
+            # the reference is the centre when it ran, else the first candidate named (e.g. fp32 for small-bf16)
+            centre = next((s for s in summary if s["name"] == "centre"), summary[0])
+            ref = centre["name"]
+            lines += ["", f"Over seeds (mean ± sample sd), and each candidate's gap to {ref} against the "
+                          f"combined spread sqrt(sd² + sd_{ref}²):", "",
+                      f"| candidate | valid {metric} per seed | mean ± sd | gap to {ref} | gap / spread |",
                       "|---|---|---|---|---|"]
             for s in sorted(summary, key=lambda s: s["mean"]):
                 gap = ratio = "—"
