@@ -273,18 +273,18 @@ def markdown(report: dict) -> str:
         summary = seed_summary(rows)
         if any(s["sd"] is not None for s in summary):
             # the reference is the centre when it ran, else the first candidate named (e.g. fp32 for small-bf16)
-            centre = next((s for s in summary if s["name"] == "centre"), summary[0])
-            ref = centre["name"]
+            reference = next((s for s in summary if s["name"] == "centre"), summary[0])
+            ref = reference["name"]
             lines += ["", f"Over seeds (mean ± sample sd), and each candidate's gap to {ref} against the "
                           f"combined spread sqrt(sd² + sd_{ref}²):", "",
                       f"| candidate | valid {metric} per seed | mean ± sd | gap to {ref} | gap / spread |",
                       "|---|---|---|---|---|"]
             for s in sorted(summary, key=lambda s: s["mean"]):
                 gap = ratio = "—"
-                if centre and s is not centre and s["sd"] is not None and centre["sd"] is not None:
-                    spread = (s["sd"] ** 2 + centre["sd"] ** 2) ** 0.5
-                    gap = f"{s['mean'] - centre['mean']:+.4f}"
-                    ratio = f"{(s['mean'] - centre['mean']) / spread:+.1f}" if spread > 0 else "—"
+                if s is not reference and s["sd"] is not None and reference["sd"] is not None:
+                    spread = (s["sd"] ** 2 + reference["sd"] ** 2) ** 0.5
+                    gap = f"{s['mean'] - reference['mean']:+.4f}"
+                    ratio = f"{(s['mean'] - reference['mean']) / spread:+.1f}" if spread > 0 else "—"
                 sd = f" ± {s['sd']:.4f}" if s["sd"] is not None else ""
                 lines.append(f"| {s['name']} | {', '.join(f'{v:.4f}' for v in s['values'])} | {s['mean']:.4f}{sd} | "
                              f"{gap} | {ratio} |")
