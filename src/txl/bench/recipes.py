@@ -53,6 +53,9 @@ PROXY_SETS = ("train.eval_interval=1000000000", "train.eval_max_tokens=0", "trai
 # Confirmations: validation every few minutes' worth of steps on a slice, the final splits whole.
 CONFIRM_SETS = ('train.final_splits=["valid", "test"]', "train.final_max_tokens=0")
 
+# ptb-char-hour's shape (the `small` candidate), shared by the candidates that vary it
+SMALL = ("model.n_layer=4", "model.d_model=192", "model.n_head=3", "model.d_inner=768")
+
 SWEEPS: dict[str, Sweep] = {
     "ptb-char": Sweep(
         preset="ptb-char-hour",
@@ -75,15 +78,12 @@ SWEEPS: dict[str, Sweep] = {
                       "8 × 192 (about the same parameters)"),
             Candidate("wide-shallow", ("model.n_layer=4", "model.d_model=320", "model.n_head=5", "model.d_inner=1280"),
                       "4 × 320 (about the same parameters)"),
-            Candidate("small", ("model.n_layer=4", "model.d_model=192", "model.n_head=3", "model.d_inner=768"),
+            Candidate("small", SMALL,
                       "4 × 192 (fewer parameters, more steps)"),
-            Candidate("small-fp32", ("model.n_layer=4", "model.d_model=192", "model.n_head=3", "model.d_inner=768",
-                                     "train.precision=fp32"), "4 × 192 (ptb-char-hour's shape) in fp32"),
-            Candidate("small-bf16", ("model.n_layer=4", "model.d_model=192", "model.n_head=3", "model.d_inner=768",
-                                     "train.precision=bf16"),
+            Candidate("small-fp32", (*SMALL, "train.precision=fp32"), "4 × 192 (ptb-char-hour's shape) in fp32"),
+            Candidate("small-bf16", (*SMALL, "train.precision=bf16"),
                       "4 × 192 (ptb-char-hour's shape) in bf16 autocast (fp32 master weights)"),
-            Candidate("small-dropout-0", ("model.n_layer=4", "model.d_model=192", "model.n_head=3", "model.d_inner=768",
-                                          "model.dropout=0.0"),
+            Candidate("small-dropout-0", (*SMALL, "model.dropout=0.0"),
                       "4 × 192 without dropout (the hour's small model did not overfit in 7 epochs)"),
             Candidate("large", ("model.n_layer=8", "model.d_model=320", "model.n_head=5", "model.d_inner=1280"),
                       "8 × 320 (more parameters, fewer steps)"),
@@ -91,10 +91,8 @@ SWEEPS: dict[str, Sweep] = {
             Candidate("dropout-0.2", ("model.dropout=0.2",), "dropout 0.2"),
             Candidate("wd-0.01", ("train.optimizer=adamw", "train.weight_decay=0.01"), "AdamW, weight decay 0.01"),
             Candidate("muon", ("train.optimizer=muon",), "Muon on the hidden matrices, AdamW on the rest"),
-            Candidate("small-muon", ("model.n_layer=4", "model.d_model=192", "model.n_head=3", "model.d_inner=768",
-                                     "train.optimizer=muon"), "4 × 192 (ptb-char-hour's shape) with Muon"),
-            Candidate("small-muon-lr-2e-3", ("model.n_layer=4", "model.d_model=192", "model.n_head=3",
-                                             "model.d_inner=768", "train.optimizer=muon", "train.lr=2e-3"),
+            Candidate("small-muon", (*SMALL, "train.optimizer=muon"), "4 × 192 (ptb-char-hour's shape) with Muon"),
+            Candidate("small-muon-lr-2e-3", (*SMALL, "train.optimizer=muon", "train.lr=2e-3"),
                       "4 × 192 with Muon, learning rate 2e-3"),
         ),
         about="Penn Treebank characters (test bpc; AWD-LSTM 1.175 after GPU-days)",
