@@ -121,6 +121,8 @@ SWEEPS: dict[str, Sweep] = {
             # its PTB model with variational dropout
             Candidate("embed-0.1", ("model.dropout_embed=0.1",), "whole-word dropout 0.1"),
             Candidate("input-0.4", ("model.dropout_input=0.4",), "locked (variational) dropout 0.4 on the embeddings"),
+            Candidate("embed-0.1-input-0.2", ("model.dropout_embed=0.1", "model.dropout_input=0.2"),
+                      "between centre and awd: whole-word dropout 0.1, locked embedding dropout 0.2, dropout 0.3"),
             Candidate("awd", ("model.dropout_embed=0.1", "model.dropout_input=0.4", "model.dropout=0.4"),
                       "whole-word dropout 0.1, locked embedding dropout 0.4, dropout 0.4"),
             Candidate("awd-wide", ("model.dropout_embed=0.1", "model.dropout_input=0.5", "model.dropout=0.5",
