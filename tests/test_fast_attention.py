@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from txl import TransformerXLConfig
 from txl.attention import KERNELS, resolve_kernel
@@ -128,7 +129,12 @@ def test_fast_matches_eager_more_settings(overrides):
     assert_same(*pair(**overrides))
 
 
-def test_attention_dropout_path_matches_eager_given_the_same_random_stream():
+def test_attention_dropout_path_matches_eager_given_the_same_random_stream(monkeypatch):
+    import txl.attention.xl_fast as fast_module
+
+    # the fast kernel draws its attention-dropout mask from the cheap CPU source; given F.dropout's
+    # stream instead, its composed path must compute exactly what the eager reference does
+    monkeypatch.setattr(fast_module, "attention_dropout", lambda x, p, training: F.dropout(x, p, training))
     eager, fast = pair(dropatt=0.3)
     x = torch.randint(0, 53, (2, 10))
     outs = []
@@ -224,6 +230,39 @@ def test_fused_relu_dropout_is_dropout_of_relu_with_the_same_random_numbers(dtyp
     assert torch.equal(b.grad, a.grad)
     drop.eval()
     assert torch.equal(drop.after_relu(x.clone()), torch.relu(x))
+
+
+def test_fast_kernel_drops_attention_from_the_cheap_source_unbiased(monkeypatch):
+    import txl.attention.xl_fast as fast_module
+    from txl.attention import Attention, AttentionMask
+
+    calls = []
+
+    def spy(x, p, training):
+        calls.append((p, training))
+        return cheap_dropout(x, p, training)
+
+    monkeypatch.setattr(fast_module, "attention_dropout", spy)
+    config = TransformerXLConfig(vocab_size=11, n_layer=1, d_model=16, n_head=2, d_head=8, d_inner=8,
+                                 dropout=0.0, dropatt=0.5, attention_impl="fast")
+    torch.manual_seed(0)
+    layer = Attention(config)
+    x = torch.randn(2, 5, 16)
+    mask = AttentionMask(causal=False)  # the composed path, where attention dropout lives
+    with torch.no_grad():
+        expected = layer.eval()(x, mask=mask)[0]
+        layer.train()
+        torch.manual_seed(7)
+        first = layer(x, mask=mask)[0]
+        torch.manual_seed(7)
+        again = layer(x, mask=mask)[0]
+        draws = torch.stack([layer(x, mask=mask)[0] for _ in range(4000)])
+    assert calls[0] == (0.5, True) and len(calls) == 4003  # eval called it too, as the identity
+    assert torch.equal(first, again)  # seeded by torch.manual_seed, like F.dropout
+    assert not torch.allclose(first, expected)  # something was dropped
+    # the output is linear in the dropped probabilities (dropout 0 after o_proj): unbiased on average
+    spread = draws.std(0) / 4000**0.5
+    assert ((draws.mean(0) - expected).abs() < 5 * spread + 1e-6).all()
 
 
 def test_fast_models_use_cheap_dropout_and_eager_models_keep_nn_dropout():

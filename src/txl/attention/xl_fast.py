@@ -19,6 +19,11 @@ a 2-core AVX-512 CPU; `txl bench kernel` and docs/benchmarks.md have the numbers
   rel-shift (`rel_shift_fast`), scores by one `baddbmm`, an additive mask.
 - Without gradients (evaluation, generation) one batch row (and a group of heads, for very long
   memories) is processed at a time, so the score block stays under `EVAL_CHUNK_ELEMENTS` elements.
+- Attention dropout (training with `dropatt > 0`, composed path) draws its mask from the fast
+  backend's cheaper CPU random source (`txl.fast.dropout.cheap_dropout`: one 64-bit draw per four
+  elements instead of `bernoulli_`'s one per element; unbiased, same generator and seed). It was 7.6%
+  of a bf16 training step at ptb-word-hour's shape (docs/cpu_hour.md). The eager reference keeps
+  `F.dropout`; off the CPU both are `F.dropout`.
 - Padding masks, non-causal masks (bidirectional encoder, cross-attention), memory tokens
   (`config.memory_tokens`: their content-only columns are joined to the scores) and requests for the
   probabilities take the composed path too, with the mask as an additive tensor.
@@ -43,6 +48,7 @@ from torch import Tensor
 
 from txl.attention.masks import NEG, AttentionMask, causal_bias
 from txl.attention.registry import register
+from txl.fast.dropout import cheap_dropout
 from txl.positional import LayerPositions, rel_shift_strided
 
 # Without gradients, one batch row at a time with as many heads as keep the (heads, i, n) score block
@@ -371,6 +377,9 @@ def packed_kv(k: Tensor, v: Tensor) -> Tensor:
     return torch.stack([k.transpose(1, 2), v.transpose(1, 2)], dim=2).flatten(2)
 
 
+attention_dropout = cheap_dropout  # (probs, p, training) -> probs; tests swap in F.dropout for parity
+
+
 def _composed_attention(q, k, v, *, positions, mask, scale, dropatt, training, need_weights):
     """Every other encoding (and xl with attention dropout, a padding or non-causal mask, or asked for
     the probabilities): autograd through fused building blocks."""
@@ -404,7 +413,7 @@ def _composed_attention(q, k, v, *, positions, mask, scale, dropatt, training, n
         probs = probs.view(b * h, i, tokens + n)
     probs = probs.to(v.dtype)
     weights = probs.view(b, h, i, tokens + n) if need_weights else None
-    probs = F.dropout(probs, p=dropatt, training=training)
+    probs = attention_dropout(probs, dropatt, training)
     out = torch.bmm(probs, v.reshape(b * h, tokens + n, d)).view(b, h, i, d)
     probs = probs.view(b, h, i, tokens + n)
     value_term = positions.value_term(probs[..., tokens:] if tokens else probs)
