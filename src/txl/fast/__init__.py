@@ -3,7 +3,8 @@
 What it swaps in, each computing what the reference computes (tests/test_fast_attention.py) and each
 choosing by device at call time, so the same model runs anywhere:
 
-    dropout.py     dropout from a cheaper CPU random source; ReLU + dropout fused in the feed-forward
+    dropout.py     dropout from a cheaper CPU random source (the fast attention kernel draws its
+                   attention dropout there too); ReLU + dropout fused in the feed-forward
     linear.py      fp32 linear layers through oneDNN on x86 CPUs (torch's MKL runs AVX2 code on AMD)
     projection.py  the key/value projection without the memory rows' input gradient (post-LN)
     memory.py      memory kinds: that projection, the token-level projection cache, in-place
