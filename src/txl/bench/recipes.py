@@ -106,6 +106,7 @@ SWEEPS: dict[str, Sweep] = {
         candidates=(
             Candidate("centre", (), "the centre recipe: ptb-word-small's shape, cosine over the minutes, bf16 where fast"),
             Candidate("lr-1e-3", ("train.lr=1e-3",), "learning rate 1e-3"),
+            Candidate("lr-2e-3", ("train.lr=2e-3",), "learning rate 2e-3"),
             Candidate("lr-2.5e-4", ("train.lr=2.5e-4",), "learning rate 2.5e-4"),
             Candidate("dropout-0.4", ("model.dropout=0.4",), "dropout 0.4"),
             Candidate("dropout-0.5", ("model.dropout=0.5", "model.dropatt=0.2"), "dropout 0.5, attention dropout 0.2"),
