@@ -68,10 +68,6 @@ SWEEPS: dict[str, Sweep] = {
             Candidate("fp32", ("train.precision=fp32",), "the centre in fp32"),
             Candidate("bf16", ("train.precision=bf16",), "the centre in bf16 autocast (fp32 master weights)"),
             Candidate("lr-2e-3", ("train.lr=2e-3",), "learning rate 2e-3"),
-            # a larger model at the learning rate that won (lr-1e-3): does capacity pay inside the hour?
-            Candidate("deep-lr-1e-3", ("model.n_layer=6", "train.lr=1e-3"), "6 × 256, learning rate 1e-3"),
-            Candidate("wide-lr-1e-3", ("model.d_model=384", "model.n_head=6", "model.d_inner=1536", "train.lr=1e-3"),
-                      "4 × 384, learning rate 1e-3"),
             Candidate("lr-5e-4", ("train.lr=5e-4",), "learning rate 5e-4"),
             Candidate("mem-0", ("model.mem_len=0",), "no memory (does the memory pay for itself at this budget?)"),
             Candidate("mem-256", ("model.mem_len=256",), "memory 256"),
