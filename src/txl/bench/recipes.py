@@ -115,6 +115,9 @@ SWEEPS: dict[str, Sweep] = {
             # random offset per epoch and vary the segment length (AWD-LSTM's variable BPTT) so they do not
             Candidate("roll-varlen-lr-1e-3", ("train.roll=true", "train.varlen=true", "train.lr=1e-3"),
                       "per-epoch random roll of each stream, variable segment length, learning rate 1e-3"),
+            Candidate("deep-roll-varlen-lr-1e-3", ("model.n_layer=6", "train.roll=true", "train.varlen=true",
+                                                   "train.lr=1e-3"),
+                      "6 × 256, per-epoch roll, variable segment length, learning rate 1e-3"),
             Candidate("lr-2.5e-4", ("train.lr=2.5e-4",), "learning rate 2.5e-4"),
             Candidate("dropout-0.4", ("model.dropout=0.4",), "dropout 0.4"),
             Candidate("dropout-0.5", ("model.dropout=0.5", "model.dropatt=0.2"), "dropout 0.5, attention dropout 0.2"),
