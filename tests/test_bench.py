@@ -310,7 +310,7 @@ def test_recipe_sweep_ranks_proxies_then_confirms_with_seeds(tmp_path, capsys):
 def test_every_recipe_candidate_is_a_valid_config(sweep):
     """Each candidate's keys on top of its sweep's centre and preset build a run config and a model
     (a typo in a key or an impossible shape fails here, not an hour into a sweep)."""
-    from txl.run_config import build_run_config
+    from txl.run_config import build_run_config, parse_value
 
     for candidate in SWEEPS[sweep].candidates:
         cfg = build_run_config(preset=SWEEPS[sweep].preset, sets=[*SWEEPS[sweep].centre, *candidate.sets])
@@ -319,7 +319,7 @@ def test_every_recipe_candidate_is_a_valid_config(sweep):
             section, rest = key.split(".", 1)
             field, value = rest.split("=", 1)
             got = getattr(model if section == "model" else cfg.train, field)
-            assert str(got) == value or float(got) == float(value), (candidate.name, key, got)
+            assert got == parse_value(value), (candidate.name, key, got)
 
 
 def test_every_attention_scaling_variant_builds_and_runs_one_layer():
