@@ -87,7 +87,7 @@ def draw_runs(run_dirs: list[str | Path], *, title: str | None = None, notes: li
     for number, (run_dir, records) in enumerate(runs):
         colour = f"C{number % 10}"  # one colour per run, in every panel
         metric = run_metric(run_dir, records)
-        for split, line in (("train", "-"), ("valid", "--")):
+        for split, line in (("train", "-"), ("valid", "--"), ("valid_ema", ":")):  # valid_ema: train.ema
             rows = [r for r in records if r.get("split") == split]
             if not rows:
                 continue
@@ -101,7 +101,7 @@ def draw_runs(run_dirs: list[str | Path], *, title: str | None = None, notes: li
                 if not points:
                     continue
                 xs, ys = zip(*points)
-                marker = ("s" if split == "valid" else "o") if split == "valid" or len(points) == 1 else None
+                marker = ("s" if split != "train" else "o") if split != "train" or len(points) == 1 else None
                 ax.plot(xs, ys, line if len(points) > 1 else "", marker=marker, color=colour,
                         label=f"{run_dir.name} {split}", markersize=4 if len(points) > 1 else 6)
     for ax, (key, ylabel) in zip(axes, panels):

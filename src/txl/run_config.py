@@ -56,6 +56,9 @@ class TrainConfig:
     warmup_steps: int = 0
     eta_min: float = 0.0  # cosine floor
     clip: float = 0.25  # gradient-norm clip (0 = off)
+    # keep an exponential moving average of the weights with this decay per step (0 = off; e.g. 0.999);
+    # every validation scores it too and `best` holds whichever weights did better (txl/train/averaging.py)
+    ema: float = 0.0
     # bf16/fp16 = autocast with fp32 master weights; fp16 adds a GradScaler; auto = bf16 where the device
     # has fast bf16 (CUDA with bf16, a CPU with AVX512-BF16 or AMX), else fp32
     precision: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
@@ -119,6 +122,8 @@ class TrainConfig:
             raise ConfigError(f"train.adam_betas must be two numbers in [0, 1), got {list(self.adam_betas)}")
         if not 0 < self.adam_eps < 1:
             raise ConfigError(f"train.adam_eps must be in (0, 1), got {self.adam_eps}")
+        if not 0 <= self.ema < 1:  # (also rejects NaN)
+            raise ConfigError(f"train.ema must be in [0, 1) (0 = no weight average), got {self.ema}")
         if not 0 <= self.label_smoothing < 1:
             raise ConfigError(f"train.label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if self.beam_size < 1:

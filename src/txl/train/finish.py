@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from txl.checkpoint import load_model, write_json
+from txl.checkpoint import load_model, read_json, write_json
 from txl.display import for_stream, json_text
 from txl.errors import ConfigError, DataError
 from txl.evaluate import metric_value
 from txl.rundir import write_text
-from txl.train.state import BEST, LAST
+from txl.train.state import BEST, LAST, STATE_FILE
 
 if TYPE_CHECKING:
     from txl.train.loop import Trainer
@@ -74,11 +74,15 @@ def finish(trainer: Trainer, summary: dict) -> dict:
     failing sample cannot lose the scores), then the sample; print a summary and the next commands."""
     cfg = trainer.cfg
     results = {}
+    best_weights = None
     if trainer.dist.world > 1:
         dist.barrier()  # rank 0 has finished writing `best`
     if (trainer.out / BEST).is_dir():
         best = load_model(trainer.out / BEST, map_location=trainer.dist.device)
         trainer.model.load_state_dict(best.state_dict())
+        if trainer.average is not None:  # which weights won on valid: the live ones or their average
+            state = read_json(trainer.out / BEST / STATE_FILE, "best checkpoint state")
+            best_weights = state.get("weights") if isinstance(state, dict) else None
     for split in cfg.final_splits:
         if split not in trainer.corpus.splits:
             continue
@@ -92,6 +96,8 @@ def finish(trainer: Trainer, summary: dict) -> dict:
                "best_valid_loss_nats": best_valid if math.isfinite(best_valid) else None,
                f"best_valid_{metric}": metric_value(best_valid, metric) if math.isfinite(best_valid) else None,
                "data": cfg.data, "out": str(trainer.out.absolute())}
+    if best_weights is not None:
+        summary["best_weights"] = best_weights
     if not trainer.validates:
         summary["note"] = "the corpus has no valid split: validation was off"
     if trainer.dist.main:
@@ -159,6 +165,8 @@ def print_summary(trainer: Trainer, summary: dict) -> None:
                 accuracy = summary["final"][split].get("token_accuracy")
                 print(f"| {split} | {d['method']} | {100 * d['exact_match']:.2f}% | {rouge} | "
                       f"{100 * accuracy:.2f}% | {d['pairs']:,} |")
+        if summary.get("best_weights") == "average":
+            print("(best weights: the weight average, train.ema, scored better on valid than the live weights)")
         if cap:
             print(f"(scored on the first {cap:,} tokens of each split; train.final_max_tokens=0 scores them whole)")
     elif not trainer.validates:

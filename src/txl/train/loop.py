@@ -29,6 +29,7 @@ from txl.masked_lm import mask_tokens
 from txl.memory import Memory
 from txl.optim import build_optimizer, lr_at, set_lr
 from txl.run_config import RunConfig
+from txl.train.averaging import WeightAverage
 from txl.train.distributed import init_distributed
 from txl.train.finish import sample_prompt_ids
 from txl.train.progress import MetricsLog, Progress
@@ -139,6 +140,7 @@ class Trainer:
         if self.cfg.precision == "auto":
             self.precision = shared_precision(self.precision, self.dist)
         self.scaler = torch.amp.GradScaler(self.dist.device.type, enabled=self.precision == "fp16")
+        self.average = WeightAverage(self.model, self.cfg.ema) if self.cfg.ema > 0 else None
         if self.seq2seq:  # batch_size pairs per step, bucketed by length
             from txl.seq2seq.data import PairBatches
 
@@ -276,6 +278,8 @@ class Trainer:
                 )
                 finite = bad == 0
                 self.optimizer_step(lr, finite)
+                if finite and self.average is not None:
+                    self.average.update()
                 self.step += 1
                 # over all ranks (a pair batch: its scored target tokens)
                 processed = int(total_count) if self.seq2seq else cfg.batch_size * batch.inputs.shape[1]
@@ -332,21 +336,31 @@ class Trainer:
                 "tokens_per_second": self.tokens_seen / max(self.elapsed, 1e-9), "best_valid": self.best_valid}
 
     def validate(self, log: MetricsLog, bar: Progress) -> EvalResult:
+        """Score the live weights on valid (and the weight average, `train.ema`, as split "valid_ema");
+        whichever beats the best so far becomes `best`."""
+        result = self._validate_weights("valid", log, bar)
+        if self.average is not None:
+            with self.average.applied():
+                self._validate_weights("valid_ema", log, bar)
+        self.model.train()
+        return result
+
+    def _validate_weights(self, name: str, log: MetricsLog, bar: Progress) -> EvalResult:
         result = self.evaluate_split("valid", max_tokens=self.cfg.eval_max_tokens)
-        record = {"split": "valid", "step": self.step, "loss": result.loss, self.metric: result.value,
+        record = {"split": name, "step": self.step, "loss": result.loss, self.metric: result.value,
                   "tokens": result.tokens, "tokens_per_second": result.tokens_per_second, "elapsed": self.elapsed}
         accuracy = ""
         if result.accuracy is not None:  # masked LM
             record["accuracy"] = result.accuracy
             accuracy = f", masked-token accuracy {result.accuracy:.4f}"
         log.write(record)
-        bar.write(f"step {self.step}: valid {self.metric} {result.value:.4f} (loss {result.loss:.4f}, "
+        which = " (weight average)" if name == "valid_ema" else ""
+        bar.write(f"step {self.step}: valid {self.metric}{which} {result.value:.4f} (loss {result.loss:.4f}, "
                   f"{result.tokens:,} tokens{accuracy})")
         if result.loss < self.best_valid:
             self.best_valid = result.loss
             if self.dist.main:
-                save_best(self, result)
-        self.model.train()
+                save_best(self, result, weights="average" if which else "live")
         return result
 
     def check_token_ids(self, largest: int, split: str) -> None:

@@ -237,7 +237,8 @@ def trainer_state(trainer: Trainer) -> dict:
             "grad_accum": trainer.cfg.grad_accum, "data": trainer.cfg.data,
             "vocab_fingerprint": trainer.corpus.vocab.fingerprint, "corpus_fingerprint": trainer.corpus.fingerprint,
             "iterator": trainer.train_iter.state_dict(),
-            "scaler": trainer.scaler.state_dict(), "metric": trainer.metric, "run": trainer.run.to_dict()}
+            "scaler": trainer.scaler.state_dict(), "metric": trainer.metric, "run": trainer.run.to_dict(),
+            "ema_updates": None if trainer.average is None else trainer.average.updates}
 
 
 def save_checkpoint(trainer: Trainer, path: Path) -> None:
@@ -260,6 +261,8 @@ def save_checkpoint(trainer: Trainer, path: Path) -> None:
             extra[f"rng.cuda.rank{rank}"] = part.cpu()
     if not trainer.dist.main:
         return
+    if trainer.average is not None:  # the same on every rank (every rank applies the same update)
+        extra.update(trainer.average.tensors())
     opt_tensors, opt_plain = optimizer_state_split(trainer.optimizer)
     with atomic_directory(path) as tmp:
         write_model_files(trainer.model, tmp)
@@ -270,12 +273,13 @@ def save_checkpoint(trainer: Trainer, path: Path) -> None:
         write_json(tmp / STATE_FILE, trainer_state(trainer))
 
 
-def save_best(trainer: Trainer, result: EvalResult) -> None:
+def save_best(trainer: Trainer, result: EvalResult, *, weights: str = "live") -> None:
+    """`best`: the model's current weights (weights = "average" while the weight average is applied)."""
     with atomic_directory(trainer.out / BEST) as tmp:
         write_model_files(trainer.model, tmp)
         trainer.corpus.vocab.save(tmp / "vocab.json")
         write_json(tmp / STATE_FILE, {"step": trainer.step, "valid": result.to_dict(), "metric": trainer.metric,
-                                      "data": trainer.cfg.data})
+                                      "data": trainer.cfg.data, "weights": weights})
 
 
 def restore_checkpoint(trainer: Trainer, path: Path) -> None:
@@ -315,6 +319,8 @@ def restore_checkpoint(trainer: Trainer, path: Path) -> None:
     trainer.best_valid = math.inf if state["best_valid"] is None else float(state["best_valid"])
     trainer.nonfinite_streak = state["nonfinite_streak"]
     extra, _ = load_tensors(path / "trainer.safetensors", "trainer state")
+    if trainer.average is not None:
+        trainer.average.load(extra, state.get("ema_updates"), f"{path}/trainer.safetensors")
     same_layout = state["world_size"] == trainer.dist.world and state["grad_accum"] == trainer.cfg.grad_accum
     if same_layout:
         _load_memory_and_rng(trainer, extra, path)
