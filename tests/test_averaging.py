@@ -75,7 +75,10 @@ def test_best_holds_the_average_when_it_scores_better_on_valid(tmp_path, corpus)
     assert averaged and all(torch.equal(best[k], v) for k, v in averaged.items())
     live, _ = load_tensors(out / LAST / "model.safetensors")
     assert any(not torch.equal(live[k], v) for k, v in averaged.items())  # the two weights differ
-    assert json.loads((out / "result.json").read_text())["best_weights"] == "average"
+    result = json.loads((out / "result.json").read_text())
+    assert result["best_weights"] == "average"
+    # the last step's live weights are scored beside them (the stub adds 1 nat to them)
+    assert result["final_live"]["valid"]["loss"] == pytest.approx(result["final"]["valid"]["loss"] + 1.0, abs=0.5)
 
 
 def test_without_ema_nothing_changes(tmp_path, corpus):
@@ -87,7 +90,8 @@ def test_without_ema_nothing_changes(tmp_path, corpus):
     assert {r["split"] for r in records} == {"train", "valid"}
     saved, _ = load_tensors(tmp_path / "r" / LAST / "trainer.safetensors")
     assert not any(k.startswith(PREFIX) for k in saved)
-    assert "best_weights" not in json.loads((tmp_path / "r" / "result.json").read_text())
+    result = json.loads((tmp_path / "r" / "result.json").read_text())
+    assert "best_weights" not in result and "final_live" not in result
 
 
 @pytest.mark.slow

@@ -73,11 +73,13 @@ def finish(trainer: Trainer, summary: dict) -> dict:
     """Evaluate the final splits with the best weights; write result.json (before the sample, so a
     failing sample cannot lose the scores), then the sample; print a summary and the next commands."""
     cfg = trainer.cfg
-    results = {}
-    best_weights = None
+    results, live_results = {}, {}
+    best_weights = live = None
     if trainer.dist.world > 1:
         dist.barrier()  # rank 0 has finished writing `best`
     if (trainer.out / BEST).is_dir():
+        if trainer.average is not None:  # the last step's own weights, to score next to their average
+            live = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
         best = load_model(trainer.out / BEST, map_location=trainer.dist.device)
         trainer.model.load_state_dict(best.state_dict())
         if trainer.average is not None:  # which weights won on valid: the live ones or their average
@@ -90,6 +92,13 @@ def finish(trainer: Trainer, summary: dict) -> dict:
         results[split] = result.to_dict()
         if trainer.seq2seq and trainer.dist.main:
             results[split]["decoded"] = decode_final(trainer, split)
+    if best_weights == "average" and live is not None and results:
+        # what the average bought: the same splits scored with the live weights of the last step (reported
+        # beside the best weights' scores, never chosen by them)
+        trainer.model.load_state_dict(live)
+        for split in results:
+            live_results[split] = trainer.evaluate_split(split, max_tokens=final_cap(cfg)).to_dict()
+        trainer.model.load_state_dict(best.state_dict())  # the sample comes from `best`
     best_valid = summary.pop("best_valid", math.inf)
     metric = trainer.metric
     summary = {**summary, "final": results, "metric": metric, "parameters": trainer.model.num_parameters(),
@@ -98,6 +107,8 @@ def finish(trainer: Trainer, summary: dict) -> dict:
                "data": cfg.data, "out": str(trainer.out.absolute())}
     if best_weights is not None:
         summary["best_weights"] = best_weights
+    if live_results:
+        summary["final_live"] = live_results
     if not trainer.validates:
         summary["note"] = "the corpus has no valid split: validation was off"
     if trainer.dist.main:
@@ -166,7 +177,9 @@ def print_summary(trainer: Trainer, summary: dict) -> None:
                 print(f"| {split} | {d['method']} | {100 * d['exact_match']:.2f}% | {rouge} | "
                       f"{100 * accuracy:.2f}% | {d['pairs']:,} |")
         if summary.get("best_weights") == "average":
-            print("(best weights: the weight average, train.ema, scored better on valid than the live weights)")
+            live = ", ".join(f"{split} {r[metric]:.4f}" for split, r in summary.get("final_live", {}).items())
+            print("(best weights: the weight average, train.ema, scored better on valid than the live weights"
+                  + (f"; the last step's live weights score {live})" if live else ")"))
         if cap:
             print(f"(scored on the first {cap:,} tokens of each split; train.final_max_tokens=0 scores them whole)")
     elif not trainer.validates:
