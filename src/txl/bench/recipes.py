@@ -55,6 +55,9 @@ CONFIRM_SETS = ('train.final_splits=["valid", "test"]', "train.final_max_tokens=
 
 # ptb-char-hour's shape (the `small` candidate), shared by the candidates that vary it
 SMALL = ("model.n_layer=4", "model.d_model=192", "model.n_head=3", "model.d_inner=768")
+# ptb-word-hour's recipe (deep-roll-varlen-lr-1e-3) as changes to the ptb-word sweep's centre
+DEEP_ROLL = ("model.n_layer=6", "train.roll=true", "train.varlen=true", "train.lr=1e-3")
+DEEP_ROLL_ABOUT = "6 × 256, per-epoch roll, variable segment length, learning rate 1e-3"
 
 SWEEPS: dict[str, Sweep] = {
     "ptb-char": Sweep(
@@ -117,28 +120,20 @@ SWEEPS: dict[str, Sweep] = {
             # random offset per epoch and vary the segment length (AWD-LSTM's variable BPTT) so they do not
             Candidate("roll-varlen-lr-1e-3", ("train.roll=true", "train.varlen=true", "train.lr=1e-3"),
                       "per-epoch random roll of each stream, variable segment length, learning rate 1e-3"),
-            Candidate("deep-roll-varlen-lr-1e-3", ("model.n_layer=6", "train.roll=true", "train.varlen=true",
-                                                   "train.lr=1e-3"),
-                      "6 × 256, per-epoch roll, variable segment length, learning rate 1e-3"),
+            Candidate("deep-roll-varlen-lr-1e-3", DEEP_ROLL, DEEP_ROLL_ABOUT),
             # 6 layers beat 4 on one seed although they saw a third fewer tokens: does depth pay further?
             Candidate("deeper-roll-varlen-lr-1e-3", ("model.n_layer=8", "train.roll=true", "train.varlen=true",
                                                      "train.lr=1e-3"),
                       "8 × 256, per-epoch roll, variable segment length, learning rate 1e-3"),
             # the preset scores 37 on training text and 79.5 on valid (seed 1111): it overfits; more dropout?
-            Candidate("deep-roll-varlen-dropout-0.4", ("model.n_layer=6", "train.roll=true", "train.varlen=true",
-                                                       "train.lr=1e-3", "model.dropout=0.4"),
-                      "6 × 256, per-epoch roll, variable segment length, learning rate 1e-3, dropout 0.4"),
+            Candidate("deep-roll-varlen-dropout-0.4", (*DEEP_ROLL, "model.dropout=0.4"), f"{DEEP_ROLL_ABOUT}, dropout 0.4"),
             # dropout 0.4 trailed by 11 valid ppl at step 4,000 (seed 1111): does less regularisation learn faster?
-            Candidate("deep-roll-varlen-dropout-0.2-ema", ("model.n_layer=6", "train.roll=true", "train.varlen=true",
-                                                           "train.lr=1e-3", "model.dropout=0.2", "train.ema=0.999"),
-                      "6 × 256, per-epoch roll, variable segment length, learning rate 1e-3, dropout 0.2, EMA 0.999"),
+            Candidate("deep-roll-varlen-dropout-0.2-ema", (*DEEP_ROLL, "model.dropout=0.2", "train.ema=0.999"),
+                      f"{DEEP_ROLL_ABOUT}, dropout 0.2, EMA of the weights 0.999"),
             # the Transformer-XL paper averages the weights on Penn Treebank: `best` is the EMA when it wins
-            Candidate("deep-roll-varlen-ema", ("model.n_layer=6", "train.roll=true", "train.varlen=true",
-                                               "train.lr=1e-3", "train.ema=0.999"),
-                      "6 × 256, per-epoch roll, variable segment length, learning rate 1e-3, EMA of the weights 0.999"),
-            Candidate("deep-roll-varlen-dropout-0.4-ema", ("model.n_layer=6", "train.roll=true", "train.varlen=true",
-                                                           "train.lr=1e-3", "model.dropout=0.4", "train.ema=0.999"),
-                      "6 × 256, per-epoch roll, variable segment length, learning rate 1e-3, dropout 0.4, EMA 0.999"),
+            Candidate("deep-roll-varlen-ema", (*DEEP_ROLL, "train.ema=0.999"), f"{DEEP_ROLL_ABOUT}, EMA of the weights 0.999"),
+            Candidate("deep-roll-varlen-dropout-0.4-ema", (*DEEP_ROLL, "model.dropout=0.4", "train.ema=0.999"),
+                      f"{DEEP_ROLL_ABOUT}, dropout 0.4, EMA of the weights 0.999"),
             Candidate("lr-2.5e-4", ("train.lr=2.5e-4",), "learning rate 2.5e-4"),
             Candidate("dropout-0.4", ("model.dropout=0.4",), "dropout 0.4"),
             Candidate("dropout-0.5", ("model.dropout=0.5", "model.dropatt=0.2"), "dropout 0.5, attention dropout 0.2"),

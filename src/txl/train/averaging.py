@@ -21,8 +21,9 @@ PREFIX = "ema."  # names of the average's tensors in a checkpoint's trainer.safe
 class WeightAverage:
     """EMA of a model's parameters with decay `decay` per update.
 
-    The first updates use the smaller decay (1 + n) / (10 + n) after n updates, so the average is not held near the
-    initial weights for thousands of steps (TensorFlow's ExponentialMovingAverage with num_updates).
+    The first updates use the smaller decay (1 + n) / (10 + n) after n updates, so the average is not
+    held near the initial weights for thousands of steps (TensorFlow's ExponentialMovingAverage with
+    num_updates).
     Buffers are not averaged: the model's own buffers serve both sets of weights.
     """
 
