@@ -338,29 +338,29 @@ class Trainer:
     def validate(self, log: MetricsLog, bar: Progress) -> EvalResult:
         """Score the live weights on valid (and the weight average, `train.ema`, as split "valid_ema");
         whichever beats the best so far becomes `best`."""
-        result = self._validate_weights("valid", log, bar)
+        result = self._validate_weights(log, bar, averaged=False)
         if self.average is not None:
             with self.average.applied():
-                self._validate_weights("valid_ema", log, bar)
+                self._validate_weights(log, bar, averaged=True)
         self.model.train()
         return result
 
-    def _validate_weights(self, name: str, log: MetricsLog, bar: Progress) -> EvalResult:
+    def _validate_weights(self, log: MetricsLog, bar: Progress, *, averaged: bool) -> EvalResult:
         result = self.evaluate_split("valid", max_tokens=self.cfg.eval_max_tokens)
-        record = {"split": name, "step": self.step, "loss": result.loss, self.metric: result.value,
+        record = {"split": "valid_ema" if averaged else "valid", "step": self.step, "loss": result.loss, self.metric: result.value,
                   "tokens": result.tokens, "tokens_per_second": result.tokens_per_second, "elapsed": self.elapsed}
         accuracy = ""
         if result.accuracy is not None:  # masked LM
             record["accuracy"] = result.accuracy
             accuracy = f", masked-token accuracy {result.accuracy:.4f}"
         log.write(record)
-        which = " (weight average)" if name == "valid_ema" else ""
+        which = " (weight average)" if averaged else ""
         bar.write(f"step {self.step}: valid {self.metric}{which} {result.value:.4f} (loss {result.loss:.4f}, "
                   f"{result.tokens:,} tokens{accuracy})")
         if result.loss < self.best_valid:
             self.best_valid = result.loss
             if self.dist.main:
-                save_best(self, result, weights="average" if which else "live")
+                save_best(self, result, weights="average" if averaged else "live")
         return result
 
     def check_token_ids(self, largest: int, split: str) -> None:
