@@ -306,6 +306,34 @@ def test_recipe_sweep_ranks_proxies_then_confirms_with_seeds(tmp_path, capsys):
     assert main([*steps, "--minutes", "1"]) == 2 and "not both" in capsys.readouterr().err
 
 
+def test_recipe_report_carries_the_weight_average_curve(tmp_path):
+    """A run trained with train.ema logs `valid_ema` beside `valid`: the recipe report keeps both curves,
+    which weights won and the live weights' test score, and plots the average's curve too."""
+    from txl.bench.recipes import collect, plot
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    records = [{"split": "train", "elapsed": 30.0 * k, "ppl": 300.0 - k} for k in range(1, 5)]
+    records += [{"split": split, "elapsed": 60.0 * k, "ppl": base - 5 * k}
+                for k in (1, 2) for split, base in (("valid", 200.0), ("valid_ema", 190.0))]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run_dir / "run.json").write_text(json.dumps({"precision": "bf16"}))
+    (run_dir / "result.json").write_text(json.dumps({
+        "metric": "ppl", "parameters": 10, "steps": 4, "tokens": 400, "elapsed": 120.0, "tokens_per_second": 3.3,
+        "final": {"valid": {"ppl": 181.0}, "test": {"ppl": 170.0}}, "best_weights": "average",
+        "final_live": {"test": {"ppl": 171.5}}}))
+    row = collect({"run_dir": str(run_dir), "name": "c", "about": "", "changes": [], "command": "txl train",
+                   "peak_rss_mb": 1.0, "seed": 1111})
+    assert row["valid_curve"] == [(1.0, 195.0), (2.0, 190.0)]
+    assert row["valid_ema_curve"] == [(1.0, 185.0), (2.0, 180.0)]
+    assert (row["valid"], row["test"], row["best_weights"], row["test_live"]) == (181.0, 170.0, "average", 171.5)
+    plot({"sweep": "ptb-word", "confirm": "c", "rows": [row]}, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
+    old = {k: v for k, v in row.items() if k != "valid_ema_curve"}  # a report written before the curve existed
+    plot({"sweep": "ptb-word", "confirm": "c", "rows": [old]}, tmp_path / "old.png")
+    assert (tmp_path / "old.png").stat().st_size > 0
+
+
 @pytest.mark.parametrize("sweep", sorted(SWEEPS))
 def test_every_recipe_candidate_is_a_valid_config(sweep):
     """Each candidate's keys on top of its sweep's centre and preset build a run config and a model

@@ -249,6 +249,8 @@ def collect(item: dict) -> dict:
         "test_live": ((result.get("final_live") or {}).get("test") or {}).get(metric),
         "curve": [(r["elapsed"] / 60, r[metric]) for r in records if r.get("split") == "train"],
         "valid_curve": [(r["elapsed"] / 60, r[metric]) for r in valid],
+        # train.ema's weight average, validated beside the live weights
+        "valid_ema_curve": [(r["elapsed"] / 60, r[metric]) for r in records if r.get("split") == "valid_ema"],
     }
 
 
@@ -357,6 +359,10 @@ def plot(report: dict, path: Path) -> None:
             xs, ys = zip(*r["valid_curve"], strict=True)
             ax.plot(xs, ys, color=colours[index % 20], linestyle="--", marker="o", markersize=3, label=f"{label} valid")
             ends.append(ys[-1])  # the range holds where valid ends too (word-level valid sits far above train)
+        if len(r.get("valid_ema_curve") or []) > 1:  # older reports have none
+            xs, ys = zip(*r["valid_ema_curve"], strict=True)
+            ax.plot(xs, ys, color=colours[index % 20], linestyle=":", marker="s", markersize=2,
+                    label=f"{label} valid, weight average")
     ax.set_xlabel("training minutes (wall clock)")
     ax.set_ylabel(f"{metric} (train: running mean)")
     ax.set_title(f"{report['sweep']}: " + ("confirmation runs" if report.get("confirm") else "recipe proxies"))
