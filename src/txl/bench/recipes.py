@@ -60,6 +60,7 @@ DEEP_ROLL = ("model.n_layer=6", "train.roll=true", "train.varlen=true", "train.l
 DEEP_ROLL_ABOUT = "6 × 256, per-epoch roll, variable segment length, learning rate 1e-3"
 # the best ptb-word-hour lead of 2026-11-27 (test 73.55, one seed), which the weight-decay candidates build on
 DEEP_ROLL_DROPOUT_02_EMA = (*DEEP_ROLL, "model.dropout=0.2", "train.ema=0.999")
+DEEP_ROLL_DROPOUT_02_EMA_ABOUT = f"{DEEP_ROLL_ABOUT}, dropout 0.2, EMA of the weights 0.999"
 
 SWEEPS: dict[str, Sweep] = {
     "ptb-char": Sweep(
@@ -130,19 +131,18 @@ SWEEPS: dict[str, Sweep] = {
             # the preset scores 37 on training text and 79.5 on valid (seed 1111): it overfits; more dropout?
             Candidate("deep-roll-varlen-dropout-0.4", (*DEEP_ROLL, "model.dropout=0.4"), f"{DEEP_ROLL_ABOUT}, dropout 0.4"),
             # dropout 0.4 trailed by 11 valid ppl at step 4,000 (seed 1111): does less regularisation learn faster?
-            Candidate("deep-roll-varlen-dropout-0.2-ema", DEEP_ROLL_DROPOUT_02_EMA,
-                      f"{DEEP_ROLL_ABOUT}, dropout 0.2, EMA of the weights 0.999"),
+            Candidate("deep-roll-varlen-dropout-0.2-ema", DEEP_ROLL_DROPOUT_02_EMA, DEEP_ROLL_DROPOUT_02_EMA_ABOUT),
             # the Transformer-XL paper averages the weights on Penn Treebank: `best` is the EMA when it wins
             Candidate("deep-roll-varlen-ema", (*DEEP_ROLL, "train.ema=0.999"), f"{DEEP_ROLL_ABOUT}, EMA of the weights 0.999"),
             # dropout 0.2 overfits at the end (train ppl 41.7, valid flat over the last 900 steps): decoupled weight
             # decay regularises without slowing the early learning the way more dropout does
             Candidate("deep-roll-varlen-dropout-0.2-ema-wd-0.1",
                       (*DEEP_ROLL_DROPOUT_02_EMA, "train.optimizer=adamw", "train.weight_decay=0.1"),
-                      f"{DEEP_ROLL_ABOUT}, dropout 0.2, EMA of the weights 0.999, AdamW weight decay 0.1"),
+                      f"{DEEP_ROLL_DROPOUT_02_EMA_ABOUT}, AdamW weight decay 0.1"),
             # weight decay 0.1 gained 2 valid ppl over dropout 0.2 alone and valid was still flat at the end: more?
             Candidate("deep-roll-varlen-dropout-0.2-ema-wd-0.3",
                       (*DEEP_ROLL_DROPOUT_02_EMA, "train.optimizer=adamw", "train.weight_decay=0.3"),
-                      f"{DEEP_ROLL_ABOUT}, dropout 0.2, EMA of the weights 0.999, AdamW weight decay 0.3"),
+                      f"{DEEP_ROLL_DROPOUT_02_EMA_ABOUT}, AdamW weight decay 0.3"),
             Candidate("deep-roll-varlen-dropout-0.4-ema", (*DEEP_ROLL, "model.dropout=0.4", "train.ema=0.999"),
                       f"{DEEP_ROLL_ABOUT}, dropout 0.4, EMA of the weights 0.999"),
             Candidate("lr-2.5e-4", ("train.lr=2.5e-4",), "learning rate 2.5e-4"),
