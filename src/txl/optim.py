@@ -184,6 +184,16 @@ def lr_at(step: int, *, schedule: str, lr: float, warmup_steps: int, max_steps: 
     return eta_min + (lr - eta_min) * (1 + math.cos(math.pi * progress)) / 2
 
 
+def dropout_at(step: int, *, start: float, end: float, ramp: float, max_steps: int,
+               time_fraction: float = 0.0) -> float:
+    """Dropout rate for optimiser step `step` under train.dropout_start: linear from `start` at step 0 to
+    `end` (model.dropout) once `ramp` of the run is done, then `end` (Liu et al. 2023's "late dropout",
+    made gradual: learn fast while the model underfits, regularise once it starts to overfit). The run's
+    progress is the cosine's: whichever of steps and minutes (time_fraction) is further along."""
+    progress = max(min(step, max_steps) / max(max_steps, 1), min(max(time_fraction, 0.0), 1.0))
+    return start + (end - start) * min(progress / ramp, 1.0)
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr

@@ -59,6 +59,11 @@ class TrainConfig:
     # keep an exponential moving average of the weights with this decay per step (0 = off; e.g. 0.999);
     # every validation scores it too and `best` holds whichever weights did better (txl/train/averaging.py)
     ema: float = 0.0
+    # dropout schedule (None = model.dropout throughout): the model's dropout layers (model.dropout's, not
+    # dropatt nor the embedding dropouts) start at this rate and move linearly to model.dropout over the
+    # first dropout_ramp of the run (its progress as the cosine's: steps or minutes, txl.optim.dropout_at)
+    dropout_start: float | None = None
+    dropout_ramp: float = 1.0
     # bf16/fp16 = autocast with fp32 master weights; fp16 adds a GradScaler; auto = bf16 where the device
     # has fast bf16 (CUDA with bf16, a CPU with AVX512-BF16 or AMX), else fp32
     precision: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
@@ -124,6 +129,13 @@ class TrainConfig:
             raise ConfigError(f"train.adam_eps must be in (0, 1), got {self.adam_eps}")
         if not 0 <= self.ema < 1:  # (also rejects NaN)
             raise ConfigError(f"train.ema must be in [0, 1) (0 = no weight average), got {self.ema}")
+        if self.dropout_start is not None and not 0 <= self.dropout_start < 1:
+            raise ConfigError(f"train.dropout_start must be in [0, 1) (or unset), got {self.dropout_start}")
+        if self.dropout_start is not None and self.compile:
+            raise ConfigError("train.dropout_start changes the dropout rate every step, which would make "
+                              "torch.compile recompile every step: unset train.compile or train.dropout_start")
+        if not 0 < self.dropout_ramp <= 1:
+            raise ConfigError(f"train.dropout_ramp must be in (0, 1] (a share of the run), got {self.dropout_ramp}")
         if not 0 <= self.label_smoothing < 1:
             raise ConfigError(f"train.label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if self.beam_size < 1:

@@ -27,7 +27,7 @@ from txl.errors import ConfigError, DataError, TrainingError
 from txl.evaluate import EvalResult, autocast, evaluate, evaluate_mlm, metric_value, resolve_precision
 from txl.masked_lm import mask_tokens
 from txl.memory import Memory
-from txl.optim import build_optimizer, lr_at, set_lr
+from txl.optim import build_optimizer, dropout_at, lr_at, set_lr
 from txl.run_config import RunConfig
 from txl.train.averaging import WeightAverage
 from txl.train.distributed import init_distributed
@@ -141,6 +141,12 @@ class Trainer:
             self.precision = shared_precision(self.precision, self.dist)
         self.scaler = torch.amp.GradScaler(self.dist.device.type, enabled=self.precision == "fp16")
         self.average = WeightAverage(self.model, self.cfg.ema) if self.cfg.ema > 0 else None
+        # train.dropout_start: the layers at model.dropout (after the fast backend swapped its own in)
+        self.scheduled_dropouts = [] if self.cfg.dropout_start is None else [
+            m for m in self.model.modules() if isinstance(m, torch.nn.Dropout) and m.p == self.model_config.dropout]
+        if self.cfg.dropout_start is not None and not self.scheduled_dropouts:
+            raise ConfigError(f"train.dropout_start schedules the model's dropout layers, and this model "
+                              f"(model.arch={self.model_config.arch!r}) has none at model.dropout={self.model_config.dropout}")
         if self.seq2seq:  # batch_size pairs per step, bucketed by length
             from txl.seq2seq.data import PairBatches
 
@@ -268,6 +274,12 @@ class Trainer:
                          if cfg.schedule_clock == "minutes" and cfg.max_minutes > 0 else 0.0)
                 lr = lr_at(self.step, schedule=cfg.schedule, lr=cfg.lr, warmup_steps=cfg.warmup_steps,
                            max_steps=cfg.max_steps, eta_min=cfg.eta_min, time_fraction=spent)
+                dropout = None
+                if self.scheduled_dropouts:
+                    dropout = dropout_at(self.step, start=cfg.dropout_start, end=self.model_config.dropout,
+                                         ramp=cfg.dropout_ramp, max_steps=cfg.max_steps, time_fraction=spent)
+                    for module in self.scheduled_dropouts:
+                        module.p = dropout
                 nll_sum, count = self.train_step(batch)
                 local_bad = 0.0 if math.isfinite(nll_sum) else 1.0
                 # the ranks agree on the clock (their mean), so the time-following schedule and the
@@ -307,6 +319,8 @@ class Trainer:
                     record = {"split": "train", "step": self.step, "loss": loss, self.metric:
                               metric_value(loss, self.metric), "lr": lr, "tokens_per_second": speed,
                               "tokens": self.tokens_seen, "elapsed": self.elapsed}
+                    if dropout is not None:
+                        record["dropout"] = dropout
                     if self.ponder_depth is not None:  # universal: average depth used (steps + remainder)
                         record["ponder_depth"] = float(self.ponder_depth)
                     log.write(record)
