@@ -53,6 +53,15 @@ def test_with_torch_compile_it_is_refused_before_anything_runs(tmp_path, corpus)
         build_run_config(config_file=config, sets=["dropout_start=0.1", "compile=true"])
 
 
+@pytest.mark.parametrize("arch", ["lstm", "sha-rnn"])
+def test_a_recurrent_model_is_refused_with_the_reason(tmp_path, corpus, arch):
+    config = write_config(tmp_path, corpus, steps=2)
+    run = build_run_config(config_file=config, sets=[f"model.arch={arch}", "dropout_start=0.1"])
+    with pytest.raises(ConfigError, match=f"model.arch='{arch}' applies its dropouts as functions"):
+        Trainer(run, tmp_path / "r", quiet=True)
+    assert not (tmp_path / "r").exists()  # nothing written
+
+
 def test_the_trainer_moves_every_dropout_layer_and_logs_the_rate(tmp_path, corpus):
     steps, end = 8, 0.2
     config = write_config(tmp_path, corpus, steps=steps, dropout=end)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from txl.checkpoint import build_model
+from txl.config import RNN_ARCHS
 from txl.errors import ConfigError, DataError, TrainingError
 from txl.evaluate import EvalResult, autocast, evaluate, evaluate_mlm, metric_value, resolve_precision
 from txl.masked_lm import mask_tokens
@@ -113,6 +114,9 @@ class Trainer:
         if self.cfg.optimizer == "muon" and self.model_config.arch != "decoder":
             raise ConfigError(f"train.optimizer='muon' is for the Transformer-XL decoder (model.arch='decoder'), "
                               f"not model.arch={self.model_config.arch!r}; use adam or adamw")
+        if self.cfg.dropout_start is not None and self.model_config.arch in RNN_ARCHS:
+            raise ConfigError(f"train.dropout_start schedules the Transformer's dropout layers; model.arch="
+                              f"{self.model_config.arch!r} applies its dropouts as functions: unset train.dropout_start")
         torch.manual_seed(self.cfg.seed)
         self.model = build_model(self.model_config).to(self.dist.device)
         self.init_from = None
