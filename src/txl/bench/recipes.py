@@ -155,6 +155,13 @@ SWEEPS: dict[str, Sweep] = {
                        "train.optimizer=adamw", "train.weight_decay=0.3"),
                       f"{DEEP_ROLL_ABOUT}, dropout rising 0.1 -> 0.3 over the run, EMA of the weights 0.999, "
                       "AdamW weight decay 0.3"),
+            # 0.1 -> 0.3 stalled the training ppl at 51-54 from step 4,000 (test 73.08, a slow hour): rise only to 0.2,
+            # where constant dropout still learned at the end of the cosine
+            Candidate("deep-roll-varlen-dropout-0.1-to-0.2-ema-wd-0.3",
+                      (*DEEP_ROLL_DROPOUT_02_EMA, "train.dropout_start=0.1", "train.optimizer=adamw",
+                       "train.weight_decay=0.3"),
+                      f"{DEEP_ROLL_ABOUT}, dropout rising 0.1 -> 0.2 over the run, EMA of the weights 0.999, "
+                      "AdamW weight decay 0.3"),
             Candidate("deep-roll-varlen-dropout-0.4-ema", (*DEEP_ROLL, "model.dropout=0.4", "train.ema=0.999"),
                       f"{DEEP_ROLL_ABOUT}, dropout 0.4, EMA of the weights 0.999"),
             Candidate("lr-2.5e-4", ("train.lr=2.5e-4",), "learning rate 2.5e-4"),
