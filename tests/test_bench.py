@@ -343,7 +343,8 @@ def test_every_recipe_candidate_is_a_valid_config(sweep):
     for candidate in SWEEPS[sweep].candidates:
         cfg = build_run_config(preset=SWEEPS[sweep].preset, sets=[*SWEEPS[sweep].centre, *candidate.sets])
         model = cfg.model_config(vocab_size=10_000)  # validated
-        for key in candidate.sets:
+        last = {key.split("=", 1)[0]: key for key in candidate.sets}  # a later --set of a key wins, as on the CLI
+        for key in last.values():
             section, rest = key.split(".", 1)
             field, value = rest.split("=", 1)
             got = getattr(model if section == "model" else cfg.train, field)

@@ -180,8 +180,12 @@ def lr_at(step: int, *, schedule: str, lr: float, warmup_steps: int, max_steps: 
         return lr * step / warmup_steps
     if schedule == "constant":
         return lr
-    progress = max(min(step, max_steps) / max(max_steps, 1), min(max(time_fraction, 0.0), 1.0))
-    return eta_min + (lr - eta_min) * (1 + math.cos(math.pi * progress)) / 2
+    return eta_min + (lr - eta_min) * (1 + math.cos(math.pi * run_progress(step, max_steps, time_fraction))) / 2
+
+
+def run_progress(step: int, max_steps: int, time_fraction: float = 0.0) -> float:
+    """The share of the run done, in [0, 1]: whichever of the steps and the wall-clock budget is further along."""
+    return max(min(step, max_steps) / max(max_steps, 1), min(max(time_fraction, 0.0), 1.0))
 
 
 def dropout_at(step: int, *, start: float, end: float, ramp: float, max_steps: int,
@@ -190,8 +194,7 @@ def dropout_at(step: int, *, start: float, end: float, ramp: float, max_steps: i
     `end` (model.dropout) once `ramp` of the run is done, then `end` (Liu et al. 2023's "late dropout",
     made gradual: learn fast while the model underfits, regularise once it starts to overfit). The run's
     progress is the cosine's: whichever of steps and minutes (time_fraction) is further along."""
-    progress = max(min(step, max_steps) / max(max_steps, 1), min(max(time_fraction, 0.0), 1.0))
-    return start + (end - start) * min(progress / ramp, 1.0)
+    return start + (end - start) * min(run_progress(step, max_steps, time_fraction) / ramp, 1.0)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -148,9 +148,6 @@ class Trainer:
         # train.dropout_start: the layers at model.dropout (after the fast backend swapped its own in)
         self.scheduled_dropouts = [] if self.cfg.dropout_start is None else [
             m for m in self.model.modules() if isinstance(m, torch.nn.Dropout) and m.p == self.model_config.dropout]
-        if self.cfg.dropout_start is not None and not self.scheduled_dropouts:
-            raise ConfigError(f"train.dropout_start schedules the model's dropout layers, and this model "
-                              f"(model.arch={self.model_config.arch!r}) has none at model.dropout={self.model_config.dropout}")
         if self.seq2seq:  # batch_size pairs per step, bucketed by length
             from txl.seq2seq.data import PairBatches
 
