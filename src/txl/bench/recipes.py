@@ -61,6 +61,8 @@ DEEP_ROLL_ABOUT = "6 × 256, per-epoch roll, variable segment length, learning r
 # the best ptb-word-hour lead of 2026-11-27 (test 73.55, one seed), which the weight-decay candidates build on
 DEEP_ROLL_DROPOUT_02_EMA = (*DEEP_ROLL, "model.dropout=0.2", "train.ema=0.999")
 DEEP_ROLL_DROPOUT_02_EMA_ABOUT = f"{DEEP_ROLL_ABOUT}, dropout 0.2, EMA of the weights 0.999"
+# the decay the dropout-0.1 candidates trade dropout for (weight decay 0.3 held valid level with 0.1)
+ADAMW_WD_03 = ("train.optimizer=adamw", "train.weight_decay=0.3")
 
 SWEEPS: dict[str, Sweep] = {
     "ptb-char": Sweep(
@@ -141,25 +143,23 @@ SWEEPS: dict[str, Sweep] = {
                       f"{DEEP_ROLL_DROPOUT_02_EMA_ABOUT}, AdamW weight decay 0.1"),
             # weight decay 0.1 gained 2 valid ppl over dropout 0.2 alone and valid was still flat at the end: more?
             Candidate("deep-roll-varlen-dropout-0.2-ema-wd-0.3",
-                      (*DEEP_ROLL_DROPOUT_02_EMA, "train.optimizer=adamw", "train.weight_decay=0.3"),
+                      (*DEEP_ROLL_DROPOUT_02_EMA, *ADAMW_WD_03),
                       f"{DEEP_ROLL_DROPOUT_02_EMA_ABOUT}, AdamW weight decay 0.3"),
             # decay 0.3 held valid level with 0.1 while training ppl rose 39.3 -> 43.6: it regularises on its own, so
             # trade dropout (which slows the early learning) for it
             Candidate("deep-roll-varlen-dropout-0.1-ema-wd-0.3",
-                      (*DEEP_ROLL_DROPOUT_02_EMA, "model.dropout=0.1", "train.optimizer=adamw", "train.weight_decay=0.3"),
+                      (*DEEP_ROLL_DROPOUT_02_EMA, "model.dropout=0.1", *ADAMW_WD_03),
                       f"{DEEP_ROLL_ABOUT}, dropout 0.1, EMA of the weights 0.999, AdamW weight decay 0.3"),
             # dropout 0.1 led until step 4,000 (average 75.42 against 77.36 at 0.2), then overfitted (training ppl 28,
             # the average 76.06 / 77.21 at steps 5k / 6k): late dropout, 0.1 rising to 0.3 over the hour
             Candidate("deep-roll-varlen-dropout-0.1-to-0.3-ema-wd-0.3",
-                      (*DEEP_ROLL_DROPOUT_02_EMA, "model.dropout=0.3", "train.dropout_start=0.1",
-                       "train.optimizer=adamw", "train.weight_decay=0.3"),
+                      (*DEEP_ROLL_DROPOUT_02_EMA, "model.dropout=0.3", "train.dropout_start=0.1", *ADAMW_WD_03),
                       f"{DEEP_ROLL_ABOUT}, dropout rising 0.1 -> 0.3 over the run, EMA of the weights 0.999, "
                       "AdamW weight decay 0.3"),
             # 0.1 -> 0.3 stalled the training ppl at 51-54 from step 4,000 (test 73.08, a slow hour): rise only to 0.2,
             # where constant dropout still learned at the end of the cosine
             Candidate("deep-roll-varlen-dropout-0.1-to-0.2-ema-wd-0.3",
-                      (*DEEP_ROLL_DROPOUT_02_EMA, "train.dropout_start=0.1", "train.optimizer=adamw",
-                       "train.weight_decay=0.3"),
+                      (*DEEP_ROLL_DROPOUT_02_EMA, "train.dropout_start=0.1", *ADAMW_WD_03),
                       f"{DEEP_ROLL_ABOUT}, dropout rising 0.1 -> 0.2 over the run, EMA of the weights 0.999, "
                       "AdamW weight decay 0.3"),
             Candidate("deep-roll-varlen-dropout-0.4-ema", (*DEEP_ROLL, "model.dropout=0.4", "train.ema=0.999"),
