@@ -335,6 +335,21 @@ def test_recipe_report_carries_the_weight_average_curve(tmp_path):
 
 
 @pytest.mark.parametrize("sweep", sorted(SWEEPS))
+def test_the_preset_is_its_sweeps_named_recipe(sweep):
+    """The hour preset trains exactly the candidate its sweep names (the preset's comment and
+    docs/cpu_hour.md quote that candidate's confirmations), and no other candidate is the preset."""
+    from txl.run_config import build_run_config
+
+    def config(*sets: str) -> tuple:
+        cfg = build_run_config(preset=SWEEPS[sweep].preset, sets=list(sets))
+        return cfg.model_config(vocab_size=10_000), cfg.train
+
+    preset = config()
+    same = [c.name for c in SWEEPS[sweep].candidates if config(*SWEEPS[sweep].centre, *c.sets) == preset]
+    assert same == [SWEEPS[sweep].recipe]
+
+
+@pytest.mark.parametrize("sweep", sorted(SWEEPS))
 def test_every_recipe_candidate_is_a_valid_config(sweep):
     """Each candidate's keys on top of its sweep's centre and preset build a run config and a model
     (a typo in a key or an impossible shape fails here, not an hour into a sweep)."""

@@ -45,6 +45,7 @@ class Sweep:
     centre: tuple[str, ...]  # the recipe every candidate starts from
     candidates: tuple[Candidate, ...]
     about: str
+    recipe: str  # the candidate the preset trains (its keys on the centre give the preset's own config)
 
 
 # Proxy runs validate once at the end on the whole valid split and write no sample.
@@ -104,6 +105,7 @@ SWEEPS: dict[str, Sweep] = {
                       "4 × 192 with Muon, learning rate 2e-3"),
         ),
         about="Penn Treebank characters (test bpc; AWD-LSTM 1.175 after GPU-days)",
+        recipe="small-dropout-0",
     ),
     "ptb-word": Sweep(
         preset="ptb-word-hour",
@@ -188,6 +190,7 @@ SWEEPS: dict[str, Sweep] = {
                       "4 × 384, whole-word dropout 0.1, locked embedding dropout 0.5, dropout 0.5"),
         ),
         about="Penn Treebank words, 10k vocabulary (test perplexity; Transformer-XL 54.5 after GPU-days)",
+        recipe="deep-roll-varlen-lr-1e-3",
     ),
 }
 
