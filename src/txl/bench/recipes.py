@@ -114,7 +114,9 @@ SWEEPS: dict[str, Sweep] = {
                 "train.batch_size=32", "train.lr=5e-4", "train.warmup_steps=300", "train.weight_decay=0",
                 "train.optimizer=adam", "train.schedule=cosine", "train.precision=auto",
                 # the preset turns these on (deep-roll-varlen-lr-1e-3 won); the centre keeps the old order
-                "train.roll=false", "train.varlen=false"),
+                "train.roll=false", "train.varlen=false",
+                # and this (deep-roll-varlen-dropout-0.1-ema-wd-0.3 won); candidates that average ask for it
+                "train.ema=0"),
         candidates=(
             Candidate("centre", (), "the centre recipe: ptb-word-small's shape, cosine over the minutes, bf16 where fast"),
             Candidate("lr-1e-3", ("train.lr=1e-3",), "learning rate 1e-3"),
@@ -190,7 +192,7 @@ SWEEPS: dict[str, Sweep] = {
                       "4 × 384, whole-word dropout 0.1, locked embedding dropout 0.5, dropout 0.5"),
         ),
         about="Penn Treebank words, 10k vocabulary (test perplexity; Transformer-XL 54.5 after GPU-days)",
-        recipe="deep-roll-varlen-lr-1e-3",
+        recipe="deep-roll-varlen-dropout-0.1-ema-wd-0.3",
     ),
 }
 
