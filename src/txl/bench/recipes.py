@@ -64,6 +64,9 @@ DEEP_ROLL_DROPOUT_02_EMA = (*DEEP_ROLL, "model.dropout=0.2", "train.ema=0.999")
 DEEP_ROLL_DROPOUT_02_EMA_ABOUT = f"{DEEP_ROLL_ABOUT}, dropout 0.2, EMA of the weights 0.999"
 # the decay the dropout-0.1 candidates trade dropout for (weight decay 0.3 held valid level with 0.1)
 ADAMW_WD_03 = ("train.optimizer=adamw", "train.weight_decay=0.3")
+# ptb-word-hour's recipe since 2026-11-27 (deep-roll-varlen-dropout-0.1-ema-wd-0.3), which later candidates build on
+DROPOUT_01_EMA_WD_03 = (*DEEP_ROLL_DROPOUT_02_EMA, "model.dropout=0.1", *ADAMW_WD_03)
+DROPOUT_01_EMA_WD_03_ABOUT = f"{DEEP_ROLL_ABOUT}, dropout 0.1, EMA of the weights 0.999, AdamW weight decay 0.3"
 
 SWEEPS: dict[str, Sweep] = {
     "ptb-char": Sweep(
@@ -151,9 +154,7 @@ SWEEPS: dict[str, Sweep] = {
                       f"{DEEP_ROLL_DROPOUT_02_EMA_ABOUT}, AdamW weight decay 0.3"),
             # decay 0.3 held valid level with 0.1 while training ppl rose 39.3 -> 43.6: it regularises on its own, so
             # trade dropout (which slows the early learning) for it
-            Candidate("deep-roll-varlen-dropout-0.1-ema-wd-0.3",
-                      (*DEEP_ROLL_DROPOUT_02_EMA, "model.dropout=0.1", *ADAMW_WD_03),
-                      f"{DEEP_ROLL_ABOUT}, dropout 0.1, EMA of the weights 0.999, AdamW weight decay 0.3"),
+            Candidate("deep-roll-varlen-dropout-0.1-ema-wd-0.3", DROPOUT_01_EMA_WD_03, DROPOUT_01_EMA_WD_03_ABOUT),
             # dropout 0.1 led until step 4,000 (average 75.42 against 77.36 at 0.2), then overfitted (training ppl 28,
             # the average 76.06 / 77.21 at steps 5k / 6k): late dropout, 0.1 rising to 0.3 over the hour
             Candidate("deep-roll-varlen-dropout-0.1-to-0.3-ema-wd-0.3",
@@ -173,17 +174,13 @@ SWEEPS: dict[str, Sweep] = {
                       f"{DEEP_ROLL_ABOUT}, dropout 0.15, EMA of the weights 0.999, AdamW weight decay 0.3"),
             # the tied 10k × 256 embedding is a third of the parameters and the model still memorises (training ppl 28
             # against valid 76 at the end): AWD-LSTM's whole-word dropout on top, leaving the body's dropout at 0.1
-            Candidate("deep-roll-varlen-dropout-0.1-embed-0.1-ema-wd-0.3",
-                      (*DEEP_ROLL_DROPOUT_02_EMA, "model.dropout=0.1", "model.dropout_embed=0.1", *ADAMW_WD_03),
-                      f"{DEEP_ROLL_ABOUT}, dropout 0.1, whole-word dropout 0.1, EMA of the weights 0.999, "
-                      "AdamW weight decay 0.3"),
+            Candidate("deep-roll-varlen-dropout-0.1-embed-0.1-ema-wd-0.3", (*DROPOUT_01_EMA_WD_03, "model.dropout_embed=0.1"),
+                      f"{DROPOUT_01_EMA_WD_03_ABOUT}, whole-word dropout 0.1"),
             # every regulariser tried lands at valid 75.4-76.4: change the model's form instead. The reference
             # (kimiyoung's train.py) allows the adaptive softmax only on wt103 and lm1b and trains PTB with the full
             # one; the hour's presets took cutoff 2000 for speed, but this recipe peaks before the hour is spent
-            Candidate("deep-roll-varlen-dropout-0.1-ema-wd-0.3-full-softmax",
-                      (*DEEP_ROLL_DROPOUT_02_EMA, "model.dropout=0.1", *ADAMW_WD_03, "model.cutoffs=[]"),
-                      f"{DEEP_ROLL_ABOUT}, dropout 0.1, EMA of the weights 0.999, AdamW weight decay 0.3, "
-                      "full softmax (no cutoff)"),
+            Candidate("deep-roll-varlen-dropout-0.1-ema-wd-0.3-full-softmax", (*DROPOUT_01_EMA_WD_03, "model.cutoffs=[]"),
+                      f"{DROPOUT_01_EMA_WD_03_ABOUT}, full softmax (no cutoff)"),
             Candidate("deep-roll-varlen-dropout-0.4-ema", (*DEEP_ROLL, "model.dropout=0.4", "train.ema=0.999"),
                       f"{DEEP_ROLL_ABOUT}, dropout 0.4, EMA of the weights 0.999"),
             Candidate("lr-2.5e-4", ("train.lr=2.5e-4",), "learning rate 2.5e-4"),
