@@ -191,11 +191,17 @@ SWEEPS: dict[str, Sweep] = {
             # the tied 10k x 256 embedding is a third of the parameters, and 8,000 of its rows are words seen 49 times
             # or fewer in train (median 11; 14% of the tokens): the adaptive input and softmax of Baevski & Auli
             # (the reference's wt103 div_val 4) give those rows 64 dimensions projected to 256, 1.5M parameters
-            # fewer, and a cheaper tail softmax
+            # fewer, and a cheaper tail softmax. Stopped at step 2,550 (minute 16), far behind batch 16 at the same steps:
+            # valid 194.8 / 144.5 (average 176.4 / 131.6) at steps 1,000 / 2,000 against 151.7 / 113.2 (137.0 / 102.4)
             Candidate("deep-roll-varlen-dropout-0.1-ema-wd-0.3-batch-16-div-4",
                       (*DROPOUT_01_EMA_WD_03, "train.batch_size=16", "train.ema=0.9995", "model.div_val=4"),
                       f"{DEEP_ROLL_ABOUT}, dropout 0.1, AdamW weight decay 0.3, batch 16, EMA of the weights 0.9995, "
                       "adaptive input and softmax (div_val 4)"),
+            # batch 32 -> 16 lowered the average's peak (valid 75.42 / 76.35 -> 74.91 / 75.95) and learned more per
+            # token; halve it again, the average again as long in tokens (0.99975: 4,000 steps of 560 tokens)
+            Candidate("deep-roll-varlen-dropout-0.1-ema-wd-0.3-batch-8",
+                      (*DROPOUT_01_EMA_WD_03, "train.batch_size=8", "train.ema=0.99975"),
+                      f"{DEEP_ROLL_ABOUT}, dropout 0.1, AdamW weight decay 0.3, batch 8, EMA of the weights 0.99975"),
             Candidate("deep-roll-varlen-dropout-0.4-ema", (*DEEP_ROLL, "model.dropout=0.4", "train.ema=0.999"),
                       f"{DEEP_ROLL_ABOUT}, dropout 0.4, EMA of the weights 0.999"),
             Candidate("lr-2.5e-4", ("train.lr=2.5e-4",), "learning rate 2.5e-4"),
