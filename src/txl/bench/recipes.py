@@ -198,7 +198,9 @@ SWEEPS: dict[str, Sweep] = {
                       f"{DEEP_ROLL_ABOUT}, dropout 0.1, AdamW weight decay 0.3, batch 16, EMA of the weights 0.9995, "
                       "adaptive input and softmax (div_val 4)"),
             # batch 32 -> 16 lowered the average's peak (valid 75.42 / 76.35 -> 74.91 / 75.95) and learned more per
-            # token; halve it again, the average again as long in tokens (0.99975: 4,000 steps of 560 tokens)
+            # token; halve it again, the average again as long in tokens (0.99975: 4,000 steps of 560 tokens).
+            # Stopped at step 4,700 (minute 20): no more per token than batch 16 (average 136.28 / 104.86 at 1.09M /
+            # 2.17M tokens against 137.02 / 102.35) and 28% fewer tokens per second
             Candidate("deep-roll-varlen-dropout-0.1-ema-wd-0.3-batch-8",
                       (*DROPOUT_01_EMA_WD_03, "train.batch_size=8", "train.ema=0.99975"),
                       f"{DEEP_ROLL_ABOUT}, dropout 0.1, AdamW weight decay 0.3, batch 8, EMA of the weights 0.99975"),
