@@ -184,7 +184,8 @@ SWEEPS: dict[str, Sweep] = {
             # neither the softmax nor the eval's context (memory 70-200 gives the same valid) moves the peak: the
             # batch sets the gradient noise and the updates per token, which no run had varied at this shape. Batch 16
             # at the same learning rate, its average as long in tokens as batch 32's (ema 0.9995: 2,000 steps of
-            # 1,120 tokens). Test 70.19 / 71.37 (seeds 1111 / 1112; the second hour's machine ran 21% slower)
+            # 1,120 tokens). Test 70.19 / 71.37 (seeds 1111 / 1112; the second hour's machine ran 21% slower); seed 1112
+            # again on a machine as fast as the first hour's: 69.98. ptb-word-hour's recipe since 2026-11-27, night
             Candidate("deep-roll-varlen-dropout-0.1-ema-wd-0.3-batch-16",
                       (*DROPOUT_01_EMA_WD_03, "train.batch_size=16", "train.ema=0.9995"),
                       f"{DEEP_ROLL_ABOUT}, dropout 0.1, AdamW weight decay 0.3, batch 16, EMA of the weights 0.9995"),
@@ -230,7 +231,7 @@ SWEEPS: dict[str, Sweep] = {
                       "4 × 384, whole-word dropout 0.1, locked embedding dropout 0.5, dropout 0.5"),
         ),
         about="Penn Treebank words, 10k vocabulary (test perplexity; Transformer-XL 54.5 after GPU-days)",
-        recipe="deep-roll-varlen-dropout-0.1-ema-wd-0.3",
+        recipe="deep-roll-varlen-dropout-0.1-ema-wd-0.3-batch-16",
     ),
 }
 
