@@ -67,6 +67,9 @@ ADAMW_WD_03 = ("train.optimizer=adamw", "train.weight_decay=0.3")
 # ptb-word-hour's recipe since 2026-11-27 (deep-roll-varlen-dropout-0.1-ema-wd-0.3), which later candidates build on
 DROPOUT_01_EMA_WD_03 = (*DEEP_ROLL_DROPOUT_02_EMA, "model.dropout=0.1", *ADAMW_WD_03)
 DROPOUT_01_EMA_WD_03_ABOUT = f"{DEEP_ROLL_ABOUT}, dropout 0.1, EMA of the weights 0.999, AdamW weight decay 0.3"
+# ptb-word-hour's recipe since 2026-11-27, night (deep-roll-varlen-dropout-0.1-ema-wd-0.3-batch-16)
+BATCH_16 = (*DROPOUT_01_EMA_WD_03, "train.batch_size=16", "train.ema=0.9995")
+BATCH_16_ABOUT = f"{DEEP_ROLL_ABOUT}, dropout 0.1, AdamW weight decay 0.3, batch 16, EMA of the weights 0.9995"
 
 SWEEPS: dict[str, Sweep] = {
     "ptb-char": Sweep(
@@ -186,18 +189,14 @@ SWEEPS: dict[str, Sweep] = {
             # at the same learning rate, its average as long in tokens as batch 32's (ema 0.9995: 2,000 steps of
             # 1,120 tokens). Test 70.19 / 71.37 (seeds 1111 / 1112; the second hour's machine ran 21% slower); seed 1112
             # again on a machine as fast as the first hour's: 69.98. ptb-word-hour's recipe since 2026-11-27, night
-            Candidate("deep-roll-varlen-dropout-0.1-ema-wd-0.3-batch-16",
-                      (*DROPOUT_01_EMA_WD_03, "train.batch_size=16", "train.ema=0.9995"),
-                      f"{DEEP_ROLL_ABOUT}, dropout 0.1, AdamW weight decay 0.3, batch 16, EMA of the weights 0.9995"),
+            Candidate("deep-roll-varlen-dropout-0.1-ema-wd-0.3-batch-16", BATCH_16, BATCH_16_ABOUT),
             # the tied 10k x 256 embedding is a third of the parameters, and 8,000 of its rows are words seen 49 times
             # or fewer in train (median 11; 14% of the tokens): the adaptive input and softmax of Baevski & Auli
             # (the reference's wt103 div_val 4) give those rows 64 dimensions projected to 256, 1.5M parameters
             # fewer, and a cheaper tail softmax. Stopped at step 2,550 (minute 16), far behind batch 16 at the same steps:
             # valid 194.8 / 144.5 (average 176.4 / 131.6) at steps 1,000 / 2,000 against 151.7 / 113.2 (137.0 / 102.4)
-            Candidate("deep-roll-varlen-dropout-0.1-ema-wd-0.3-batch-16-div-4",
-                      (*DROPOUT_01_EMA_WD_03, "train.batch_size=16", "train.ema=0.9995", "model.div_val=4"),
-                      f"{DEEP_ROLL_ABOUT}, dropout 0.1, AdamW weight decay 0.3, batch 16, EMA of the weights 0.9995, "
-                      "adaptive input and softmax (div_val 4)"),
+            Candidate("deep-roll-varlen-dropout-0.1-ema-wd-0.3-batch-16-div-4", (*BATCH_16, "model.div_val=4"),
+                      f"{BATCH_16_ABOUT}, adaptive input and softmax (div_val 4)"),
             # batch 32 -> 16 lowered the average's peak (valid 75.42 / 76.35 -> 74.91 / 75.95) and learned more per
             # token; halve it again, the average again as long in tokens (0.99975: 4,000 steps of 560 tokens).
             # Stopped at step 4,700 (minute 20): no more per token than batch 16 (average 136.28 / 104.86 at 1.09M /
