@@ -123,3 +123,19 @@ def test_a_checkpoint_without_its_average_is_refused_in_one_line(tmp_path, corpu
     save_tensors(path, {k: v for k, v in tensors.items() if not k.startswith(PREFIX)}, metadata)
     with pytest.raises(CheckpointError, match="weight average of .* is missing"):
         Trainer(run, tmp_path / "r", quiet=True, resume=True)
+
+
+def test_eval_live_false_validates_the_average_alone_until_the_last_validation(tmp_path, corpus):
+    """train.eval_live=false: every validation scores the average, the live weights only at the last,
+    so `best` can still take them there; without an average the key is refused in one line."""
+    config = write_config(tmp_path, corpus, steps=6, eval_interval=2)
+    run = build_run_config(config_file=config, sets=["ema=0.5", "eval_live=false", "final_splits=[\"valid\"]"])
+    trainer = Trainer(run, tmp_path / "r", quiet=True)
+    finish_run(trainer, trainer.fit())
+    records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "valid_ema"] == [2, 4, 6]
+    assert [r["step"] for r in records if r["split"] == "valid"] == [6]
+    result = json.loads((tmp_path / "r" / "result.json").read_text())
+    assert result["best_weights"] in ("average", "live") and "valid" in result["final"]
+    with pytest.raises(ConfigError, match=r"train\.eval_live=false .* train\.ema is 0"):
+        build_run_config(config_file=config, sets=["eval_live=false"])

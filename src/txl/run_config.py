@@ -59,6 +59,10 @@ class TrainConfig:
     # keep an exponential moving average of the weights with this decay per step (0 = off; e.g. 0.999);
     # every validation scores it too and `best` holds whichever weights did better (txl/train/averaging.py)
     ema: float = 0.0
+    # validate the live weights beside the average at every validation (false: the average alone, and
+    # both at the run's last validation, so `best` can still be the live weights; each whole-split pass
+    # the hour presets skip is about 1% of the hour)
+    eval_live: bool = True
     # dropout schedule (None = model.dropout throughout): the model's dropout layers (model.dropout's, not
     # dropatt nor the embedding dropouts) start at this rate and move linearly to model.dropout over the
     # first dropout_ramp of the run (its progress as the cosine's: steps or minutes, txl.optim.dropout_at)
@@ -129,6 +133,9 @@ class TrainConfig:
             raise ConfigError(f"train.adam_eps must be in (0, 1), got {self.adam_eps}")
         if not 0 <= self.ema < 1:  # (also rejects NaN)
             raise ConfigError(f"train.ema must be in [0, 1) (0 = no weight average), got {self.ema}")
+        if not self.eval_live and not self.ema:
+            raise ConfigError("train.eval_live=false validates only the weight average, and train.ema is 0 "
+                              "(no average): set train.ema (e.g. 0.999) or leave eval_live true")
         if self.dropout_start is not None and not 0 <= self.dropout_start < 1:
             raise ConfigError(f"train.dropout_start must be in [0, 1) (or unset), got {self.dropout_start}")
         if self.dropout_start is not None and self.compile:

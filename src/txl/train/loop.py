@@ -331,7 +331,7 @@ class Trainer:
                 time_up = cfg.max_minutes > 0 and self.elapsed >= cfg.max_minutes * 60
                 stopping = stop > 0 or time_up or self.step == cfg.max_steps
                 if self.validates and (self.step % cfg.eval_interval == 0 or time_up or self.step == cfg.max_steps):
-                    self.validate(log, bar)  # (not on a signal: save and leave quickly)
+                    self.validate(log, bar, last=time_up or self.step == cfg.max_steps)  # (not on a signal)
                 due = (cfg.save_interval and self.step % cfg.save_interval == 0) or (
                     not cfg.save_interval and self.step % cfg.eval_interval == 0
                 )
@@ -350,13 +350,17 @@ class Trainer:
         return {"steps": self.step, "stopped_by": reason, "tokens": self.tokens_seen, "elapsed": self.elapsed,
                 "tokens_per_second": self.tokens_seen / max(self.elapsed, 1e-9), "best_valid": self.best_valid}
 
-    def validate(self, log: MetricsLog, bar: Progress) -> EvalResult:
+    def validate(self, log: MetricsLog, bar: Progress, *, last: bool = False) -> EvalResult:
         """Score the live weights on valid (and the weight average, `train.ema`, as split "valid_ema");
-        whichever beats the best so far becomes `best`."""
-        result = self._validate_weights(log, bar, averaged=False)
+        whichever beats the best so far becomes `best`. With train.eval_live false only the average is
+        scored, except at the run's `last` validation. Returns the live weights' result when scored."""
+        result = None
+        if self.average is None or self.cfg.eval_live or last:
+            result = self._validate_weights(log, bar, averaged=False)
         if self.average is not None:
             with self.average.applied():
-                self._validate_weights(log, bar, averaged=True)
+                averaged = self._validate_weights(log, bar, averaged=True)
+            result = averaged if result is None else result
         self.model.train()
         return result
 
