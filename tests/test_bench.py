@@ -309,7 +309,7 @@ def test_recipe_sweep_ranks_proxies_then_confirms_with_seeds(tmp_path, capsys):
 def test_recipe_report_carries_the_weight_average_curve(tmp_path):
     """A run trained with train.ema logs `valid_ema` beside `valid`: the recipe report keeps both curves,
     which weights won and the live weights' test score, and plots the average's curve too."""
-    from txl.bench.recipes import collect, plot
+    from txl.bench.recipes import collect, plot, valid_ends
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -332,6 +332,11 @@ def test_recipe_report_carries_the_weight_average_curve(tmp_path):
     old = {k: v for k, v in row.items() if k != "valid_ema_curve"}  # a report written before the curve existed
     plot({"sweep": "ptb-word", "confirm": "c", "rows": [old]}, tmp_path / "old.png")
     assert (tmp_path / "old.png").stat().st_size > 0
+    # train.eval_live=false: the live weights validated once, at the end; the range holds both ends
+    late = {**row, "valid_curve": [(2.0, 190.0)], "valid_ema_curve": [(1.0, 185.0), (2.0, 150.0)]}
+    assert valid_ends(late) == [190.0, 150.0] and valid_ends(old) == [190.0]
+    plot({"sweep": "ptb-word", "confirm": "c", "rows": [late]}, tmp_path / "late.png")
+    assert (tmp_path / "late.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("sweep", sorted(SWEEPS))
