@@ -60,8 +60,8 @@ class TrainConfig:
     # every validation scores it too and `best` holds whichever weights did better (txl/train/averaging.py)
     ema: float = 0.0
     # validate the live weights beside the average at every validation (false: the average alone, and
-    # both at the run's last validation, so `best` can still be the live weights; each whole-split pass
-    # the hour presets skip is about 1% of the hour)
+    # both at the run's last validation, so `best` can still be the live weights; ptb-word-hour's ten
+    # skipped passes over valid are about 2.5% of its hour)
     eval_live: bool = True
     # dropout schedule (None = model.dropout throughout): the model's dropout layers (model.dropout's, not
     # dropatt nor the embedding dropouts) start at this rate and move linearly to model.dropout over the
