@@ -350,19 +350,16 @@ class Trainer:
         return {"steps": self.step, "stopped_by": reason, "tokens": self.tokens_seen, "elapsed": self.elapsed,
                 "tokens_per_second": self.tokens_seen / max(self.elapsed, 1e-9), "best_valid": self.best_valid}
 
-    def validate(self, log: MetricsLog, bar: Progress, *, last: bool = False) -> EvalResult:
+    def validate(self, log: MetricsLog, bar: Progress, *, last: bool = False) -> None:
         """Score the live weights on valid (and the weight average, `train.ema`, as split "valid_ema");
         whichever beats the best so far becomes `best`. With train.eval_live false only the average is
-        scored, except at the run's `last` validation. Returns the live weights' result when scored."""
-        result = None
+        scored, except at the run's `last` validation."""
         if self.average is None or self.cfg.eval_live or last:
-            result = self._validate_weights(log, bar, averaged=False)
+            self._validate_weights(log, bar, averaged=False)
         if self.average is not None:
             with self.average.applied():
-                averaged = self._validate_weights(log, bar, averaged=True)
-            result = averaged if result is None else result
+                self._validate_weights(log, bar, averaged=True)
         self.model.train()
-        return result
 
     def _validate_weights(self, log: MetricsLog, bar: Progress, *, averaged: bool) -> EvalResult:
         result = self.evaluate_split("valid", max_tokens=self.cfg.eval_max_tokens)
