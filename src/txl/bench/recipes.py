@@ -67,7 +67,8 @@ ADAMW_WD_03 = ("train.optimizer=adamw", "train.weight_decay=0.3")
 # ptb-word-hour's recipe since 2026-11-27 (deep-roll-varlen-dropout-0.1-ema-wd-0.3), which later candidates build on
 DROPOUT_01_EMA_WD_03 = (*DEEP_ROLL_DROPOUT_02_EMA, "model.dropout=0.1", *ADAMW_WD_03)
 DROPOUT_01_EMA_WD_03_ABOUT = f"{DEEP_ROLL_ABOUT}, dropout 0.1, EMA of the weights 0.999, AdamW weight decay 0.3"
-# ptb-word-hour's recipe with train.eval_live=false (deep-roll-varlen-dropout-0.1-ema-wd-0.3-batch-16)
+# batch 16 (deep-roll-varlen-dropout-0.1-ema-wd-0.3-batch-16); ptb-word-hour adds train.eval_live=false and
+# model.d_inner=2048 to it
 BATCH_16 = (*DROPOUT_01_EMA_WD_03, "train.batch_size=16", "train.ema=0.9995")
 BATCH_16_ABOUT = f"{DEEP_ROLL_ABOUT}, dropout 0.1, AdamW weight decay 0.3, batch 16, EMA of the weights 0.9995"
 

@@ -361,7 +361,7 @@ class Trainer:
                 self._validate_weights(log, bar, averaged=True)
         self.model.train()
 
-    def _validate_weights(self, log: MetricsLog, bar: Progress, *, averaged: bool) -> EvalResult:
+    def _validate_weights(self, log: MetricsLog, bar: Progress, *, averaged: bool) -> None:
         result = self.evaluate_split("valid", max_tokens=self.cfg.eval_max_tokens)
         record = {"split": "valid_ema" if averaged else "valid", "step": self.step, "loss": result.loss, self.metric: result.value,
                   "tokens": result.tokens, "tokens_per_second": result.tokens_per_second, "elapsed": self.elapsed}
@@ -377,7 +377,6 @@ class Trainer:
             self.best_valid = result.loss
             if self.dist.main:
                 save_best(self, result, weights="average" if averaged else "live")
-        return result
 
     def check_token_ids(self, largest: int, split: str) -> None:
         """Prepared arrays are unsigned, so only an id >= vocab_size can be wrong (a damaged cache):
