@@ -13,6 +13,7 @@ rewrites it. Paths in messages are shown relative to a case's scratch directory 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -1634,6 +1635,16 @@ def _(ctx):
       "txl generate RUN --stop-at-eos", "no <eos>", "--stop STRING")
 def _(ctx):
     return cli("generate", str(ctx.run_copy()), "--stop-at-eos")
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases kept in files of their own (tests/cases_*.py, one per area), registered with the same `case`
+# and rendered into the same table. They import this module by name, so running it as a script
+# (`--write`) registers it under that name first.
+
+sys.modules.setdefault("test_robustness", sys.modules[__name__])
+for _path in sorted(TESTS.glob("cases_*.py")):
+    importlib.import_module(_path.stem)
 
 
 # ---------------------------------------------------------------------------------------------
