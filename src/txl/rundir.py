@@ -17,22 +17,27 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import stat
 import time
 from pathlib import Path
 
 from txl.errors import OutputError, UsageError, describe_os_error
+from txl.io.files import (  # noqa: F401 - the writers moved to txl.io; importable from here as before
+    TEMPORARY,
+    atomic_file,
+    is_link,
+    open_append,
+    open_regular,
+    open_update,
+    refuse_link,
+    remove_stale_temporaries,
+    save_array,
+    save_figure,
+    write_bytes,
+    write_text,
+)
 
 LOCK_NAME = ".txl-lock"
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-
-
-def is_link(path: Path) -> bool:
-    with contextlib.suppress(OSError, ValueError):
-        return stat.S_ISLNK(os.lstat(path).st_mode)
-    return False
 
 
 def is_real_dir(path: Path) -> bool:
@@ -40,13 +45,6 @@ def is_real_dir(path: Path) -> bool:
     with contextlib.suppress(OSError, ValueError):
         return stat.S_ISDIR(os.lstat(path).st_mode)
     return False
-
-
-def refuse_link(path: Path, where: str = "where it writes") -> None:
-    """One line naming an entry that is a symbolic link where txl would write, move or delete."""
-    if is_link(path):
-        raise OutputError(f"{path} is a symbolic link; txl does not follow links {where} (it would write or move "
-                          "files outside it): remove the link or use another directory")
 
 
 def check_utf8_path(path: Path, flag: str = "--out") -> None:
@@ -58,96 +56,19 @@ def check_utf8_path(path: Path, flag: str = "--out") -> None:
                          "library cannot open it: choose a name in UTF-8") from None
 
 
-@contextlib.contextmanager
-def atomic_file(path: str | Path, mode: str = "wb"):
-    """Yield a file to fill; on success it replaces `path` atomically, without following any link there.
-
-    The temporary is created under an unguessable name with O_CREAT | O_EXCL | O_NOFOLLOW in the same
-    directory (opened once, then used by descriptor), fsynced and renamed into place. On an exception
-    it is removed and `path` is untouched. OS errors become one `OutputError` naming `path`.
-    """
+def read_text_nofollow(path: str | Path, limit: int) -> str | None:
+    """The text of a regular file in a run of at most `limit` bytes (None when absent); a link, a FIFO or
+    a device is refused in one line."""
     path = Path(path)
     refuse_link(path)
     try:
-        dir_fd = os.open(path.parent, os.O_RDONLY | _CLOEXEC | getattr(os, "O_DIRECTORY", 0))
-    except OSError as err:
-        raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
-    tmp = None
-    try:
-        while tmp is None:
-            name = f".{path.name[:100]}.{os.urandom(6).hex()}.tmp"
-            try:
-                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o666,
-                             dir_fd=dir_fd)
-            except FileExistsError:
-                continue
-            tmp = name
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        tmp = None
-        with contextlib.suppress(OSError):
-            os.fsync(dir_fd)
-    except OSError as err:
-        raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dir_fd)
-        os.close(dir_fd)
-
-
-def write_bytes(path: str | Path, data: bytes) -> None:
-    """Create `path` holding `data`, atomically and without following a link (see `atomic_file`)."""
-    with atomic_file(path) as f:
-        f.write(data)
-
-
-def write_text(path: str | Path, text: str) -> None:
-    write_bytes(path, text.encode("utf-8", "surrogateescape"))
-
-
-def open_append(path: str | Path):
-    """Open `path` for appending text, refusing a link (O_NOFOLLOW): the metrics log of a run."""
-    path = Path(path)
-    refuse_link(path)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o666)
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise OutputError(f"{path} is a symbolic link; txl never writes through a link: remove it") from None
-        raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OutputError(f"{path} is not a regular file; remove it or use another directory")
-    return os.fdopen(fd, "a", encoding="utf-8")
-
-
-TEMPORARY = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$")  # the names `atomic_file` gives its temporaries
-
-
-def remove_stale_temporaries(directory: Path, names: tuple[str, ...]) -> None:
-    """Delete what a killed writer left of `atomic_file` temporaries for these names (regular files
-    only; call with the directory's lock held, so none of them is being written)."""
-    for entry in directory.iterdir():
-        ours = TEMPORARY.match(entry.name) and any(entry.name.startswith(f".{n}.") for n in names)
-        if ours and stat.S_ISREG(os.lstat(entry).st_mode):
-            with contextlib.suppress(OSError):
-                entry.unlink()
-
-
-def read_text_nofollow(path: str | Path) -> str | None:
-    """The text of a regular file in a run (None when absent); a link is refused."""
-    path = Path(path)
-    refuse_link(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
-    except FileNotFoundError:
-        return None
-    with os.fdopen(fd, "rb") as f:
-        return f.read().decode("utf-8", "replace")
+        f = open_regular(path, what="file", error=OutputError, limit=limit)
+    except OutputError:
+        if not os.path.lexists(path):
+            return None
+        raise
+    with f:
+        return f.read(limit).decode("utf-8", "replace")
 
 
 def _lock_holder(fd: int, wait: float = 2.0) -> str:
@@ -208,10 +129,9 @@ class RunLock:
         path = self.directory / LOCK_NAME
         for _ in range(100):
             refuse_link(path, "in a run directory")
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o644)
-            except OSError as err:
-                raise OutputError(f"cannot create the run lock {path}: {describe_os_error(err)}") from None
+            # a regular file of ours with one link: a hard link planted as .txl-lock would have us
+            # truncate and rewrite a file outside the run (txl.io.check_own_file)
+            fd = open_update(path, what="the run lock")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as err:
@@ -270,21 +190,4 @@ class RunLock:
         self.release()
 
 
-def save_figure(fig, path: str | Path, **kwargs) -> None:
-    """matplotlib's savefig opens the path itself (following links): render into memory, then write."""
-    import io
 
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format=Path(path).suffix.lstrip(".").lower() or "png", **kwargs)
-    write_bytes(path, buffer.getvalue())
-
-
-def save_array(path: str | Path, array) -> None:
-    """np.save without pickles, into memory, then written like any other file here."""
-    import io
-
-    import numpy as np
-
-    buffer = io.BytesIO()
-    np.save(buffer, array, allow_pickle=False)
-    write_bytes(path, buffer.getvalue())

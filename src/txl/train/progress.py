@@ -9,7 +9,8 @@ from pathlib import Path
 
 from txl.errors import OutputError, describe_os_error
 from txl.evaluate import metric_value
-from txl.rundir import open_append, read_text_nofollow, write_text
+from txl.io import METRICS_LIMIT, open_append, write_text
+from txl.rundir import read_text_nofollow
 
 
 class MetricsLog:
@@ -22,13 +23,13 @@ class MetricsLog:
             return
         # never through a link: the run directory may come from someone else (txl.rundir)
         try:
-            text = read_text_nofollow(self.path)  # a damaged line is dropped below
+            text = read_text_nofollow(self.path, METRICS_LIMIT)  # a damaged line is dropped below
         except OSError as err:
             raise OutputError(f"cannot read {self.path}: {describe_os_error(err, reading=True)}") from None
         if text is not None:  # a resumed run: drop records the crashed session wrote after the checkpoint
             keep = [line for line in text.splitlines() if line.strip() and _record_step(line) <= truncate_after]
             write_text(self.path, "".join(line + "\n" for line in keep))
-        self.file = open_append(self.path)
+        self.file = open_append(self.path, what="the metrics log")
         try:
             from torch.utils.tensorboard import SummaryWriter
 
