@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, get_args, get_origin
 
-from txl.errors import ConfigError, did_you_mean
+from txl.errors import ConfigError, did_you_mean, parse_json
+from txl.io import CONFIG_LIMIT, read_text, write_text
 
 # Names, not integer codes (the reference's `attn_type` 0..3 maps to xl, shaw, sinusoidal, learned).
 # These are the built-in entries of the registries (`txl.positional.register_encoding`,
@@ -441,7 +442,7 @@ class TransformerXLConfig:
     def to_json(self, path: str | Path | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
         if path is not None:
-            Path(path).write_text(text)
+            write_text(path, text)
         return text
 
     @classmethod
@@ -449,16 +450,16 @@ class TransformerXLConfig:
         """Read a config from a JSON string or a path to a JSON file."""
         path = Path(source) if not str(source).lstrip().startswith("{") else None
         try:
-            text = path.read_text() if path is not None else str(source)
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except (OSError, ValueError) as err:  # ValueError: undecodable bytes, a NUL in the path
+            # a regular file of at most CONFIG_LIMIT bytes (a 1 GB sparse config.json is refused unread)
+            text = read_text(path, what="config file", limit=CONFIG_LIMIT, error=ConfigError,
+                             follow_links=True) if path is not None else str(source)
+        except ValueError as err:  # a NUL in the path
             raise ConfigError(f"cannot read config file {path}: {err}") from None
         try:
-            data = json.loads(text)
-        except (ValueError, RecursionError) as err:  # also a 5000-digit number, [[[[... nested too deep
+            data = parse_json(text)
+        except (ValueError, RecursionError) as err:  # duplicate keys, a 5000-digit number, [[[[... too deep
             where = f" in {path}" if path else ""
-            raise ConfigError(f"config is not valid JSON{where}: {err}") from None
+            raise ConfigError(f"config is not valid JSON{where}: {str(err)[:200]}") from None
         return cls.from_dict(data)
 
     def replace(self, **changes: Any) -> TransformerXLConfig:
