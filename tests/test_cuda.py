@@ -19,10 +19,10 @@ import json
 import math
 import os
 
-import helpers
 import pytest
 import torch
 
+import helpers
 from helpers import finish, train_losses, txl, write_config
 from txl import TransformerXLConfig
 from txl.generate import generate, generate_rerun
