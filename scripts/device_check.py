@@ -439,6 +439,16 @@ def stage_env(check: Check) -> None:
 # --- stage 2: the CUDA tests ---------------------------------------------------------------------
 
 
+def parse_pytest(output: str) -> tuple[list[dict], str]:
+    """Each test's outcome from `pytest -v` output, and its closing summary line."""
+    outcomes = [{"test": m.group(1), "outcome": m.group(2)}
+                for m in re.finditer(r"^tests/test_cuda\.py::(\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)",
+                                     output, re.M)]
+    summary = next((line.strip("= ") for line in reversed(output.splitlines())
+                    if re.search(r"\d+ (passed|failed|skipped|errors?|deselected)", line)), "no summary line")
+    return outcomes, summary
+
+
 def stage_tests(check: Check) -> None:
     timeout = max(30.0, min(check.args.tests_timeout_s, check.left() - 60))
     report = check.out / "cuda_figures.jsonl"
@@ -458,11 +468,7 @@ def stage_tests(check: Check) -> None:
     from txl.io import write_text
 
     write_text(check.out / "pytest.txt", output)
-    outcomes = [{"test": m.group(1), "outcome": m.group(2)}
-                for m in re.finditer(r"^tests/test_cuda\.py::(\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)",
-                                     output, re.M)]
-    summary = next((line.strip("= ") for line in reversed(output.splitlines())
-                    if re.search(r"\d+ (passed|failed|skipped|error|deselected)", line)), "no summary line")
+    outcomes, summary = parse_pytest(output)
     figures = []
     if report.exists():
         from txl.io import CONFIG_LIMIT, read_text
