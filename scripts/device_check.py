@@ -393,12 +393,10 @@ class Check:
 def stage_env(check: Check) -> None:
     import torch
 
-    from txl.bench.common import hf_available
-
     env = check.result["env"]
     env.update(torch=torch.__version__, cuda=torch.version.cuda, python=platform.python_version(),
                cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-               transformers=hf_available(), cpu=platform.processor() or platform.machine(), cores=os.cpu_count())
+               transformers=hf_version(check), cpu=platform.processor() or platform.machine(), cores=os.cpu_count())
     if check.cuda:
         props = torch.cuda.get_device_properties(check.device)
         env.update(gpu=props.name, capability=".".join(map(str, torch.cuda.get_device_capability(check.device))),
@@ -599,14 +597,26 @@ def make_train_step(name: str, model, shape, check: Check):
     return step
 
 
-def contenders(check: Check) -> list[str]:
-    from txl.bench.common import hf_available
+def hf_version(check: Check) -> str | None:
+    """transformers' version if TransfoXL imports, else None; why not is recorded once."""
+    if "hf_version" not in check.__dict__:
+        from txl.bench.common import hf_available
 
+        try:
+            check.hf_version = hf_available()
+            if check.hf_version is None:
+                check.result["errors"].append({"stage": "env", "what": "hf", "where": "", "error": (
+                    "transformers with TransfoXL (4.35.2) is not importable: no Hugging Face rows")})
+        except Exception as err:  # noqa: BLE001 - an old transformers on a new stack can fail in any way
+            check.hf_version = None
+            check.error("env", "hf import", err)
+    return check.hf_version
+
+
+def contenders(check: Check) -> list[str]:
     names = list(check.args.contenders)
-    if "hf" in names and hf_available() is None:
+    if "hf" in names and hf_version(check) is None:
         names.remove("hf")
-        check.result["errors"].append({"stage": "throughput", "what": "hf", "error": "transformers with "
-                                       "TransfoXL (4.35.2) is not importable: no Hugging Face rows", "where": ""})
     return names
 
 

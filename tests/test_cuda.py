@@ -175,7 +175,7 @@ def test_adaptive_softmax_under_half_autocast_is_finite(impl, precision):
     assert loss_rel < 2e-2, loss_rel
 
 
-def test_memory_stays_on_the_device_and_in_its_dtype():
+def test_memory_stays_on_the_device_under_autocast():
     model = build("fast").to(DEVICE).eval()
     with torch.no_grad(), torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
         out = model(torch.randint(0, 97, (2, 8), device=DEVICE), memory=Memory.zeros(3, 2, 16, 64, device=DEVICE))
