@@ -834,7 +834,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=None, help="generation context (default 1024)")
     parser.add_argument("--new-tokens", type=int, default=None, help="timed generated tokens (default 64)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3)")
-    parser.add_argument("--reps", type=int, default=None, help="timed steps (default 6)")
+    parser.add_argument("--reps", type=int, default=None, help="timed steps (default 8)")
     parser.add_argument("--peak-n", type=int, default=None, help=f"peak matmul size (default {PEAK_N})")
     parser.add_argument("--peak-reps", type=int, default=10)
     parser.add_argument("--budget-s", type=float, default=330.0,
@@ -848,7 +848,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     quick = args.quick
     defaults = dict(shapes=["micro", "micro-adaptive"] if quick else ["tiny", "base", "large"],
                     eval_shape="micro" if quick else "base", context=32 if quick else 1024,
-                    new_tokens=4 if quick else 64, warmup=1 if quick else 3, reps=2 if quick else 6,
+                    new_tokens=4 if quick else 64, warmup=1 if quick else 3, reps=2 if quick else 8,
                     peak_n=256 if quick else PEAK_N)
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -874,8 +874,9 @@ def plan(args: argparse.Namespace) -> list[str]:
     if "train" in args.stages:
         items += [f"train: {s} {p} {c}" for s in args.shapes for c in args.contenders for p in args.precisions]
     if "eval" in args.stages:
-        items += [f"eval: {args.eval_shape} mem {m} {p} {c}" for m in (args.eval_mem_lens or ["preset"])
-                  for c in args.contenders for p in args.precisions]
+        mem_lens = args.eval_mem_lens or shapes()[args.eval_shape].eval_mem_lens
+        items += [f"eval: {args.eval_shape} mem {m} {p} {c}" for m in mem_lens for c in args.contenders
+                  for p in args.precisions]
     if "generate" in args.stages:
         items += [f"generate: {args.eval_shape} context {args.context} {p} {c}" for c in args.contenders
                   if c != "hf" for p in args.precisions]
