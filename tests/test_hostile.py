@@ -547,31 +547,24 @@ def test_download_archive_with_too_many_members_is_refused(hostile, tmp_path, mo
 
 
 def test_download_onto_a_full_disk_is_not_a_connection_problem(hostile, tmp_path, monkeypatch):
-    import builtins
-
     import txl.data.fetch
 
     hostile.body = b"x" * 200_000
-    real_open = builtins.open
 
-    class Full(io.RawIOBase):
+    class Full:
+        """The `.part` file on a full disk: every write fails with ENOSPC."""
+
         def __init__(self, f):
             self.f = f
 
         def write(self, data):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        def close(self):
-            self.f.close()
+        def __getattr__(self, name):  # seek, truncate, flush, fileno
+            return getattr(self.f, name)
 
-        def fileno(self):
-            return self.f.fileno()
-
-    def full_open(path, mode="r", *args, **kwargs):
-        f = real_open(path, mode, *args, **kwargs)
-        return Full(f) if str(path).endswith(".part") and "b" in mode and ("w" in mode or "a" in mode) else f
-
-    monkeypatch.setattr(txl.data.fetch, "open", full_open, raising=False)
+    real_stream = txl.data.fetch._stream
+    monkeypatch.setattr(txl.data.fetch, "_stream", lambda resp, f, *args: real_stream(resp, Full(f), *args))
     with pytest.raises(DataError, match="no space left on the device") as info:
         _download(hostile, tmp_path / "d")
     assert "connection" not in str(info.value)

@@ -1,26 +1,29 @@
-"""Files on disk: the cache location, crash-safe writes, streaming `.npy` output and file hashing.
+"""Files on disk: the cache location, streaming `.npy` output and input, hashing, locks and the clean-up
+of what a killed preparation left.
 
-Everything the data layer writes goes through here, so one rule holds everywhere: a file or
-directory only appears under its final name once it is complete and fsynced (write to a temporary
-name, fsync, rename). A crash or an error leaves a temporary name behind at worst, never a
-complete-looking file with half the bytes.
+Every file goes through `txl.io` (the one writer and the one reader): a file only appears under its final
+name once it is complete and fsynced, nothing is written through a link planted in the cache, and every
+file read from the cache is a regular file checked against its size before a byte is used. A crash leaves
+a temporary name behind at worst, and the next run removes it (`remove_stale_dirs`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
-import json
 import os
+import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from txl.errors import DataError
+from txl.errors import DataError, TxlError, describe_os_error
+from txl.io import atomic_file, fsync_dir, open_regular, open_update, size_text
 
 HASH_BLOCK = 1 << 20
 
@@ -47,42 +50,15 @@ def ensure_dir(path: Path, what: str = "cache directory") -> Path:
     return path
 
 
-def fsync_dir(path: Path) -> None:
-    """Persist a rename: on POSIX the directory entry itself must be flushed."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` via a temporary sibling, fsync, rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(path.parent)
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"))
-
-
-def sha256_file(path: Path, block: int = HASH_BLOCK) -> str:
+def sha256_file(path: Path, block: int = HASH_BLOCK, *, what: str = "corpus file") -> str:
+    """sha256 of a regular file (a user's source may be reached through a link; a FIFO is refused)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            digest.update(chunk)
+    with open_regular(path, what=what, follow_links=True) as f:
+        try:
+            while chunk := f.read(block):
+                digest.update(chunk)
+        except OSError as err:
+            raise DataError(f"cannot read {what} {path}: {describe_os_error(err, reading=True)}") from None
     return digest.hexdigest()
 
 
@@ -109,7 +85,9 @@ class NpyWriter:
         self.path = Path(path)
         self.dtype = np.dtype(dtype).newbyteorder("<") if np.dtype(dtype).itemsize > 1 else np.dtype(dtype)
         self.count = 0
-        self._file = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+        # txl.io's writer: a fresh temporary (O_EXCL | O_NOFOLLOW), renamed to `path` by close()
+        self._writing = atomic_file(self.path)
+        self._file = self._writing.__enter__()
         self._file.write(self._header(0))
 
     def _header(self, length: int) -> bytes:
@@ -130,17 +108,21 @@ class NpyWriter:
         self.count += int(arr.size)
 
     def close(self) -> int:
-        if self._file.closed:
+        if self._writing is None:
             return self.count
         self._file.seek(0)
         self._file.write(self._header(self.count))
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        writing, self._writing = self._writing, None
+        writing.__exit__(None, None, None)  # fsync, rename into place
         return self.count
 
     def abort(self) -> None:
-        self._file.close()
+        """Remove the unfinished file (nothing appears under `path`)."""
+        if self._writing is None:
+            return
+        writing, self._writing = self._writing, None
+        with contextlib.suppress(Exception):
+            writing.__exit__(DataError, DataError("aborted"), None)
 
     def __enter__(self) -> NpyWriter:
         return self
@@ -188,23 +170,37 @@ class TokenBuffer:
 
 
 @contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """An advisory lock so two processes preparing the same corpus don't both do the work.
+def file_lock(path: Path, *, wait: bool = True) -> Iterator[bool]:
+    """An advisory lock so two processes preparing the same corpus don't both do the work; yields
+    whether it is held (always True when `wait`). The lock file is opened by `txl.io.open_update`:
+    a link or a hard link planted under its name is refused, never written through.
 
     POSIX only (fcntl); elsewhere it is a no-op and the atomic rename still keeps the cache consistent.
     """
     try:
         import fcntl
     except ImportError:  # pragma: no cover - Windows
-        yield
+        yield True
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+    try:
+        fd = open_update(path, what="cache lock")
+    except TxlError as err:
+        raise DataError(str(err)) from None
+    try:
         try:
-            yield
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except OSError as err:
+            if wait or err.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                raise
+            yield False
+            return
+        try:
+            yield True
         finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def replace_dir(tmp: Path, final: Path) -> None:
@@ -218,3 +214,95 @@ def replace_dir(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a prepared array
+
+
+NPY_HEADER_LIMIT = 1 << 16  # numpy's own writers make 64..4096-byte headers; ours is 128 bytes
+
+
+def load_npy(path: Path, *, what: str = "prepared array", fix: str = "run `txl data prepare SPEC --force`"):
+    """A read-only memory map of a 1-D `.npy` of unsigned integers, checked before anything is mapped:
+    a regular file (not a link, FIFO or device), a plain header of at most 64 KiB, and a length that the
+    file's size holds exactly, so a header claiming 3 GiB on a small (or sparse) file is refused by
+    arithmetic, not discovered by allocating."""
+    try:
+        f = open_regular(path, what=what)
+    except DataError as err:
+        raise DataError(f"{err}; {fix}") from None
+    with f:
+        try:
+            size = os.fstat(f.fileno()).st_size
+            version = np.lib.format.read_magic(f)
+            if version not in ((1, 0), (2, 0), (3, 0)):
+                raise ValueError(f"unknown .npy version {version}")
+            read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                           (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+            if read_header is None:
+                raise ValueError("a version 3 header (not one txl writes)")
+            shape, fortran, dtype = read_header(f, max_header_size=NPY_HEADER_LIMIT)
+            offset = f.tell()
+        except (OSError, ValueError, SyntaxError, TypeError) as err:
+            raise DataError(f"{what} {path} is unreadable ({str(err)[:200]}); {fix}") from None
+        if dtype.kind != "u" or dtype.hasobject:  # token ids are written unsigned; anything else is not ours
+            raise DataError(f"{what} {path} holds {dtype} values, not token ids; {fix}")
+        if len(shape) != 1:
+            raise DataError(f"{what} {path} has shape {shape}, not one row of token ids; {fix}")
+        claimed = shape[0] * dtype.itemsize
+        if offset + claimed != size:
+            raise DataError(f"{what} {path} claims {size_text(claimed)} of tokens ({shape[0]:,} x {dtype}) but "
+                            f"holds {size_text(max(size - offset, 0))}; the file is damaged: {fix}")
+        if shape[0] == 0:
+            return np.zeros(0, dtype=dtype)
+        try:  # mapped from the descriptor that was checked, so nothing can be swapped in between
+            return np.memmap(f, dtype=dtype, mode="r", offset=offset, shape=shape)
+        except (OSError, ValueError) as err:
+            raise DataError(f"{what} {path} is unreadable ({err}); {fix}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Temporaries a killed run left
+
+
+STALE = re.compile(r"^\.(?P<name>[a-z0-9][a-z0-9-]*-[0-9a-f]{16})\.(?:tmp|old)-(?P<pid>\d+)-[0-9a-f]{6}$")
+
+
+def remove_stale_dirs(root: Path, *, held: str | None = None) -> list[str]:
+    """Remove what killed preparations left under the cache's `corpora/` root: directories named
+    `.<name>.tmp-<pid>-<hex>` (unfinished) or `.<name>.old-<pid>-<hex>` (killed between the two renames
+    of `replace_dir`). A directory is removed only when nobody is preparing `<name>`: its lock is `held`
+    by this process, or it can be taken without waiting. Entries of another naming, and anything that is
+    not a real directory, are left alone (a link of that naming is unlinked, never followed). Returns
+    the names removed."""
+    removed = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    for entry in entries:
+        match = STALE.match(entry.name)
+        if match is None:
+            continue
+        try:
+            mode = os.lstat(entry.path).st_mode
+        except OSError:
+            continue
+        name = match["name"]
+        if stat.S_ISLNK(mode):
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+                removed.append(entry.name)
+            continue
+        if not stat.S_ISDIR(mode):
+            continue
+        if name == held:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.name)
+            continue
+        with contextlib.suppress(DataError, OSError), file_lock(root / f".{name}.lock", wait=False) as free:
+            if free:
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(entry.name)
+    return removed

@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     if args.vocab is not None:
         from txl.data.vocab import Vocab
 
-        corpus.vocab.check_same(Vocab.load(args.vocab), what=args.vocab)
+        corpus.vocab.check_same(Vocab.load(args.vocab, follow_links=True), what=args.vocab)
     stats = corpus.stats()
     if args.json:
         print(json.dumps(stats, indent=2))

@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import sys
 import time
 from pathlib import Path
@@ -38,18 +39,19 @@ from typing import Any
 import numpy as np
 
 from txl.data.cache import (
-    atomic_write_json,
     cache_root,
     ensure_dir,
     file_lock,
-    fsync_dir,
+    load_npy,
+    remove_stale_dirs,
     replace_dir,
     sha256_file,
 )
 from txl.data.readers import READER_VERSION, Log, Plan, build, make_plan
 from txl.data.spec import DataSpec, parse_spec
 from txl.data.vocab import Vocab
-from txl.errors import DataError, describe_os_error
+from txl.errors import DataError, TxlError, describe_os_error
+from txl.io import CONFIG_LIMIT, fsync_dir, read_json, write_json
 
 META_FORMAT = "txl-prepared-corpus"
 META_VERSION = 1
@@ -71,7 +73,7 @@ class Corpus:
         self.fingerprint: str = meta["fingerprint"]
         self.source: str = meta["source"]
         try:
-            self.vocab = Vocab.load(self.path / "vocab.json")
+            self.vocab = Vocab.load(self.path / "vocab.json", follow_links=False)
         except DataError as err:
             raise DataError(f"the prepared cache {self.path} is damaged ({err}); run `txl data prepare "
                             f"{spec_text} --force`") from None
@@ -90,7 +92,7 @@ class Corpus:
         """The token ids of `split` as a read-only 1-D memory map (dtype: the vocabulary's)."""
         entry = self._check_split(split)
         if split not in self._arrays:
-            self._arrays[split] = _load_memmap(self.path / entry["file"], entry["tokens"])
+            self._arrays[split] = _load_memmap(self.path / entry["file"], entry["tokens"], self.spec)
         return self._arrays[split]
 
     def sentence_offsets(self, split: str) -> np.memmap | None:
@@ -98,7 +100,7 @@ class Corpus:
         entry = self._check_split(split)
         if "offsets" not in entry:
             return None
-        return _load_memmap(self.path / entry["offsets"], entry["sentences"] + 1)
+        return _load_memmap(self.path / entry["offsets"], entry["sentences"] + 1, self.spec)
 
     def num_tokens(self, split: str) -> int:
         return int(self._check_split(split)["tokens"])
@@ -129,23 +131,11 @@ class Corpus:
         return f"Corpus({self.name!r}, vocab={self.vocab.size}, {counts})"
 
 
-def _load_memmap(path: Path, expected: int) -> np.memmap:
-    if expected == 0:  # numpy cannot map an empty file; an empty read-only array serves the same role
-        return np.zeros(0, dtype=np.uint8)  # type: ignore[return-value]
-    try:
-        arr = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (OSError, ValueError) as err:
-        raise DataError(
-            f"prepared array {path} is unreadable ({err}); run `txl data prepare SPEC --force`"
-        ) from None
-    if arr.dtype.kind != "u":  # token ids are written unsigned; anything else is not our array
-        raise DataError(
-            f"prepared array {path} holds {arr.dtype} values, not token ids; run `txl data prepare SPEC --force`"
-        )
-    if arr.ndim != 1 or arr.shape[0] != expected:
-        raise DataError(
-            f"prepared array {path} has shape {arr.shape}, expected ({expected},); run `txl data prepare SPEC --force`"
-        )
+def _load_memmap(path: Path, expected: int, spec: str = "SPEC") -> np.memmap:
+    fix = f"run `txl data prepare {spec} --force`"
+    arr = load_npy(path, fix=fix)  # regular, header and size checked before mapping (txl.data.cache)
+    if arr.shape[0] != expected:
+        raise DataError(f"prepared array {path} has shape {arr.shape}, expected ({expected},); {fix}")
     return arr
 
 
@@ -185,10 +175,22 @@ def _fingerprint(plan: Plan, sources: list[dict[str, Any]]) -> str:
 
 
 def _valid_meta(plan: Plan, directory: Path) -> dict[str, Any] | None:
-    """The cache's meta.json if it is complete and its sources are unchanged; None if stale."""
+    """The cache's meta.json if it is complete and its sources are unchanged; None if stale (missing,
+    unfinished or damaged: prepare again). An entry no crash leaves (a link, a FIFO, a file above the
+    size of any meta.json) is refused in one line instead: reading it could block or exhaust memory."""
+    path = directory / "meta.json"
     try:
-        meta = json.loads((directory / "meta.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_size > CONFIG_LIMIT:
+        try:
+            read_json(path, what="the prepared cache's meta.json", error=DataError)
+        except DataError as err:
+            raise DataError(f"{err}; run `txl data prepare {plan.spec.text} --force` to prepare it again") from None
+    try:
+        meta = read_json(path, what="the prepared cache's meta.json", error=DataError)
+    except DataError:
         return None
     if (
         not isinstance(meta, dict)
@@ -203,6 +205,12 @@ def _valid_meta(plan: Plan, directory: Path) -> dict[str, Any] | None:
     recorded = meta.get("sources")
     current = _stat_sources(plan)
     if not isinstance(recorded, list) or not all(isinstance(s, dict) for s in recorded):
+        return None
+    # No tokenizer makes more than two tokens per source byte (lm1b's <S> before and after a line is the
+    # most), so a meta.json claiming more was not written by `_prepare` for these sources: a damaged or
+    # planted cache (a sparse 3 GiB array for an 8 KB corpus) is prepared again rather than mapped.
+    most = 2 * sum(s["size"] for s in current) + 2 * sum(len(v) for v in plan.splits.values()) + 16
+    if any(entry["tokens"] > most for entry in meta["splits"].values()):
         return None
     if [s.get("path") for s in recorded] != [s["path"] for s in current]:
         return None
@@ -219,8 +227,8 @@ def _valid_meta(plan: Plan, directory: Path) -> dict[str, Any] | None:
             return None
     if refreshed:
         # a read-only cache still serves; the re-hash then just happens again next time
-        with contextlib.suppress(OSError):
-            atomic_write_json(directory / "meta.json", meta)
+        with contextlib.suppress(OSError, TxlError):
+            write_json(directory / "meta.json", meta)
     return meta
 
 
@@ -241,7 +249,8 @@ def _well_formed(meta: dict[str, Any]) -> bool:
     for entry in splits.values():
         if not isinstance(entry, dict) or not plain(entry.get("file")) or not count(entry.get("tokens")):
             return False
-        if "offsets" in entry and not (plain(entry["offsets"]) and count(entry.get("sentences"))):
+        if "offsets" in entry and not (plain(entry["offsets"]) and count(entry.get("sentences"))
+                                       and entry["sentences"] <= entry["tokens"]):
             return False
     return isinstance(meta.get("notes", []), list)
 
@@ -262,10 +271,12 @@ def open_corpus(
     plan = make_plan(parsed)
     root = cache_root(cache_dir) / "corpora"
     directory = root / cache_key(plan)
+    remove_stale_dirs(root)  # what killed preparations left, of corpora nobody is preparing now
     meta = None if force else _valid_meta(plan, directory)
     if meta is None:
         ensure_dir(root)
         with file_lock(root / f".{directory.name}.lock"):
+            remove_stale_dirs(root, held=directory.name)
             meta = None if force else _valid_meta(plan, directory)  # another process may have finished
             if meta is None:
                 meta = _prepare(plan, directory, log)
@@ -319,7 +330,7 @@ def _prepare(plan: Plan, directory: Path, log: Log | None) -> dict[str, Any]:
             "python": sys.version.split()[0],
             **built,
         }
-        atomic_write_json(tmp / "meta.json", meta)  # written last: its presence marks a complete cache
+        write_json(tmp / "meta.json", meta)  # written last: its presence marks a complete cache
         fsync_dir(tmp)
         replace_dir(tmp, directory)
     except OSError as err:  # the cache's disk (full, quota, read-only); the unfinished cache is removed

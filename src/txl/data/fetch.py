@@ -7,9 +7,15 @@ Safety rules, in the order they apply:
    after `retries` failures the `.part` stays, and the same command later resumes it.
 2. The whole archive is checked against its pinned sha256 (or `--sha256`). On a mismatch the `.part`
    is deleted, so a corrupt download can neither be resumed nor mistaken for a good one.
-3. Only the known members are extracted, each to `<name>.part`, checked against its own pin where we
-   have one, and renamed into place only once all of them passed. Member names in the archive are
-   never used as output paths, so a hostile archive cannot write outside `dest`.
+3. Only the known members are extracted, into a fresh directory `<dest>/.txl-extract-<pid>-<random>`
+   that this run creates, each checked against its own pin where we have one, and renamed into place
+   only once all of them passed. Member names in the archive are never used as output paths, so a
+   hostile archive cannot write outside `dest`; a tar's PAX and GNU long-name headers are bounded
+   before `tarfile` reads them (`bounded_tar`).
+4. Nothing is written through a link planted in `dest` (issue 50): the `.part` that a resume appends to
+   is opened by `txl.io.open_update` (O_NOFOLLOW, a regular file of this user with one link, else one
+   line naming it), the extracted files are created by `txl.io.atomic_file` inside the fresh directory,
+   and the archive is read by `txl.io.open_regular` (no links, regular files only).
 
 Pins (see the report in docs/data.md, "Download"): the archive sha256 values were cross-checked
 against several independent public projects that pin the same files; nobody could download the
@@ -25,18 +31,24 @@ import hashlib
 import http.client
 import math
 import os
+import re
+import shutil
+import stat
 import tarfile
+import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import zipfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from txl.data.cache import ensure_dir, fsync_dir
-from txl.errors import DataError, describe_os_error
+from txl.data.cache import ensure_dir
+from txl.errors import DataError, TxlError, describe_os_error
+from txl.io import atomic_file, fsync_dir, open_regular, open_update, size_text
 
 CHUNK = 1 << 16
 
@@ -247,6 +259,8 @@ def download(
     if name not in SOURCES:
         raise DataError(f"no download for {name!r}; downloadable: {', '.join(SOURCES)}")
     src = SOURCES[name]
+    if url is not None:
+        check_url(url)
     for flag, value in (("--deadline", deadline), ("--min-rate", min_rate), ("--rate-window", rate_window)):
         if not 0 <= value < math.inf:
             raise DataError(f"{flag} must be a finite number >= 0, got {value}")
@@ -257,6 +271,7 @@ def download(
 
         dest = default_data_root() / name
     dest = ensure_dir(Path(dest).expanduser().absolute(), "destination directory")
+    remove_stale_extracts(dest)
     expected = sha256.lower().strip() if sha256 else src.sha256
     if sha256 is not None and (len(expected) != 64 or any(c not in "0123456789abcdef" for c in expected)):
         raise DataError(f"--sha256 {sha256!r} is not a 64-digit hex sha256")
@@ -314,10 +329,37 @@ def _sha256(path: Path) -> str:
 
 def _digest(path: Path, kind) -> str:
     digest = kind()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
+    with open_regular(path, what="downloaded archive") as f:  # a link planted in dest is refused
+        try:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+        except OSError as err:
+            raise DataError(f"cannot read {path}: {describe_os_error(err, reading=True)}") from None
     return digest.hexdigest()
+
+
+def check_url(url: str) -> None:
+    """One line for a `--url` that cannot name an archive over HTTP(S) (issue 50: a malformed one gave a
+    traceback, `file:` read a local file and `ftp:` went around the HTTP checks)."""
+    def bad(why: str) -> DataError:
+        return DataError(f"--url {url[:200]!r} is not a download URL ({why}); write it as "
+                         "https://HOST/PATH/ARCHIVE (http or https)")
+
+    if not isinstance(url, str) or not url or len(url) > 8192:
+        raise bad("empty or longer than 8192 characters")
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in url):
+        raise bad("it holds a space or a control character; percent-encode it")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port  # ValueError for a port that is not a number in [0, 65535]
+    except ValueError as err:
+        raise bad(str(err)) from None
+    if parts.scheme.lower() not in ("http", "https"):
+        raise bad(f"scheme {parts.scheme + ':' if parts.scheme else 'missing'}")
+    if not parts.hostname:
+        raise bad("no host")
+    if port == 0:
+        raise bad("port 0")
 
 
 def _fetch_any(urls: tuple[str, ...], part: Path, **kwargs) -> None:
@@ -331,66 +373,95 @@ def _fetch_any(urls: tuple[str, ...], part: Path, **kwargs) -> None:
     raise DataError(errors[0] if len(errors) == 1 else " | ".join(errors))
 
 
+def _lsize(path: Path) -> int:
+    """Bytes in `path` for a message, without following a link (0 when absent)."""
+    with contextlib.suppress(OSError):
+        return os.lstat(path).st_size
+    return 0
+
+
+def _open_part(part: Path) -> int:
+    """A descriptor of the `.part` the download appends to: created if absent; an existing entry must be
+    a regular file of this user with one link (txl.io.open_update), so a symbolic or hard link planted
+    under its name is refused instead of written through."""
+    try:
+        return open_update(part, what="partial download")
+    except TxlError as err:
+        raise DataError(f"{err} (the download resumes only from a .part it wrote itself)") from None
+
+
 def _fetch(url: str, part: Path, *, retries: int, timeout: float, backoff: float, log: Log, limits: Limits) -> None:
     """Stream `url` into `part`, resuming with HTTP Range after a dropped connection."""
     limits.url = url
     failures = 0
     while True:
-        have = part.stat().st_size if part.exists() else 0
-        if have > limits.max_bytes:
-            raise limits.fail(part, f"{part.name} already holds {have:,} bytes, more than the {limits.max_bytes:,} "
-                                    "allowed")
-        headers = {"User-Agent": "txl-data/1", "Accept-Encoding": "identity"}
-        if have:
-            headers["Range"] = f"bytes={have}-"
-        try:
-            remaining = limits.deadline - time.monotonic()
-            if remaining <= 0:
-                raise limits.fail(part, f"it was not done within {limits.seconds:g} s (--deadline)")
-            with urllib.request.urlopen(
-                urllib.request.Request(url, headers=headers), timeout=min(timeout, remaining)
-            ) as resp:
-                if have and resp.status == 206 and _range_start(resp) == have:
-                    mode, total = "ab", _content_length(resp, have)
-                elif resp.status == 206:  # a range we did not ask for: start again from zero
-                    part.unlink(missing_ok=True)
-                    continue
-                else:  # 200: the server sent the whole file (no Range support): restart cleanly
-                    have, mode, total = 0, "wb", _content_length(resp, 0)
-                    if resp.status != 200:
-                        raise DataError(f"download of {url} failed: unexpected HTTP {resp.status}")
-                if total is not None and total > limits.max_bytes:
-                    raise limits.fail(part, f"the server announces {total:,} bytes, more than the "
-                                            f"{limits.max_bytes:,} allowed for this corpus (--max-bytes)")
-                _stream(resp, part, mode, have, limits)
-            size = part.stat().st_size
-            if total is not None and size != total:
-                raise ConnectionError(f"connection closed after {size:,} of {total:,} bytes")
+        fd = _open_part(part)
+        with os.fdopen(fd, "r+b") as f:
+            have = os.fstat(f.fileno()).st_size  # the file opened, not whatever a name points at
+            if have > limits.max_bytes:
+                f.close()
+                raise limits.fail(part, f"{part.name} already holds {have:,} bytes, more than the "
+                                        f"{limits.max_bytes:,} allowed")
+            restart = _fetch_once(url, part, f, have, timeout=timeout, limits=limits)
+        if restart is None:
             return
-        except urllib.error.HTTPError as err:
-            if err.code == 416 and have:  # our .part is not a prefix of what the server has: restart
-                part.unlink(missing_ok=True)
-                continue
-            raise DataError(
-                f"download of {url} failed: HTTP {err.code} {err.reason}; check the URL"
-            ) from None
-        except _WriteError as err:  # our disk, not the connection
+        if restart == "restart":
             part.unlink(missing_ok=True)
-            raise DataError(f"cannot write {part}: {describe_os_error(err.error)}; the partial file was "
-                            "deleted") from None
-        except (urllib.error.URLError, http.client.HTTPException, OSError) as err:
-            failures += 1
-            got = part.stat().st_size if part.exists() else 0
-            reason = getattr(err, "reason", None) or err
-            if time.monotonic() >= limits.deadline:
-                raise limits.fail(part, f"it was not done within {limits.seconds:g} s (--deadline; {reason})") from None
-            if failures > retries:
-                raise DataError(
-                    f"download of {url} interrupted after {got:,} bytes ({reason}); run the same command "
-                    f"again to resume from {part.name}"
-                ) from None
-            log(f"connection problem after {got:,} bytes ({reason}); resuming ({failures}/{retries})")
-            time.sleep(backoff * failures)
+            continue
+        failures += 1
+        err = restart
+        got = _lsize(part)
+        reason = getattr(err, "reason", None) or err
+        if time.monotonic() >= limits.deadline:
+            raise limits.fail(part, f"it was not done within {limits.seconds:g} s (--deadline; {reason})") from None
+        if failures > retries:
+            raise DataError(
+                f"download of {url} interrupted after {got:,} bytes ({reason}); run the same command "
+                f"again to resume from {part.name}"
+            ) from None
+        log(f"connection problem after {got:,} bytes ({reason}); resuming ({failures}/{retries})")
+        time.sleep(backoff * failures)
+
+
+def _fetch_once(url: str, part: Path, f, have: int, *, timeout: float, limits: Limits):
+    """One request into the open `.part` `f` holding `have` bytes: None when complete, "restart" when
+    the `.part` must be dropped, or the connection error to retry after."""
+    headers = {"User-Agent": "txl-data/1", "Accept-Encoding": "identity"}
+    if have:
+        headers["Range"] = f"bytes={have}-"
+    try:
+        remaining = limits.deadline - time.monotonic()
+        if remaining <= 0:
+            raise limits.fail(part, f"it was not done within {limits.seconds:g} s (--deadline)")
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers=headers), timeout=min(timeout, remaining)
+        ) as resp:
+            if have and resp.status == 206 and _range_start(resp) == have:
+                total = _content_length(resp, have)
+            elif resp.status == 206:  # a range we did not ask for: start again from zero
+                return "restart"
+            else:  # 200: the server sent the whole file (no Range support): restart cleanly
+                if resp.status != 200:
+                    raise DataError(f"download of {url} failed: unexpected HTTP {resp.status}")
+                have, total = 0, _content_length(resp, 0)
+            if total is not None and total > limits.max_bytes:
+                raise limits.fail(part, f"the server announces {total:,} bytes, more than the "
+                                        f"{limits.max_bytes:,} allowed for this corpus (--max-bytes)")
+            _stream(resp, f, part, have, limits)
+        size = os.fstat(f.fileno()).st_size
+        if total is not None and size != total:
+            raise ConnectionError(f"connection closed after {size:,} of {total:,} bytes")
+        return None
+    except urllib.error.HTTPError as err:
+        if err.code == 416 and have:  # our .part is not a prefix of what the server has: restart
+            return "restart"
+        raise DataError(f"download of {url} failed: HTTP {err.code} {err.reason}; check the URL") from None
+    except _WriteError as err:  # our disk, not the connection
+        part.unlink(missing_ok=True)
+        raise DataError(f"cannot write {part}: {describe_os_error(err.error)}; the partial file was "
+                        "deleted") from None
+    except (urllib.error.URLError, http.client.HTTPException, OSError) as err:
+        return err
 
 
 class _WriteError(Exception):
@@ -399,45 +470,51 @@ class _WriteError(Exception):
         self.error = error
 
 
-def _stream(resp, part: Path, mode: str, have: int, limits: Limits) -> None:
-    """Copy the body into `part` as it arrives (read1: whatever the socket has, so a trickle cannot hide
-    behind a full-buffer read), checking size, deadline and rate before every write."""
+class _ReadError(Exception):
+    """Reading a member out of the archive failed (a damaged stream), as opposed to writing it."""
+
+    def __init__(self, error: OSError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _stream(resp, f, part: Path, have: int, limits: Limits) -> None:
+    """Copy the body into the open `.part` `f` from byte `have` (0: the file is emptied first) as it
+    arrives (read1: whatever the socket has, so a trickle cannot hide behind a full-buffer read),
+    checking size, deadline and rate before every write."""
     try:
-        f = open(part, mode)  # noqa: SIM115 (closed below)
+        f.seek(have)
+        f.truncate(have)
     except OSError as err:
         raise _WriteError(err) from None
-    with f:
-        size = have
-        window_start, window_bytes = time.monotonic(), size
-        while True:
-            chunk = resp.read1(CHUNK) if hasattr(resp, "read1") else resp.read(CHUNK)
-            if not chunk:
-                break
-            size += len(chunk)
-            now = time.monotonic()
-            if size > limits.max_bytes:
-                f.close()
-                raise limits.fail(part, f"the body passed {limits.max_bytes:,} bytes, the limit for this corpus "
-                                        "(--max-bytes)")
-            if now >= limits.deadline:
-                f.close()
-                raise limits.fail(part, f"it was not done within {limits.seconds:g} s (--deadline)")
-            if limits.window and now - window_start >= limits.window:
-                rate = (size - window_bytes) / (now - window_start)
-                if rate < limits.min_rate:
-                    f.close()
-                    raise limits.fail(part, f"the transfer was slower than the minimum of {limits.min_rate:,.0f} "
-                                            f"bytes/s over {limits.window:g} s (--min-rate)")
-                window_start, window_bytes = now, size
-            try:
-                f.write(chunk)
-            except OSError as err:
-                raise _WriteError(err) from None
+    size = have
+    window_start, window_bytes = time.monotonic(), size
+    while True:
+        chunk = resp.read1(CHUNK) if hasattr(resp, "read1") else resp.read(CHUNK)
+        if not chunk:
+            break
+        size += len(chunk)
+        now = time.monotonic()
+        if size > limits.max_bytes:
+            raise limits.fail(part, f"the body passed {limits.max_bytes:,} bytes, the limit for this corpus "
+                                    "(--max-bytes)")
+        if now >= limits.deadline:
+            raise limits.fail(part, f"it was not done within {limits.seconds:g} s (--deadline)")
+        if limits.window and now - window_start >= limits.window:
+            rate = (size - window_bytes) / (now - window_start)
+            if rate < limits.min_rate:
+                raise limits.fail(part, f"the transfer was slower than the minimum of {limits.min_rate:,.0f} "
+                                        f"bytes/s over {limits.window:g} s (--min-rate)")
+            window_start, window_bytes = now, size
         try:
-            f.flush()
-            os.fsync(f.fileno())
+            f.write(chunk)
         except OSError as err:
             raise _WriteError(err) from None
+    try:
+        f.flush()
+        os.fsync(f.fileno())
+    except OSError as err:
+        raise _WriteError(err) from None
 
 
 def _range_start(resp) -> int | None:
@@ -458,15 +535,107 @@ def _normalize(name: str) -> str:
     return name
 
 
+# Tar headers that `tarfile` reads whole into memory before it returns the member they describe: PAX
+# extended headers ('x' per member, 'g' global, Solaris 'X') and GNU long names and link targets
+# ('L', 'K'). A real one holds a path and a few numbers (a few KB at most); a 408 KB tgz carrying one
+# of 400 MB cost 1.2 GB (issue 50). Sparse members, whose maps tarfile also gathers in memory, are
+# never part of the published archives and are refused.
+TAR_HEADER_LIMIT = 1 << 20  # one header
+TAR_HEADERS_TOTAL = 16 << 20  # all of them in one archive
+_LONG_HEADERS = {tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
+                 tarfile.GNUTYPE_LONGLINK}
+
+
+class ArchiveError(DataError):
+    """An archive whose structure is refused before it is read (an oversized header, a sparse member)."""
+
+
+def _bounded_tarinfo(path: Path, header_limit: int, total_limit: int) -> type[tarfile.TarInfo]:
+    left = [total_limit]
+
+    class BoundedTarInfo(tarfile.TarInfo):
+        # `TarFile(tarinfo=...)` is public; `_proc_member` is where tarfile dispatches on the header type
+        # right after reading the 512-byte header block, before it reads the extended header's data (the
+        # same method since Python 2.6; tests/test_data_hostile.py fails if it stops being called).
+        def _proc_member(self, tarfile_):
+            if self.type in _LONG_HEADERS:
+                if self.size > header_limit:
+                    raise ArchiveError(f"{path.name} has a tar header of {size_text(self.size)} (type "
+                                       f"{self.type.decode('latin-1')!r}), more than the {size_text(header_limit)} "
+                                       "txl reads for one; it is not a published archive")
+                if self.size > left[0]:
+                    raise ArchiveError(f"{path.name} has more than {size_text(total_limit)} of extended tar "
+                                       "headers in all; it is not a published archive")
+                left[0] -= self.size
+            return super()._proc_member(tarfile_)
+
+        def _proc_sparse(self, tarfile_):
+            raise ArchiveError(f"{path.name} holds a sparse member; the published archives hold none")
+
+        def _proc_gnusparse_00(self, *args):
+            raise ArchiveError(f"{path.name} holds a sparse member; the published archives hold none")
+
+        _proc_gnusparse_01 = _proc_gnusparse_10 = _proc_gnusparse_00
+
+    return BoundedTarInfo
+
+
+@contextlib.contextmanager
+def bounded_tar(path: Path, *, header_limit: int = TAR_HEADER_LIMIT,
+                total_limit: int = TAR_HEADERS_TOTAL) -> Iterator[tarfile.TarFile]:
+    """`tarfile.open(path, "r:*")` of a regular file (not a link), whose PAX and GNU long-name headers
+    are refused (`ArchiveError`) when one passes `header_limit` bytes or all pass `total_limit`, before
+    tarfile reads them."""
+    with open_regular(path, what="downloaded archive") as raw, tarfile.open(
+            fileobj=raw, mode="r:*", tarinfo=_bounded_tarinfo(path, header_limit, total_limit)) as tf:
+        yield tf
+
+
+EXTRACT = re.compile(r"^\.txl-extract-(?P<pid>\d+)-[A-Za-z0-9_]+$")
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except PermissionError:  # a process of another user
+        return True
+    except (ProcessLookupError, OverflowError):
+        return False
+    except OSError:
+        return True  # cannot tell: keep its directory
+    return True
+
+
+def remove_stale_extracts(dest: Path) -> None:
+    """Remove the extraction directories (`.txl-extract-<pid>-*`) of downloads whose process is gone
+    (killed mid-extraction). Only real directories of that naming are touched, never followed links."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(dest):
+            match = EXTRACT.match(entry.name)
+            if match is None or _alive(int(match["pid"])):
+                continue
+            with contextlib.suppress(OSError):
+                if stat.S_ISDIR(os.lstat(entry.path).st_mode):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+
+
 def _extract(src: Source, archive: Path, dest: Path, check: bool, log: Log) -> None:
-    """Extract the known members to `.part` files, verify, then rename all; on failure remove all."""
-    parts: list[tuple[Path, Path]] = []
+    """Extract the known members into a fresh directory, verify, then rename all; on failure remove all."""
     budget = [src.max_unpacked]  # bytes all members together may still unpack to
     too_many = DataError(f"{src.archive} lists more than {MAX_MEMBERS:,} entries; it is not the {src.name} archive "
                          "and was deleted")
     try:
+        staging = Path(tempfile.mkdtemp(prefix=f".txl-extract-{os.getpid()}-", dir=dest))
+    except OSError as err:
+        raise DataError(f"cannot extract {src.archive} into {dest}: {describe_os_error(err)}") from None
+    try:
+        done: list[tuple[Path, Path]] = []
         if src.kind == "zip":
-            with zipfile.ZipFile(archive) as zf:
+            with open_regular(archive, what="downloaded archive") as raw, zipfile.ZipFile(raw) as zf:
                 if len(zf.infolist()) > MAX_MEMBERS:
                     raise too_many
                 names = {_normalize(n): n for n in zf.namelist()}
@@ -474,9 +643,9 @@ def _extract(src: Source, archive: Path, dest: Path, check: bool, log: Log) -> N
                     if m.name not in names:
                         raise DataError(f"{src.archive} lacks {m.name}; it is not the {src.name} archive")
                     with zf.open(names[m.name]) as fin:
-                        parts.append(_copy_member(fin, dest, m, check, budget, src))
+                        done.append(_copy_member(fin, staging, dest, m, check, budget, src))
         else:
-            with tarfile.open(archive, "r:*") as tf:
+            with bounded_tar(archive) as tf:
                 infos = {}
                 for count, info in enumerate(tf, 1):  # one header at a time: a bomb of entries stops here
                     if count > MAX_MEMBERS:
@@ -489,66 +658,59 @@ def _extract(src: Source, archive: Path, dest: Path, check: bool, log: Log) -> N
                     if fin is None:
                         raise DataError(f"{src.archive} lacks {m.name}; it is not the {src.name} archive")
                     with fin:
-                        parts.append(_copy_member(fin, dest, m, check, budget, src))
-        for tmp, final in parts:
+                        done.append(_copy_member(fin, staging, dest, m, check, budget, src))
+        for tmp, final in done:  # within one file system: each rename is atomic and replaces a link, never follows it
             os.replace(tmp, final)
         fsync_dir(dest)
-        log(f"{src.name}: extracted {', '.join(final.name for _, final in parts)}")
+        log(f"{src.name}: extracted {', '.join(final.name for _, final in done)}")
     except DataError:
         archive.unlink(missing_ok=True)  # a wrong archive must not be resumed or reused
         raise
     except _WriteError as err:
         raise DataError(f"cannot extract {src.archive} into {dest}: {describe_os_error(err.error)}") from None
-    except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError, zlib.error) as err:
+    except TxlError as err:  # txl.io's writer: the destination's disk
+        raise DataError(f"cannot extract {src.archive} into {dest}: {err}") from None
+    except (_ReadError, zipfile.BadZipFile, tarfile.TarError, EOFError, OSError, zlib.error) as err:
         archive.unlink(missing_ok=True)
         raise DataError(f"{src.archive} is corrupt ({err}); it was deleted, run the download again") from None
     finally:
-        for tmp, _final in parts:
-            tmp.unlink(missing_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
 
 
-def _copy_member(fin, dest: Path, m: Member, check: bool, budget: list[int], src: Source) -> tuple[Path, Path]:
-    """Copy one member out, stopping as soon as it passes its pinned size (when checked) or the
-    archive's unpacked budget: a 1 MB archive that inflates to gigabytes writes no more than that."""
-    final = dest / m.dest
-    tmp = dest / (m.dest + ".part")
+def _copy_member(fin, staging: Path, dest: Path, m: Member, check: bool, budget: list[int],
+                 src: Source) -> tuple[Path, Path]:
+    """Copy one member out into `staging` (created by this run), stopping as soon as it passes its pinned
+    size (when checked) or the archive's unpacked budget: a 1 MB archive that inflates to gigabytes
+    writes no more than that. Returns (the file in staging, its final path in `dest`)."""
     digest = hashlib.sha256()
     size = 0
     limit = m.size if check and m.size is not None else budget[0]
-    try:
-        try:
-            fout = open(tmp, "wb")  # noqa: SIM115 (closed below)
-        except OSError as err:
-            raise _WriteError(err) from None
-        with fout:
-            while chunk := fin.read(1 << 20):
-                size += len(chunk)
-                if size > limit or size > budget[0]:
-                    raise DataError(
-                        f"{m.name} unpacks to more than {min(limit, budget[0]):,} bytes, the limit for {src.name}; "
-                        "the archive is not the published one and was deleted"
-                    )
-                digest.update(chunk)
-                try:
-                    fout.write(chunk)
-                except OSError as err:
-                    raise _WriteError(err) from None
+    out = staging / m.dest
+    with atomic_file(out) as fout:  # a fresh temporary (O_EXCL | O_NOFOLLOW), renamed to `out` when done
+        while True:
             try:
-                fout.flush()
-                os.fsync(fout.fileno())
+                chunk = fin.read(1 << 20)
+            except OSError as err:  # a damaged compressed stream (gzip raises OSError subclasses)
+                raise _ReadError(err) from None
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > limit or size > budget[0]:
+                raise DataError(
+                    f"{m.name} unpacks to more than {min(limit, budget[0]):,} bytes, the limit for {src.name}; "
+                    "the archive is not the published one and was deleted"
+                )
+            digest.update(chunk)
+            try:
+                fout.write(chunk)
             except OSError as err:
                 raise _WriteError(err) from None
-        budget[0] -= size
         if check and m.size is not None and size != m.size:
-            raise DataError(
-                f"{m.name} has {size:,} bytes, expected {m.size:,}; the archive is not the published one"
-            )
+            raise DataError(f"{m.name} has {size:,} bytes, expected {m.size:,}; the archive is not the published one")
         if check and m.sha256 is not None and digest.hexdigest() != m.sha256:
             raise DataError(
                 f"checksum mismatch for {m.name}: expected sha256 {m.sha256}, got {digest.hexdigest()}; "
                 f"nothing was extracted"
             )
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return tmp, final
+    budget[0] -= size
+    return out, dest / m.dest

@@ -38,8 +38,9 @@ import numpy as np
 
 from txl.data.cache import NpyWriter, TokenBuffer
 from txl.data.spec import DataSpec
-from txl.data.vocab import Vocab, _require_tokenizers
+from txl.data.vocab import Vocab, _require_tokenizers, bpe_encode, bpe_pieces
 from txl.errors import DataError, describe_os_error
+from txl.io import open_regular
 
 READER_VERSION = 1  # bump when any convention below changes: every cache then re-prepares
 BLOCK = 1 << 20
@@ -224,7 +225,7 @@ def _single_archive_source(spec: DataSpec, member: str) -> tuple[Path, Segment]:
             )
     if path.suffix == ".zip":
         try:
-            with zipfile.ZipFile(path) as zf:
+            with open_regular(path, what=f"{spec.name} archive", follow_links=True) as raw, zipfile.ZipFile(raw) as zf:
                 names = zf.namelist()
                 name = member if member in names else (names[0] if len(names) == 1 else None)
                 if name is None:
@@ -454,8 +455,10 @@ class _SegmentReader:
         self.remaining = seg.end - seg.start
         self._zip = None
         try:
+            # A user's corpus path may be a link; a FIFO or a device is refused before it can block
+            self._raw = open_regular(seg.path, what="corpus file", follow_links=True)
             if seg.member is not None:
-                self._zip = zipfile.ZipFile(seg.path)
+                self._zip = zipfile.ZipFile(self._raw)
                 self._f = self._zip.open(seg.member)
                 skip = seg.start
                 while skip:
@@ -464,10 +467,14 @@ class _SegmentReader:
                         break
                     skip -= len(got)
             else:
-                self._f = open(seg.path, "rb")  # noqa: SIM115 - closed in close()
+                self._f = self._raw
                 self._f.seek(seg.start)
         except (OSError, *ZIP_ERRORS) as err:
+            self._close_raw()
             raise DataError(f"cannot read {seg.label}: {_read_failure(seg, err)}") from None
+        except DataError:
+            self._close_raw()
+            raise
 
     def read(self, n: int = BLOCK) -> bytes:
         if self.remaining <= 0:
@@ -479,10 +486,16 @@ class _SegmentReader:
         self.remaining -= len(data)
         return data
 
+    def _close_raw(self) -> None:
+        raw = getattr(self, "_raw", None)
+        if raw is not None:
+            raw.close()
+
     def close(self) -> None:
         self._f.close()
         if self._zip is not None:
             self._zip.close()
+        self._close_raw()
 
     def __enter__(self) -> _SegmentReader:
         return self
@@ -711,7 +724,7 @@ def _bpe_vocab(plan: Plan) -> Vocab:
     def texts() -> Iterator[str]:
         for seg in plan.splits["train"]:
             for _off, text, _open in _texts(seg, lines=True, why="a BPE corpus must be UTF-8 text"):
-                yield text
+                yield from bpe_pieces(text)  # no run longer than BPE_RUN_LIMIT reaches the trainer
 
     tokenizer.train_from_iterator(texts(), trainer=trainer)
     return Vocab("bpe", bpe=tokenizer.to_str())
@@ -733,7 +746,7 @@ def _encode(
         tokenizer = vocab._bpe()
         for seg in segments:
             for _off, text, _open in _texts(seg, lines=True, why="a BPE corpus must be UTF-8 text"):
-                writer.write(np.asarray(tokenizer.encode(text).ids, dtype=vocab.dtype))
+                writer.write(np.asarray(bpe_encode(tokenizer, text), dtype=vocab.dtype))
     else:
         _encode_words(plan, vocab, segments, writer, offsets)
 

@@ -24,6 +24,7 @@ class OptionSpec:
     choices: tuple[str, ...] = ()
     minimum: int | None = None
     help: str = ""
+    maximum: int | None = None  # every number has a ceiling: a spec may come from a stranger's config
 
 
 @dataclass(frozen=True)
@@ -43,22 +44,30 @@ _TEXT_OPTIONS = {
         str, "bytes", ("bytes", "chars", "words", "bpe"), help="bytes | chars | words | bpe (HF tokenizers)"
     ),
     "vocab_size": OptionSpec(
-        int, 0, minimum=0, help="words: keep the N most frequent (0 = all); bpe: target size (default 8192)"
+        int, 0, minimum=0, help="words: keep the N most frequent (0 = all); bpe: target size (default 8192)",
+        maximum=1 << 24,
     ),
-    "min_freq": OptionSpec(int, 1, minimum=1, help="words: drop words seen fewer times in train"),
+    "min_freq": OptionSpec(int, 1, minimum=1, help="words: drop words seen fewer times in train", maximum=1 << 62),
 }
 
 _PAIR_OPTIONS = {
     "tokenizer": OptionSpec(str, "bpe", ("chars", "bpe"), help="chars | bpe (byte-level, HF tokenizers)"),
-    "vocab_size": OptionSpec(int, 8000, minimum=0, help="bpe: target size of each vocabulary"),
-    "shared": OptionSpec(int, 1, minimum=0, help="1: one vocabulary for source and target; 0: one each"),
+    "vocab_size": OptionSpec(int, 8000, minimum=0, help="bpe: target size of each vocabulary", maximum=1 << 20),
+    "shared": OptionSpec(int, 1, minimum=0, help="1: one vocabulary for source and target; 0: one each", maximum=1),
     "source": OptionSpec(str, "", help="source column (default: source, else text, else the first)"),
     "target": OptionSpec(str, "", help="target column (default: target, else headlines, else the second)"),
-    "max_source_len": OptionSpec(int, 0, minimum=0, help="drop pairs whose source has more tokens (0 = keep all)"),
-    "max_target_len": OptionSpec(int, 0, minimum=0, help="drop pairs whose target has more tokens (0 = keep all)"),
+    "max_source_len": OptionSpec(int, 0, minimum=0, help="drop pairs whose source has more tokens (0 = keep all)",
+                                 maximum=1 << 20),
+    "max_target_len": OptionSpec(int, 0, minimum=0, help="drop pairs whose target has more tokens (0 = keep all)",
+                                 maximum=1 << 20),
     "truncate": OptionSpec(int, 0, minimum=0, help="1: cut sources to max_source_len tokens instead of dropping "
-                                                    "the pair (the seed's truncating='post')"),
+                                                    "the pair (the seed's truncating='post')", maximum=1),
 }
+# The `reverse` corpus is generated in memory (a string, its reversal and their ids per pair): its
+# training pairs times the longest string is bounded, about 1 GB of Python objects at the bound.
+REVERSE_MAX_PAIRS = 1_000_000
+REVERSE_MAX_LEN = 4096
+REVERSE_MAX_CHARS = 50_000_000
 SEQ2SEQ_CORPORA = ("pairs", "reverse", "pydoc-summaries")
 
 KNOWN: dict[str, CorpusInfo] = {
@@ -123,10 +132,11 @@ KNOWN: dict[str, CorpusInfo] = {
             "synthetic sequence-to-sequence sanity task: reverse a random lower-case string (no download)",
             "ppl",
             options={
-                "size": OptionSpec(int, 20000, minimum=10, help="training pairs (valid and test: 1000 each)"),
-                "min_len": OptionSpec(int, 4, minimum=1, help="shortest string"),
-                "max_len": OptionSpec(int, 16, minimum=1, help="longest string"),
-                "seed": OptionSpec(int, 0, minimum=0, help="the generator's seed"),
+                "size": OptionSpec(int, 20000, minimum=10, help="training pairs (valid and test: 1000 each)",
+                                   maximum=REVERSE_MAX_PAIRS),
+                "min_len": OptionSpec(int, 4, minimum=1, help="shortest string", maximum=REVERSE_MAX_LEN),
+                "max_len": OptionSpec(int, 16, minimum=1, help="longest string", maximum=REVERSE_MAX_LEN),
+                "seed": OptionSpec(int, 0, minimum=0, help="the generator's seed", maximum=2**63 - 1),
             },
             path_required=False,
         ),
@@ -136,8 +146,8 @@ KNOWN: dict[str, CorpusInfo] = {
             "(split by module; no download)",
             "ppl",
             options={**_PAIR_OPTIONS, "max_source_len": OptionSpec(int, 400, minimum=0, help=_PAIR_OPTIONS[
-                "max_source_len"].help), "max_target_len": OptionSpec(int, 48, minimum=0, help=_PAIR_OPTIONS[
-                "max_target_len"].help)},
+                "max_source_len"].help, maximum=1 << 20), "max_target_len": OptionSpec(int, 48, minimum=0, help=_PAIR_OPTIONS[
+                "max_target_len"].help, maximum=1 << 20)},
             path_required=False,
         ),
         CorpusInfo(
@@ -222,6 +232,10 @@ def parse_spec(spec: str | DataSpec) -> DataSpec:
                 raise DataError(f"{name} has no option {key!r} (spec {text!r}); allowed options: {allowed}")
             options[key] = _convert(name, key, value.strip(), info.options[key])
 
+    if name == "reverse" and (options["size"] + 2000) * options["max_len"] > REVERSE_MAX_CHARS:  # type: ignore[operator]
+        raise DataError(f"reverse: size={options['size']} pairs of up to max_len={options['max_len']} characters "
+                        f"is too large to generate in memory: (size + 2000) * max_len must be at most "
+                        f"{REVERSE_MAX_CHARS:,}; lower size or max_len")
     if name == "builtin":
         path_value = path_value or "python-stdlib"
         if path_value not in BUILTIN_NAMES:
@@ -245,6 +259,8 @@ def _convert(name: str, key: str, value: str, opt: OptionSpec) -> object:
             raise DataError(f"{name} option {key}={value!r} is not an integer") from None
         if opt.minimum is not None and number < opt.minimum:
             raise DataError(f"{name} option {key}={number} is below its minimum {opt.minimum}")
+        if opt.maximum is not None and number > opt.maximum:
+            raise DataError(f"{name} option {key}={number} is too large: it must be at most {opt.maximum:,}")
         return number
     if opt.choices and value not in opt.choices:
         raise DataError(f"{name} option {key}={value!r} is not one of {', '.join(opt.choices)}")

@@ -32,15 +32,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from txl.data.cache import atomic_write_bytes
 from txl.data.spec import DataSpec, parse_spec
-from txl.data.vocab import Vocab, _require_tokenizers
-from txl.errors import DataError, describe_os_error
+from txl.data.vocab import Vocab, _require_tokenizers, bpe_pieces
+from txl.errors import DataError, parse_json
+from txl.io import VOCAB_LIMIT, read_json, read_text, write_text
 
 SPECIALS = ("<pad>", "<s>", "</s>")  # padding, start, end: the ids after the base vocabulary's
 FORMAT = "txl-pair-vocab"
 SUFFIXES = (".tsv", ".jsonl", ".csv")
 SPLITS = ("train", "valid", "test")
+PAIRS_LIMIT = 256 << 20  # a pairs file is held in memory, several times over once parsed (Inshorts: 20 MB)
 
 
 class TokenVocab:
@@ -100,7 +101,7 @@ class PairVocab:
         return hashlib.sha256(self.to_json().encode("utf-8")).hexdigest()
 
     def save(self, path) -> None:
-        atomic_write_bytes(Path(path), (self.to_json() + "\n").encode("utf-8"))
+        write_text(Path(path), self.to_json() + "\n")
 
     @classmethod
     def from_dict(cls, d: Any, *, source: str = "vocabulary") -> PairVocab:
@@ -113,23 +114,19 @@ class PairVocab:
         return cls(src, tgt)
 
     @classmethod
-    def load(cls, path) -> PairVocab:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except OSError as err:
-            raise DataError(f"cannot read vocabulary file {path}: {describe_os_error(err, reading=True)}") from None
-        try:
-            data = json.loads(text)
-        except ValueError as err:
-            raise DataError(f"{path} is not valid JSON ({err})") from None
+    def load(cls, path, *, follow_links: bool = False) -> PairVocab:
+        """A pair vocab.json: regular, at most `VOCAB_LIMIT` bytes, not a link unless `follow_links`."""
+        data = read_json(Path(path), what="vocabulary file", limit=VOCAB_LIMIT, error=DataError,
+                         follow_links=follow_links)
         return cls.from_dict(data, source=str(path))
 
 
 def is_pair_vocab_file(path) -> bool:
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8")).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
+        data = read_json(Path(path), what="vocabulary file", limit=VOCAB_LIMIT, error=DataError)
+    except DataError:
         return False
+    return isinstance(data, dict) and data.get("format") == FORMAT
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,21 +153,17 @@ def read_pairs(path: Path, *, source: str = "", target: str = "") -> list[tuple[
     suffix = path.suffix.lower()
     if suffix not in SUFFIXES:
         raise DataError(f"{path}: pairs are read from .tsv, .jsonl or .csv files, not {suffix or 'no suffix'!r}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise DataError(f"{path} is not UTF-8 (byte offset {err.start})") from None
-    except OSError as err:
-        raise DataError(f"cannot read {path}: {describe_os_error(err, reading=True)}") from None
+    # A user's path (a link is fine); a FIFO, a device or a file beyond PAIRS_LIMIT is one line
+    text = read_text(path, what="pairs file", limit=PAIRS_LIMIT, follow_links=True)
     pairs: list[tuple[str, str]] = []
     if suffix == ".jsonl":
         for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-            except ValueError as err:
-                raise DataError(f"{path}:{n} is not a JSON object ({err})") from None
+                row = parse_json(line)
+            except (ValueError, RecursionError) as err:
+                raise DataError(f"{path}:{n} is not a JSON object ({str(err)[:200] or 'nested too deeply'})") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path}:{n} is not a JSON object")
             src_key, tgt_key = source or "source", target or "target"
@@ -260,7 +253,7 @@ def _train_vocab(texts: list[str], tokenizer: str, size: int) -> Vocab:
     bpe.decoder = tk.decoders.ByteLevel()
     trainer = tk.trainers.BpeTrainer(vocab_size=size - len(SPECIALS), show_progress=False,
                                      initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(texts, trainer=trainer)
+    bpe.train_from_iterator((piece for text in texts for piece in bpe_pieces(text)), trainer=trainer)
     return Vocab("bpe", bpe=bpe.to_str())
 
 

@@ -19,9 +19,13 @@ import textwrap
 import warnings
 from pathlib import Path
 
-from txl.data.cache import atomic_write_bytes, cache_root
+from txl.data.cache import cache_root
 from txl.data.readers import stdlib_files, stdlib_split
-from txl.errors import DataError
+from txl.errors import DataError, parse_json
+from txl.io import read_text, write_text
+
+SOURCE_LIMIT = 64 << 20  # one standard-library file (the largest is under 1 MB)
+CACHE_LIMIT = 512 << 20  # the cached pairs (about 20 MB for CPython 3.11)
 
 VERSION = 1
 SKIP_PARTS = {"test", "tests", "idle_test"}
@@ -38,11 +42,11 @@ def _summary(docstring: str) -> str:
 def function_pairs(path: Path) -> list[tuple[str, str, str]]:
     """(source without docstring, summary line, function name) of every documented function in a file."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text(path, what="standard-library file", limit=SOURCE_LIMIT, follow_links=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # invalid escape sequences in old modules
             tree = ast.parse(text)
-    except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+    except (DataError, SyntaxError, ValueError, RecursionError, MemoryError):
         return []
     lines = text.splitlines()
     out = []
@@ -97,16 +101,29 @@ def prepare(force: bool = False) -> tuple[Path, dict[str, int]]:
     body = "".join(json.dumps({**row, "split": split}, ensure_ascii=False) + "\n"
                    for split, rows in splits.items() for row in rows)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, body.encode("utf-8"))
+    write_text(path, body)
     return path, {split: len(rows) for split, rows in splits.items()}
 
 
 def _read(path: Path) -> list[dict]:
+    fix = "run `txl data prepare pydoc-summaries --force`"
     try:
-        return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
-    except (OSError, ValueError) as err:
-        raise DataError(f"the pydoc-summaries cache {path} is damaged ({err}); run `txl data prepare "
-                        "pydoc-summaries --force`") from None
+        text = read_text(path, what="the pydoc-summaries cache", limit=CACHE_LIMIT)
+    except DataError as err:
+        raise DataError(f"{err}; {fix}") from None
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line:
+            continue
+        try:
+            row = parse_json(line)
+        except (ValueError, RecursionError) as err:
+            raise DataError(f"the pydoc-summaries cache {path} is damaged (line {n}: {str(err)[:100]}); {fix}") from None
+        if not (isinstance(row, dict) and row.get("split") in ("train", "valid", "test")
+                and all(isinstance(row.get(k), str) for k in ("source", "target", "name", "module"))):
+            raise DataError(f"the pydoc-summaries cache {path} is damaged (line {n} is not a pair); {fix}")
+        rows.append(row)
+    return rows
 
 
 def pydoc_rows() -> dict[str, list[dict]]:
