@@ -235,6 +235,29 @@ def test_many_long_headers_are_bounded_in_total(tmp_path):
             pass
 
 
+@pytest.mark.parametrize("sparse", ["gnu", "pax-1.0"])
+def test_a_sparse_member_is_refused(tmp_path, sparse):
+    """tarfile gathers a sparse member's map in memory (1.0: read from the member's data, as long as it
+    claims); the published archives hold no sparse members."""
+    from txl.data import fetch
+
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.GNU_FORMAT if sparse == "gnu" else tarfile.PAX_FORMAT) as tf:
+        member = tarfile.TarInfo("simple-examples/data/ptb.train.txt")
+        if sparse == "gnu":
+            member.type = tarfile.GNUTYPE_SPARSE
+        else:
+            member.pax_headers = {"GNU.sparse.major": "1", "GNU.sparse.minor": "0",
+                                  "GNU.sparse.name": "ptb.train.txt", "GNU.sparse.realsize": "1"}
+        member.size = 512
+        tf.addfile(member, io.BytesIO(b"9" * 511 + b"\n"))
+    path = tmp_path / "sparse.tar"
+    path.write_bytes(raw.getvalue())
+    with pytest.raises(DataError, match="sparse member"), fetch.bounded_tar(path) as tf:
+        for _ in tf:
+            pass
+
+
 def test_an_ordinary_pax_tar_still_reads(tmp_path):
     from txl.data import fetch
 

@@ -550,7 +550,7 @@ class ArchiveError(DataError):
     """An archive whose structure is refused before it is read (an oversized header, a sparse member)."""
 
 
-def _bounded_tarinfo(path: Path, header_limit: int, total_limit: int) -> type[tarfile.TarInfo]:
+def _bounded_tarinfo(name: str, header_limit: int, total_limit: int) -> type[tarfile.TarInfo]:
     left = [total_limit]
 
     class BoundedTarInfo(tarfile.TarInfo):
@@ -560,20 +560,20 @@ def _bounded_tarinfo(path: Path, header_limit: int, total_limit: int) -> type[ta
         def _proc_member(self, tarfile_):
             if self.type in _LONG_HEADERS:
                 if self.size > header_limit:
-                    raise ArchiveError(f"{path.name} has a tar header of {size_text(self.size)} (type "
+                    raise ArchiveError(f"{name} has a tar header of {size_text(self.size)} (type "
                                        f"{self.type.decode('latin-1')!r}), more than the {size_text(header_limit)} "
                                        "txl reads for one; it is not a published archive")
                 if self.size > left[0]:
-                    raise ArchiveError(f"{path.name} has more than {size_text(total_limit)} of extended tar "
+                    raise ArchiveError(f"{name} has more than {size_text(total_limit)} of extended tar "
                                        "headers in all; it is not a published archive")
                 left[0] -= self.size
             return super()._proc_member(tarfile_)
 
         def _proc_sparse(self, tarfile_):
-            raise ArchiveError(f"{path.name} holds a sparse member; the published archives hold none")
+            raise ArchiveError(f"{name} holds a sparse member; the published archives hold none")
 
         def _proc_gnusparse_00(self, *args):
-            raise ArchiveError(f"{path.name} holds a sparse member; the published archives hold none")
+            raise ArchiveError(f"{name} holds a sparse member; the published archives hold none")
 
         _proc_gnusparse_01 = _proc_gnusparse_10 = _proc_gnusparse_00
 
@@ -581,13 +581,13 @@ def _bounded_tarinfo(path: Path, header_limit: int, total_limit: int) -> type[ta
 
 
 @contextlib.contextmanager
-def bounded_tar(path: Path, *, header_limit: int = TAR_HEADER_LIMIT,
-                total_limit: int = TAR_HEADERS_TOTAL) -> Iterator[tarfile.TarFile]:
+def bounded_tar(path: Path, *, header_limit: int = TAR_HEADER_LIMIT, total_limit: int = TAR_HEADERS_TOTAL,
+                name: str | None = None) -> Iterator[tarfile.TarFile]:
     """`tarfile.open(path, "r:*")` of a regular file (not a link), whose PAX and GNU long-name headers
     are refused (`ArchiveError`) when one passes `header_limit` bytes or all pass `total_limit`, before
     tarfile reads them."""
     with open_regular(path, what="downloaded archive") as raw, tarfile.open(
-            fileobj=raw, mode="r:*", tarinfo=_bounded_tarinfo(path, header_limit, total_limit)) as tf:
+            fileobj=raw, mode="r:*", tarinfo=_bounded_tarinfo(name or path.name, header_limit, total_limit)) as tf:
         yield tf
 
 
@@ -645,7 +645,7 @@ def _extract(src: Source, archive: Path, dest: Path, check: bool, log: Log) -> N
                     with zf.open(names[m.name]) as fin:
                         done.append(_copy_member(fin, staging, dest, m, check, budget, src))
         else:
-            with bounded_tar(archive) as tf:
+            with bounded_tar(archive, name=src.archive) as tf:
                 infos = {}
                 for count, info in enumerate(tf, 1):  # one header at a time: a bomb of entries stops here
                     if count > MAX_MEMBERS:
@@ -663,6 +663,9 @@ def _extract(src: Source, archive: Path, dest: Path, check: bool, log: Log) -> N
             os.replace(tmp, final)
         fsync_dir(dest)
         log(f"{src.name}: extracted {', '.join(final.name for _, final in done)}")
+    except ArchiveError as err:
+        archive.unlink(missing_ok=True)
+        raise DataError(f"{err}; it was deleted") from None
     except DataError:
         archive.unlink(missing_ok=True)  # a wrong archive must not be resumed or reused
         raise
