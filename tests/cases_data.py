@@ -145,7 +145,7 @@ def _(ctx):
 
 
 @case("data-cache-npy-claims-3gib", "a prepared array whose header claims 3 GiB on a 1 MiB sparse file",
-      "open_corpus(SPEC).split('train')", "claims 3 GiB", "--force",
+      "open_corpus(SPEC).split('train')", "claims 3 GiB", "unreadable", "--force",
       test=HOSTILE + "test_an_npy_header_claiming_more_than_the_file_holds_is_refused")
 def _(ctx):
     spec, corpus = _prepared(ctx)

@@ -247,13 +247,13 @@ def load_npy(path: Path, *, what: str = "prepared array", fix: str = "run `txl d
         except (OSError, ValueError, SyntaxError, TypeError) as err:
             raise DataError(f"{what} {path} is unreadable ({str(err)[:200]}); {fix}") from None
         if dtype.kind != "u" or dtype.hasobject:  # token ids are written unsigned; anything else is not ours
-            raise DataError(f"{what} {path} holds {dtype} values, not token ids; {fix}")
+            raise DataError(f"{what} {path} is unreadable: it holds {dtype} values, not token ids; {fix}")
         if len(shape) != 1:
-            raise DataError(f"{what} {path} has shape {shape}, not one row of token ids; {fix}")
+            raise DataError(f"{what} {path} is unreadable: it has shape {shape}, not one row of token ids; {fix}")
         claimed = shape[0] * dtype.itemsize
         if offset + claimed != size:
-            raise DataError(f"{what} {path} claims {size_text(claimed)} of tokens ({shape[0]:,} x {dtype}) but "
-                            f"holds {size_text(max(size - offset, 0))}; the file is damaged: {fix}")
+            raise DataError(f"{what} {path} is unreadable: its header claims {size_text(claimed)} of tokens "
+                            f"({shape[0]:,} x {dtype}) but the file holds {size_text(max(size - offset, 0))}; {fix}")
         if shape[0] == 0:
             return np.zeros(0, dtype=dtype)
         try:  # mapped from the descriptor that was checked, so nothing can be swapped in between
