@@ -266,6 +266,26 @@ def load_npy(path: Path, *, what: str = "prepared array", fix: str = "run `txl d
 # Temporaries a killed run left
 
 
+try:
+    import fcntl  # noqa: F401
+
+    _HAVE_FLOCK = True
+except ImportError:  # pragma: no cover - Windows
+    _HAVE_FLOCK = False
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except OSError:  # another user's process, or cannot tell: keep its directory
+        return True
+    return True
+
+
 STALE = re.compile(r"^\.(?P<name>[a-z0-9][a-z0-9-]*-[0-9a-f]{16})\.(?:tmp|old)-(?P<pid>\d+)-[0-9a-f]{6}$")
 
 
@@ -300,6 +320,8 @@ def remove_stale_dirs(root: Path, *, held: str | None = None) -> list[str]:
         if name == held:
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.name)
+            continue
+        if not _HAVE_FLOCK and _alive(int(match["pid"])):  # no locks to ask: its process may still write it
             continue
         with contextlib.suppress(DataError, OSError), file_lock(root / f".{name}.lock", wait=False) as free:
             if free:

@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from txl.data.cache import ensure_dir
+from txl.data.cache import _alive, ensure_dir
 from txl.errors import DataError, TxlError, describe_os_error
 from txl.io import atomic_file, fsync_dir, open_regular, open_update, size_text
 
@@ -390,8 +390,21 @@ def _open_part(part: Path) -> int:
         raise DataError(f"{err} (the download resumes only from a .part it wrote itself)") from None
 
 
-def _fetch(url: str, part: Path, *, retries: int, timeout: float, backoff: float, log: Log, limits: Limits) -> None:
-    """Stream `url` into `part`, resuming with HTTP Range after a dropped connection."""
+def _fetch(url: str, part: Path, **kwargs) -> None:
+    """Stream `url` into `part`, resuming with HTTP Range after a dropped connection. A `.part` this call
+    created and that got no byte is removed when it fails (a wrong URL leaves nothing behind)."""
+    existed = os.path.lexists(part)
+    try:
+        _fetch_into(url, part, **kwargs)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            if not existed and stat.S_ISREG((st := os.lstat(part)).st_mode) and st.st_size == 0:
+                part.unlink()
+        raise
+
+
+def _fetch_into(url: str, part: Path, *, retries: int, timeout: float, backoff: float, log: Log,
+                limits: Limits) -> None:
     limits.url = url
     failures = 0
     while True:
@@ -594,29 +607,13 @@ def bounded_tar(path: Path, *, header_limit: int = TAR_HEADER_LIMIT, total_limit
 EXTRACT = re.compile(r"^\.txl-extract-(?P<pid>\d+)-[A-Za-z0-9_]+$")
 
 
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except PermissionError:  # a process of another user
-        return True
-    except (ProcessLookupError, OverflowError):
-        return False
-    except OSError:
-        return True  # cannot tell: keep its directory
-    return True
-
-
 def remove_stale_extracts(dest: Path) -> None:
     """Remove the extraction directories (`.txl-extract-<pid>-*`) of downloads whose process is gone
     (killed mid-extraction). Only real directories of that naming are touched, never followed links."""
     with contextlib.suppress(OSError):
         for entry in os.scandir(dest):
             match = EXTRACT.match(entry.name)
-            if match is None or _alive(int(match["pid"])):
+            if match is None or int(match["pid"]) == os.getpid() or _alive(int(match["pid"])):
                 continue
             with contextlib.suppress(OSError):
                 if stat.S_ISDIR(os.lstat(entry.path).st_mode):
