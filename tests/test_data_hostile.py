@@ -322,6 +322,14 @@ def test_a_fifo_as_cache_array_is_prepared_again_not_read(tmp_path):
     assert proc.stdout.strip() == f"tokens {len(expected)}", proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("tokenizer", ["bytes", "words"])
+def test_a_fifo_as_the_corpus_is_one_line(tmp_path, tokenizer):
+    fifo = tmp_path / "corpus.txt"
+    os.mkfifo(fifo)
+    line = one_error_line(run_cli("data", "prepare", f"text:{fifo}?tokenizer={tokenizer}"))
+    assert "not a regular file" in line and "corpus.txt" in line
+
+
 def test_a_linked_cache_array_is_refused(tmp_path):
     spec, corpus = prepared(tmp_path)
     npy = corpus.path / "train.npy"

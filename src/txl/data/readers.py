@@ -123,6 +123,9 @@ def _existing(spec: DataSpec) -> Path:
     path = Path(spec.path or "")
     if not path.exists():
         raise DataError(f"{spec.name}: path not found: {path}{_download_hint(spec)}")
+    if not (path.is_dir() or path.is_file()):  # a FIFO would block the reader, a device never ends
+        raise DataError(f"{spec.name}: {path} is not a regular file or a directory (a FIFO, a device or a "
+                        "socket); txl reads corpora from regular files only: copy the text into a file")
     return path.absolute()
 
 
