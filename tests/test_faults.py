@@ -81,17 +81,20 @@ def arrange_kill(kind, nth):
 
         safetensors.torch.save_file = save_file
     elif kind == "json":  # half of a JSON file (config, optimizer, trainer state, run.json) is on disk
-        real_dump = json.dump
+        import txl.io.files
 
-        def dump(obj, f, **kwargs):
-            if due():
-                text = json.dumps(obj, **kwargs)
-                f.write(text[: len(text) // 2])
-                f.flush()
-                die()
-            return real_dump(obj, f, **kwargs)
+        real_write_bytes = txl.io.files.write_bytes
 
-        json.dump = dump
+        def write_bytes(path, data):  # what txl.io's writer does, killed half-way through the file
+            if str(path).endswith(".json") and due():
+                with txl.io.files.atomic_file(path) as f:
+                    f.write(data[: len(data) // 2])
+                    f.flush()
+                    os.fsync(f.fileno())
+                    die()
+            return real_write_bytes(path, data)
+
+        txl.io.files.write_bytes = write_bytes
     elif kind == "rename":  # before one of the renames that swap a checkpoint directory in
         real_rename = os.rename
 

@@ -2,16 +2,17 @@
 
 Nothing here unpickles: a checkpoint from a stranger can at worst fail to load with a
 `CheckpointError`, never run code (the hole that got Hugging Face's TransfoXL removed, CVE-2023-6730).
-Every tensor file carries a SHA-256 of its tensor bytes in the safetensors metadata, so truncation
-and bit flips are detected, not silently loaded. Directories are written to a temporary sibling,
-fsynced, then renamed into place, so a crash leaves either the old directory or the new one.
+Every tensor file txl writes carries a SHA-256 of its tensor bytes in the safetensors metadata, so
+truncation and bit flips are detected, not silently loaded; a file txl wrote that has lost its digest
+is refused, not loaded unverified (`load_tensors`). Directories are written to a temporary sibling,
+fsynced, then renamed into place, so a crash leaves either the old directory or the new one. Single
+files are written and read through `txl.io` (link-safe writes; regular files, size caps, no FIFOs).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import math
 import os
 import re
@@ -34,51 +35,35 @@ from txl.errors import (
     describe_os_error,
     parse_json,
 )
-from txl.rundir import atomic_file, is_real_dir, refuse_link
+from txl.io import CONFIG_LIMIT, fsync_dir, open_regular, refuse_link
+from txl.io import read_json as _read_json
+from txl.io import write_json as _write_json
+from txl.rundir import is_real_dir
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 DIGEST_KEY = "txl_sha256"
+RUN_CHECKPOINTS = ("best", "last")  # the checkpoints inside a `txl train` run directory
+BEST_NAME, LAST_NAME = RUN_CHECKPOINTS
 
 
 # ---------------------------------------------------------------------------------------------
 # Files and directories
 
-
-def fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):  # not every file system lets a directory be opened
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def write_json(path: Path, data: Any) -> None:
-    """Write JSON through a fresh temporary (O_EXCL | O_NOFOLLOW), fsync, rename: a crash never leaves
-    half a file, and a link at `path` is refused instead of written through (txl.rundir)."""
-    with atomic_file(Path(path), "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
+    """JSON (sorted keys, indented, a final newline) through txl.io's writer: a fresh temporary
+    (O_EXCL | O_NOFOLLOW), fsync, rename; a crash never leaves half a file, a link is never written through."""
+    _write_json(path, data)
 
 
+def read_json(path: Path, what: str, *, limit: int = CONFIG_LIMIT, follow_links: bool = True) -> Any:
+    """A JSON file through txl.io's bounded reader: a regular file (a FIFO is refused, never waited on) of
+    at most `limit` bytes, duplicate keys and too-deep nesting refused; every failure one CheckpointError.
 
-
-def read_json(path: Path, what: str) -> Any:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise CheckpointError(f"{what} not found: {path}") from None
-    except OSError as err:
-        raise CheckpointError(f"cannot read {what} {path}: {describe_os_error(err, reading=True)}") from None
-    except UnicodeDecodeError as err:
-        raise CheckpointError(f"{what} {path} is not UTF-8 text (byte {err.start}); the file is corrupt") from None
-    try:
-        return parse_json(text)
-    except DuplicateKeyError as err:
-        raise CheckpointError(f"{what} {path} is ambiguous: {err}; the file is corrupt or was edited") from None
-    except (ValueError, RecursionError) as err:  # JSONDecodeError, a 5000-digit number, [[[[...
-        raise CheckpointError(f"{what} {path} is not valid JSON ({err}); the file is corrupt") from None
+    follow_links: a directory the user names (a checkpoint, a Hugging Face snapshot whose files are links
+    into its blob store) may hold links; the files of a run directory, which txl wrote as regular files,
+    are read with follow_links=False."""
+    return _read_json(path, what=what, limit=limit, error=CheckpointError, follow_links=follow_links)
 
 
 @contextlib.contextmanager
@@ -216,8 +201,11 @@ def save_tensors(path: str | Path, tensors: dict[str, Tensor], metadata: dict[st
     try:
         tmp = _exclusive_temporary(path)
         save_file(tensors, str(tmp), metadata=meta)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
         tmp = None
     except OSError as err:
@@ -252,14 +240,15 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 
 
-def read_header(path: str | Path, what: str = "tensor file") -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], dict[str, str]]:
+def read_header(path: str | Path, what: str = "tensor file", *,
+                follow_links: bool = True) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], dict[str, str]]:
     """The name -> (dtype, shape) table and metadata of a safetensors file, read from its header
-    only (no tensor is allocated). Duplicate names, malformed entries and a header larger than the
-    file are `CheckpointError`s."""
+    only (no tensor is allocated). A regular file only (txl.io: a FIFO is refused, not waited on);
+    duplicate names, malformed entries and a header larger than the file are `CheckpointError`s."""
     path = Path(path)
     corrupt = f"{what} {path} is corrupt or truncated"
-    try:
-        with open(path, "rb") as f:
+    with open_regular(path, what=what, error=CheckpointError, follow_links=follow_links) as f:
+        try:
             size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
@@ -268,10 +257,8 @@ def read_header(path: str | Path, what: str = "tensor file") -> tuple[dict[str, 
             if length > MAX_HEADER_BYTES or length > size - 8:
                 raise CheckpointError(f"{corrupt} (its header claims {length:,} bytes; the file has {size - 8:,})")
             text = f.read(length)
-    except FileNotFoundError:
-        raise CheckpointError(f"{what} not found: {path}") from None
-    except OSError as err:
-        raise CheckpointError(f"cannot read {what} {path}: {describe_os_error(err, reading=True)}") from None
+        except OSError as err:
+            raise CheckpointError(f"cannot read {what} {path}: {describe_os_error(err, reading=True)}") from None
     try:
         header = parse_json(text)
     except DuplicateKeyError as err:
@@ -294,14 +281,32 @@ def read_header(path: str | Path, what: str = "tensor file") -> tuple[dict[str, 
     return table, metadata
 
 
-def load_tensors(path: str | Path, what: str = "tensor file") -> tuple[dict[str, Tensor], dict[str, str]]:
-    """Read a safetensors file, verifying its digest when present. Any damage -> CheckpointError."""
+def written_by_txl(path: Path, metadata: dict[str, str]) -> bool:
+    """Whether a safetensors file must carry txl's digest: it sits in a run's best/ or last/ (txl wrote
+    those), or its metadata names itself txl's (a `txl_` key: every file txl ever wrote has `txl_kind`
+    and `txl_sha256`, since the first checkpoint commit). Weights someone saved with safetensors
+    themselves, in a directory of their own, have neither and load unverified, as they always did."""
+    return path.parent.name in RUN_CHECKPOINTS or any(key.startswith("txl_") for key in metadata)
+
+
+def load_tensors(path: str | Path, what: str = "tensor file", *, require_digest: bool | None = None,
+                 follow_links: bool = True) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """Read a safetensors file and verify its digest. Any damage -> CheckpointError.
+
+    require_digest: whether a missing digest is an error (None: when `written_by_txl`). A file txl wrote
+    without a readable digest was damaged (one flipped bit in the key's name would otherwise turn the
+    check off) or rewritten by another program; either way it is refused, not loaded unverified."""
     from safetensors import safe_open
 
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{what} not found: {path}")
-    read_header(path, what)  # duplicate names are refused before the library picks one
+    _, header_metadata = read_header(path, what, follow_links=follow_links)  # duplicate names refused first
+    required = written_by_txl(path, header_metadata) if require_digest is None else require_digest
+    expected = header_metadata.get(DIGEST_KEY)
+    if required and not (isinstance(expected, str) and re.fullmatch(r"[0-9a-f]{64}", expected)):
+        state = "no" if expected is None else "an unreadable"
+        raise CheckpointError(f"{what} {path} has {state} {DIGEST_KEY} digest in its metadata, which every tensor "
+                              "file txl writes carries: the file is damaged or was rewritten by another program; "
+                              "restore it or use another checkpoint")
     try:
         tensors = {}
         with safe_open(str(path), framework="pt") as f:
@@ -311,10 +316,26 @@ def load_tensors(path: str | Path, what: str = "tensor file") -> tuple[dict[str,
     except Exception as err:  # safetensors raises several types for a damaged file
         msg = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise CheckpointError(f"{what} {path} is corrupt or truncated ({msg})") from None
-    expected = metadata.get(DIGEST_KEY)
+    if metadata != header_metadata:  # the file changed between the two reads
+        raise CheckpointError(f"{what} {path} changed while it was read; try again")
     if expected is not None and tensors_digest(tensors) != expected:
         raise CheckpointError(f"{what} {path} is corrupt: its contents do not match the stored SHA-256")
     return tensors, metadata
+
+
+def first_non_finite(tensors: dict[str, Tensor] | list[tuple[str, Tensor]]) -> str | None:
+    """The name of the first floating-point tensor holding NaN or Inf (None when all are finite); one
+    host sync for all of them."""
+    items = [(k, v) for k, v in (tensors.items() if isinstance(tensors, dict) else tensors)
+             if isinstance(v, Tensor) and v.is_floating_point() and v.numel()]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, v) in enumerate(items):
+        by_device.setdefault(v.device, []).append(i)
+    bad = []
+    for indices in by_device.values():
+        finite = torch.stack([torch.isfinite(items[i][1]).all() for i in indices]).tolist()
+        bad += [i for i, ok in zip(indices, finite) if not ok]
+    return items[min(bad)][0] if bad else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,13 +394,15 @@ def resolve_model_directory(path: str | Path) -> Path:
     return path
 
 
-def load_config(directory: str | Path):
+def load_config(directory: str | Path, *, follow_links: bool = True):
+    """config.json of a checkpoint directory (at most CONFIG_LIMIT bytes: a 1 GB sparse file is refused
+    by its size, unread)."""
     from txl.config import TransformerXLConfig
 
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {directory}")
-    data = read_json(directory / CONFIG_NAME, "checkpoint config")
+    data = read_json(directory / CONFIG_NAME, "checkpoint config", follow_links=follow_links)
     try:
         return TransformerXLConfig.from_dict(data)
     except ConfigError as err:
@@ -414,9 +437,9 @@ def load_model(directory: str | Path, *, map_location: str | torch.device = "cpu
         except (ConfigError, TypeError) as err:
             raise CheckpointError(f"cannot apply {sorted(overrides)} to {directory}: {err}") from None
     weights = directory / WEIGHTS_NAME
-    if not weights.is_file():
+    if not os.path.lexists(weights):
         raise CheckpointError(f"checkpoint weights not found: {weights}")
-    header, _ = read_header(weights, "checkpoint weights")
+    header, _ = read_header(weights, "checkpoint weights")  # (a FIFO or a device is refused in one line)
     held = sum(math.prod(shape) for _, shape in header.values())
     # the estimate is a lower bound of the model's size: far above what the file holds, the config is a
     # bomb and not worth building even on the meta device (a thousand layers take seconds); nearer, the
@@ -482,6 +505,23 @@ def _compare(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[bool, 
 # A checkpoint with what was recorded next to it (the one loader behind txl eval / generate / recl)
 
 
+def other_checkpoint(directory: str | Path) -> Path | None:
+    """The run's other checkpoint next to `directory` (RUN/last for RUN/best and the reverse) when it
+    exists, else None: what a message about a damaged checkpoint can point to."""
+    directory = Path(directory)
+    if directory.name not in RUN_CHECKPOINTS:
+        return None
+    other = directory.parent / (LAST_NAME if directory.name == BEST_NAME else BEST_NAME)
+    return other if (other / CONFIG_NAME).is_file() and (other / WEIGHTS_NAME).is_file() else None
+
+
+def use_another_checkpoint(directory: str | Path) -> str:
+    """'use RUN/last (the run's other checkpoint)' when there is one, else 'use another checkpoint'."""
+    other = other_checkpoint(directory)
+    return f"use {other} (the run's other checkpoint)" if other is not None else "use another checkpoint"
+
+
+
 @dataclass
 class LoadedCheckpoint:
     """A model directory resolved from a checkpoint or run path, with what was recorded next to it."""
@@ -491,28 +531,53 @@ class LoadedCheckpoint:
     vocab: Any | None  # txl.data.Vocab from vocab.json, None when the directory has none
     state: dict = field(default_factory=dict)  # trainer_state.json of this directory ({} if absent)
     run: dict = field(default_factory=dict)  # run.json of the run directory ({} if absent)
+    # where `state["run"]` and `run` were read (named by the errors of `train_setting`)
+    state_file: Path | None = None
+    run_file: Path | None = None
 
     @property
     def data_spec(self) -> str | None:
         """The corpus the run trained on (trainer_state.json or run.json `data`)."""
-        return self.state.get("data") or self.run.get("data")
-
-    def train_setting(self, key: str) -> Any:
-        """A [train] value of the run (e.g. tgt_len), from last/trainer_state.json or run.json; None if unknown."""
-        for source in (self.state.get("run"), self.run.get("config")):
-            if isinstance(source, dict) and isinstance(source.get("train"), dict) and key in source["train"]:
-                return source["train"][key]
+        for value, where in ((self.state.get("data"), self.state_file), (self.run.get("data"), self.run_file)):
+            if value is None or value == "":
+                continue
+            if not isinstance(value, str) or "\0" in value or len(value) > 4096:
+                raise CheckpointError(f"{where} is damaged: its data spec is {str(value)[:80]!r}, not a data spec; "
+                                      "restore the file or pass --data SPEC")
+            return value
         return None
 
+    def train_setting(self, key: str) -> Any:
+        """A [train] value of the run (e.g. tgt_len), from last/trainer_state.json or run.json; None if unknown.
+        The value is checked as the run's configuration checks it (type and range), so a damaged record is
+        one CheckpointError naming the file, never a crash (or minutes of work) further on."""
+        from txl.run_config import check_train_value
 
-def _read_optional_json(path: Path) -> dict:
-    if not path.is_file():
+        for source, where in ((self.state.get("run"), self.state_file), (self.run.get("config"), self.run_file)):
+            if isinstance(source, dict) and isinstance(source.get("train"), dict) and key in source["train"]:
+                try:
+                    return check_train_value(key, source["train"][key])
+                except ConfigError as err:
+                    raise CheckpointError(f"{where} is damaged: {err}; restore the file, or give the value on the "
+                                          "command line") from None
+        return None
+
+    def another_checkpoint(self) -> str:
+        """The fix of a message about this checkpoint's weights: 'use RUN/last (...)' or 'use another checkpoint'."""
+        return use_another_checkpoint(self.path)
+
+
+def _read_optional_json(path: Path, what: str) -> dict:
+    """A record next to a checkpoint (trainer_state.json, run.json): {} when there is no such entry; an
+    entry that is a FIFO, a device, a link, oversized, not JSON or not an object is one CheckpointError
+    (txl wrote it as a small regular file; ignoring a damaged one would silently change the defaults)."""
+    if not os.path.lexists(path):
         return {}
-    try:
-        data = parse_json(path.read_text())
-    except (OSError, ValueError, RecursionError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    data = read_json(path, what, follow_links=False)
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{what} {path} is damaged: it holds a JSON {type(data).__name__}, not an object; "
+                              "restore the file")
+    return data
 
 
 def load_checkpoint(path: str | Path, *, device: torch.device | str = "cpu", require_vocab: bool = False) -> LoadedCheckpoint:
@@ -540,8 +605,16 @@ def load_checkpoint(path: str | Path, *, device: torch.device | str = "cpu", req
     if vocab is not None and model.config.vocab_size not in (vocab.size, vocab.size + (not model.config.causal)):
         raise CheckpointError(f"{directory}: vocab.json has {vocab.size} ids but config.json has vocab_size="
                               f"{model.config.vocab_size}; the checkpoint is inconsistent")
-    state = _read_optional_json(directory / "trainer_state.json")
-    run = _read_optional_json(directory.parent / "run.json") if directory.name in ("best", "last") else {}
-    if directory.name == "best" and "run" not in state:  # best/ records no run config; last/ does
-        state = {**_read_optional_json(directory.parent / "last" / "trainer_state.json"), **state}
-    return LoadedCheckpoint(path=directory, model=model, vocab=vocab, state=state, run=run)
+    state_file = directory / "trainer_state.json"
+    state = _read_optional_json(state_file, "trainer state")
+    in_run = directory.name in RUN_CHECKPOINTS
+    run_file = directory.parent / "run.json" if in_run else None
+    run = _read_optional_json(run_file, "run record") if in_run else {}
+    if directory.name == BEST_NAME and "run" not in state:  # best/ records no run config; last/ does
+        last_file = directory.parent / LAST_NAME / "trainer_state.json"
+        last = _read_optional_json(last_file, "trainer state")
+        if "run" in last:
+            state_file = last_file
+        state = {**last, **state}
+    return LoadedCheckpoint(path=directory, model=model, vocab=vocab, state=state, run=run,
+                            state_file=state_file, run_file=run_file)

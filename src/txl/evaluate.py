@@ -784,6 +784,8 @@ def evaluate_checkpoint(
         tokens = tokens[: max_tokens + 1]
     if mem_len is None:
         mem_len = ckpt.train_setting("eval_mem_len")  # what the run validated with (None: the model's)
+        if mem_len is not None:  # (checked: an int <= 2**24) memory never holds more than the text it read
+            mem_len = min(mem_len, max(len(tokens), 1))
     nll = np.zeros(max(len(tokens) - 1, 0), dtype=np.float32) if per_token else None
     if not model.config.causal:  # a masked-LM encoder: masked-token loss and accuracy
         if vanilla or per_token or dynamic_lr is not None:

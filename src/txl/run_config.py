@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from txl.config import RNN_FIELDS, TransformerXLConfig, check_dataclass_types
-from txl.errors import ConfigError, describe_os_error, did_you_mean
+from txl.errors import ConfigError, did_you_mean
+from txl.io import CONFIG_LIMIT, read_bytes
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -106,63 +107,88 @@ class TrainConfig:
         if isinstance(self.adam_betas, list):
             self.adam_betas = tuple(self.adam_betas)
         check_dataclass_types(self)
-        for name in ("tgt_len", "batch_size", "grad_accum", "max_steps", "log_interval", "eval_interval",
-                     "eval_batch_size", "max_nonfinite"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "save_interval", "eval_tgt_len", "eval_max_tokens", "sample_tokens"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
-        if self.final_max_tokens is not None and self.final_max_tokens < 0:
-            raise ConfigError(f"train.final_max_tokens must be >= 0, got {self.final_max_tokens}")
-        if self.eval_mem_len is not None and self.eval_mem_len < 0:
-            raise ConfigError(f"train.eval_mem_len must be >= 0, got {self.eval_mem_len}")
-        for name, limit in TRAIN_UPPER_BOUNDS.items():
-            value = getattr(self, name)
-            if value is not None and value > limit:
-                shown = f"{value:,}" if value < 10**15 else f"{value:.3g}"
-                raise ConfigError(f"train.{name} must be <= {limit:,}, got {shown}")
-        for name in ("lr", "weight_decay", "eta_min", "clip", "max_minutes"):
-            if not 0 <= getattr(self, name) < math.inf:  # also rejects NaN (JSON and TOML allow nan/inf)
-                raise ConfigError(f"train.{name} must be a finite number >= 0, got {getattr(self, name)}")
-        if not 0 <= self.seed < 2**63:  # numpy and torch seeds are unsigned 64-bit
-            raise ConfigError(f"train.seed must be in [0, 2**63), got {self.seed}")
-        if not all(0 <= b < 1 for b in self.adam_betas):
-            raise ConfigError(f"train.adam_betas must be two numbers in [0, 1), got {list(self.adam_betas)}")
-        if not 0 < self.adam_eps < 1:
-            raise ConfigError(f"train.adam_eps must be in (0, 1), got {self.adam_eps}")
-        if not 0 <= self.ema < 1:  # (also rejects NaN)
-            raise ConfigError(f"train.ema must be in [0, 1) (0 = no weight average), got {self.ema}")
+        for f in dataclasses.fields(self):
+            _check_range(f.name, getattr(self, f.name))
+        # rules that relate two settings
         if not self.eval_live and not self.ema:
             raise ConfigError("train.eval_live=false validates only the weight average, and train.ema is 0 "
                               "(no average): set train.ema (e.g. 0.999) or leave eval_live true")
-        if self.dropout_start is not None and not 0 <= self.dropout_start < 1:
-            raise ConfigError(f"train.dropout_start must be in [0, 1) (or unset), got {self.dropout_start}")
         if self.dropout_start is not None and self.compile:
             raise ConfigError("train.dropout_start changes the dropout rate every step, which would make "
                               "torch.compile recompile every step: unset train.compile or train.dropout_start")
-        if not 0 < self.dropout_ramp <= 1:
-            raise ConfigError(f"train.dropout_ramp must be in (0, 1] (a share of the run), got {self.dropout_ramp}")
-        if not 0 <= self.label_smoothing < 1:
-            raise ConfigError(f"train.label_smoothing must be in [0, 1), got {self.label_smoothing}")
-        if self.beam_size < 1:
-            raise ConfigError(f"train.beam_size must be >= 1, got {self.beam_size}")
-        if not 0 <= self.length_penalty < math.inf:
-            raise ConfigError(f"train.length_penalty must be a finite number >= 0, got {self.length_penalty}")
-        if self.lr == 0:
-            raise ConfigError("train.lr must be > 0")
         if self.batch_size % self.grad_accum:
             raise ConfigError(
                 f"train.batch_size={self.batch_size} must be divisible by train.grad_accum={self.grad_accum}"
             )
-        if not 0.0 < self.mask_prob < 1.0:
-            raise ConfigError(f"train.mask_prob must be in (0, 1), got {self.mask_prob}")
         if self.objective == "mlm" and self.sample_tokens:
             raise ConfigError("train.sample_tokens generates text, which a masked-LM encoder (objective=mlm) "
                               "cannot; set sample_tokens=0")
-        for split in self.final_splits:
+
+
+_AT_LEAST_ONE = ("tgt_len", "batch_size", "grad_accum", "max_steps", "log_interval", "eval_interval",
+                 "eval_batch_size", "max_nonfinite")
+_AT_LEAST_ZERO = ("warmup_steps", "save_interval", "eval_tgt_len", "eval_max_tokens", "sample_tokens")
+_FINITE_AT_LEAST_ZERO = ("lr", "weight_decay", "eta_min", "clip", "max_minutes")
+
+
+def _check_range(name: str, value: Any) -> None:
+    """The range of one [train] value of the right type (the rules that involve one setting alone)."""
+    if name in _AT_LEAST_ONE and value < 1:
+        raise ConfigError(f"train.{name} must be >= 1, got {value}")
+    if name in _AT_LEAST_ZERO and value < 0:
+        raise ConfigError(f"train.{name} must be >= 0, got {value}")
+    if name in ("final_max_tokens", "eval_mem_len") and value is not None and value < 0:
+        raise ConfigError(f"train.{name} must be >= 0, got {value}")
+    limit = TRAIN_UPPER_BOUNDS.get(name)
+    if limit is not None and value is not None and value > limit:
+        shown = f"{value:,}" if value < 10**15 else f"{value:.3g}"
+        raise ConfigError(f"train.{name} must be <= {limit:,}, got {shown}")
+    if name in _FINITE_AT_LEAST_ZERO and not 0 <= value < math.inf:  # also rejects NaN (JSON and TOML allow nan/inf)
+        raise ConfigError(f"train.{name} must be a finite number >= 0, got {value}")
+    if name == "lr" and value == 0:
+        raise ConfigError("train.lr must be > 0")
+    if name == "seed" and not 0 <= value < 2**63:  # numpy and torch seeds are unsigned 64-bit
+        raise ConfigError(f"train.seed must be in [0, 2**63), got {value}")
+    if name == "adam_betas" and not all(0 <= b < 1 for b in value):
+        raise ConfigError(f"train.adam_betas must be two numbers in [0, 1), got {list(value)}")
+    if name == "adam_eps" and not 0 < value < 1:
+        raise ConfigError(f"train.adam_eps must be in (0, 1), got {value}")
+    if name == "ema" and not 0 <= value < 1:  # (also rejects NaN)
+        raise ConfigError(f"train.ema must be in [0, 1) (0 = no weight average), got {value}")
+    if name == "dropout_start" and value is not None and not 0 <= value < 1:
+        raise ConfigError(f"train.dropout_start must be in [0, 1) (or unset), got {value}")
+    if name == "dropout_ramp" and not 0 < value <= 1:
+        raise ConfigError(f"train.dropout_ramp must be in (0, 1] (a share of the run), got {value}")
+    if name == "label_smoothing" and not 0 <= value < 1:
+        raise ConfigError(f"train.label_smoothing must be in [0, 1), got {value}")
+    if name == "beam_size" and value < 1:
+        raise ConfigError(f"train.beam_size must be >= 1, got {value}")
+    if name == "length_penalty" and not 0 <= value < math.inf:
+        raise ConfigError(f"train.length_penalty must be a finite number >= 0, got {value}")
+    if name == "mask_prob" and not 0.0 < value < 1.0:
+        raise ConfigError(f"train.mask_prob must be in (0, 1), got {value}")
+    if name == "final_splits":
+        for split in value:
             if split not in ("train", "valid", "test"):
                 raise ConfigError(f"train.final_splits has {split!r}; use train, valid or test")
+
+
+def check_train_value(key: str, value: Any) -> Any:
+    """One [train] value read back from a run's records (run.json, trainer_state.json), checked alone: its
+    type and range as `TrainConfig` checks them (the rules relating two settings need the whole section).
+    Returns the value (a list becomes a tuple, as in the config); a bad one is a ConfigError naming it."""
+    if key not in TRAIN_KEYS:
+        raise ConfigError(f"unknown key train.{key}{did_you_mean(str(key), TRAIN_KEYS)}")
+    if isinstance(value, list) and key in ("final_splits", "adam_betas"):
+        value = tuple(value)
+    probe = TrainConfig()  # valid defaults: only `key` can fail below
+    setattr(probe, key, value)
+    try:
+        check_dataclass_types(probe)
+    except ConfigError as err:  # "config.eval_tgt_len must be int, got ..." -> "train.eval_tgt_len ..."
+        raise ConfigError(str(err).replace(f"config.{key} ", f"train.{key} ", 1)[:300]) from None
+    _check_range(key, value)
+    return value
 
 
 @dataclass
@@ -303,20 +329,23 @@ def preset_names() -> list[str]:
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
+    """A TOML config the user named (a link is theirs to follow): a regular file of at most CONFIG_LIMIT
+    bytes (txl.io: a FIFO is refused, not waited on)."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
+        data = read_bytes(path, what="config file", limit=CONFIG_LIMIT, error=ConfigError, follow_links=True)
+    except ConfigError:
+        raise
+    except ValueError as err:  # a NUL in the path
+        raise ConfigError(f"cannot read config file {path}: {err}") from None
+    try:
+        return tomllib.loads(data.decode("utf-8"))
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
     except UnicodeDecodeError as err:
         raise ConfigError(f"config file {path} is not valid TOML: invalid UTF-8 at byte {err.start}") from None
     except RecursionError:
         raise ConfigError(f"config file {path} is not valid TOML: arrays or tables nested too deeply") from None
-    except OSError as err:
-        raise ConfigError(f"cannot read config file {path}: {describe_os_error(err)}") from None
 
 
 def load_preset(name: str) -> dict[str, Any]:

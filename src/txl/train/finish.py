@@ -14,7 +14,7 @@ from txl.checkpoint import load_model, read_json, write_json
 from txl.display import for_stream, json_text
 from txl.errors import ConfigError, DataError
 from txl.evaluate import metric_value
-from txl.rundir import write_text
+from txl.io import write_text
 from txl.train.state import BEST, LAST, STATE_FILE
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def finish(trainer: Trainer, summary: dict) -> dict:
         best = load_model(trainer.out / BEST, map_location=trainer.dist.device)
         trainer.model.load_state_dict(best.state_dict())
         if trainer.average is not None:  # which weights won on valid: the live ones or their average
-            state = read_json(trainer.out / BEST / STATE_FILE, "best checkpoint state")
+            state = read_json(trainer.out / BEST / STATE_FILE, "best checkpoint state", follow_links=False)
             best_weights = state.get("weights") if isinstance(state, dict) else None
     for split in cfg.final_splits:
         if split not in trainer.corpus.splits:
@@ -146,7 +146,7 @@ def write_sample(trainer: Trainer) -> tuple[str, list[int]]:
     tokens = list(stream_tokens(trainer.model, prompt, max_new_tokens=trainer.cfg.sample_tokens,
                                 temperature=0.8, top_k=40, generator=generator))
     text = vocab.decode(prompt + tokens)
-    write_text(trainer.out / "sample.txt", text)  # atomic, and never through a link (txl.rundir)
+    write_text(trainer.out / "sample.txt", text)  # atomic, and never through a link (txl.io)
     return text, prompt + tokens
 
 

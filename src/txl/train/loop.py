@@ -38,6 +38,7 @@ from txl.train.state import (
     LAST,
     create_out_dir,
     load_initial_weights,
+    non_finite_state,
     open_run_dir,
     previous_run_record,
     resolve_data,
@@ -163,6 +164,7 @@ class Trainer:
         self.elapsed = 0.0  # training seconds over all sessions of this run
         self.best_valid = math.inf
         self.nonfinite_streak = 0
+        self.saved_step: int | None = None  # the step `last` holds (None: no checkpoint yet)
         self.ponder_depth = None  # universal: the last micro-batch's average depth (ACT)
         self.stop_requested = False
         self._checked_splits: set[str] = set()
@@ -258,6 +260,7 @@ class Trainer:
         previous_handlers = self._install_signal_handlers()
         # scored = tokens the loss averages over (mlm: the masked ones); tokens = all tokens processed
         window_nll, window_scored, window_tokens, window_start = 0.0, 0, 0, time.perf_counter()
+        window_skipped = 0  # steps of the window whose loss was not finite (their update skipped)
         session_start = time.perf_counter()
         elapsed_before = self.elapsed
         reason = "max_steps"
@@ -305,21 +308,27 @@ class Trainer:
                     window_tokens += processed
                 else:
                     self.nonfinite_streak += 1
+                    window_skipped += 1
                     bar.write(f"warning: non-finite loss at step {self.step}; update skipped "
                               f"({self.nonfinite_streak} in a row)")
                     if self.nonfinite_streak >= cfg.max_nonfinite:
+                        kept = (f"the last good checkpoint is {self.out / LAST} (step {self.saved_step})"
+                                if self.saved_step is not None else "no checkpoint was written")
                         raise TrainingError(
                             f"loss was not finite for {self.nonfinite_streak} steps in a row (last at step "
-                            f"{self.step}); the last good checkpoint is {self.out / LAST}; lower train.lr, "
-                            "raise train.warmup_steps or use precision fp32/bf16"
+                            f"{self.step}); {kept}; lower train.lr, raise train.warmup_steps or use precision "
+                            "fp32/bf16"
                         )
                 if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps:
                     now = time.perf_counter()
-                    loss = window_nll / max(window_scored, 1)
+                    # the mean over the window's finite steps; none finite: no loss (JSON null), never 0.0
+                    loss = window_nll / window_scored if window_scored else math.nan
                     speed = window_tokens / max(now - window_start, 1e-9)
-                    record = {"split": "train", "step": self.step, "loss": loss, self.metric:
-                              metric_value(loss, self.metric), "lr": lr, "tokens_per_second": speed,
-                              "tokens": self.tokens_seen, "elapsed": self.elapsed}
+                    record = {"split": "train", "step": self.step, "loss": finite_or_none(loss),
+                              self.metric: finite_or_none(metric_value(loss, self.metric)), "lr": lr,
+                              "tokens_per_second": speed, "tokens": self.tokens_seen, "elapsed": self.elapsed}
+                    if window_skipped:
+                        record["nonfinite_steps"] = window_skipped
                     if dropout is not None:
                         record["dropout"] = dropout
                     if self.ponder_depth is not None:  # universal: average depth used (steps + remainder)
@@ -327,16 +336,23 @@ class Trainer:
                     log.write(record)
                     bar.show(step=self.step, loss=loss, lr=lr, speed=speed)
                     window_nll, window_scored, window_tokens, window_start = 0.0, 0, 0, now
+                    window_skipped = 0
                 bar.advance(self.step)
                 time_up = cfg.max_minutes > 0 and self.elapsed >= cfg.max_minutes * 60
                 stopping = stop > 0 or time_up or self.step == cfg.max_steps
-                if self.validates and (self.step % cfg.eval_interval == 0 or time_up or self.step == cfg.max_steps):
-                    self.validate(log, bar, last=time_up or self.step == cfg.max_steps)  # (not on a signal)
+                validating = self.validates and (self.step % cfg.eval_interval == 0 or time_up
+                                                 or self.step == cfg.max_steps)
                 due = (cfg.save_interval and self.step % cfg.save_interval == 0) or (
                     not cfg.save_interval and self.step % cfg.eval_interval == 0
                 )
-                if (stopping or due) and self.nonfinite_streak == 0:  # keep the last *good* checkpoint
+                saving = (stopping or due) and self.nonfinite_streak == 0  # keep the last *good* checkpoint
+                if validating or saving:
+                    self.check_finite_state()
+                if validating:
+                    self.validate(log, bar, last=time_up or self.step == cfg.max_steps)  # (not on a signal)
+                if saving:
                     save_checkpoint(self, self.out / LAST)
+                    self.saved_step = self.step
                 if stop > 0:
                     reason = "signal"
                     break
@@ -349,6 +365,22 @@ class Trainer:
             self._restore_signal_handlers(previous_handlers)
         return {"steps": self.step, "stopped_by": reason, "tokens": self.tokens_seen, "elapsed": self.elapsed,
                 "tokens_per_second": self.tokens_seen / max(self.elapsed, 1e-9), "best_valid": self.best_valid}
+
+    def check_finite_state(self) -> None:
+        """Before a validation or a checkpoint: the weights, the optimiser's state and the weight average must be
+        finite. A step whose loss was finite can still break them in its update (a learning rate far too large,
+        a damaged hyperparameter); saving them would replace the last good `last` with NaNs. The ranks agree
+        (their states are the same; the sum makes them stop together)."""
+        bad = non_finite_state(self)
+        if self.dist.all_sum([float(bad is not None)])[0] == 0:
+            return
+        kept = (f"{self.out / LAST} keeps step {self.saved_step}" if self.saved_step is not None
+                else "no checkpoint was written")
+        raise TrainingError(
+            f"at step {self.step} the model's state is not finite (NaN/Inf in {bad or 'another rank'}); nothing "
+            f"was saved: {kept}; lower train.lr, raise train.warmup_steps or train.clip, or "
+            "use precision fp32/bf16"
+        )
 
     def validate(self, log: MetricsLog, bar: Progress, *, last: bool = False) -> None:
         """Score the live weights on valid (and the weight average, `train.ema`, as split "valid_ema");
@@ -363,8 +395,8 @@ class Trainer:
 
     def _validate_weights(self, log: MetricsLog, bar: Progress, *, averaged: bool) -> None:
         result = self.evaluate_split("valid", max_tokens=self.cfg.eval_max_tokens)
-        record = {"split": "valid_ema" if averaged else "valid", "step": self.step, "loss": result.loss, self.metric: result.value,
-                  "tokens": result.tokens, "tokens_per_second": result.tokens_per_second, "elapsed": self.elapsed}
+        record = {"split": "valid_ema" if averaged else "valid", "step": self.step,
+                  "loss": finite_or_none(result.loss), self.metric: finite_or_none(result.value), "tokens": result.tokens, "tokens_per_second": result.tokens_per_second, "elapsed": self.elapsed}
         accuracy = ""
         if result.accuracy is not None:  # masked LM
             record["accuracy"] = result.accuracy
@@ -444,6 +476,11 @@ class Trainer:
     def _restore_signal_handlers(previous) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def finite_or_none(value: float) -> float | None:
+    """A number for metrics.jsonl: JSON has no NaN or Infinity, and a non-finite loss is not 0.0, so it is null."""
+    return value if math.isfinite(value) else None
 
 
 def seq2seq_model_config(config, corpus):

@@ -9,12 +9,14 @@ checkpoint or one from another run is one `CheckpointError`, never a crash at th
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,18 +24,29 @@ from txl.checkpoint import (
     WEIGHTS_NAME,
     atomic_directory,
     check_state_dict,
+    first_non_finite,
     load_config,
     load_tensors,
     read_json,
     recover_directory,
     save_tensors,
+    use_another_checkpoint,
     write_json,
     write_model_files,
 )
 from txl.config import RNN_ARCHS
-from txl.errors import CheckpointError, ConfigError, DataError, OutputError, UsageError, describe_os_error
+from txl.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    OutputError,
+    UsageError,
+    describe_os_error,
+    parse_json,
+)
+from txl.io import CONFIG_LIMIT, STATE_LIMIT
 from txl.memory import Memory
-from txl.optim import optimizer_state_join, optimizer_state_split
+from txl.optim import Lamb, optimizer_state_join, optimizer_state_split
 from txl.run_config import RunConfig, merge
 from txl.rundir import LOCK_NAME, RunLock, check_utf8_path, refuse_link, remove_stale_temporaries
 
@@ -45,6 +58,14 @@ LAST, BEST = "last", "best"
 OPTIMIZER_STATE_KEYS = {"step", "exp_avg", "exp_avg_sq"}  # per parameter, for adam, adamw and lamb alike
 MUON_STATE_KEYS = {"momentum_buffer"}  # per matrix of a group that runs Muon (txl.optim.MuonAdam)
 STATE_FILE = "trainer_state.json"
+# trainer_state.json's progress (what an exact resume continues from), covered by a SHA-256 that
+# trainer.safetensors holds as a tensor, so the digest is itself covered by that file's required digest:
+# an edited position is refused instead of resumed "exactly". Not covered: the fingerprints (compared
+# with the data anyway), the run's configuration (resume_config checks it as a config) and `elapsed`
+# (a clock reading; it only moves a minutes-based schedule, which is not bit-exact anyway).
+PROGRESS_KEYS = ("step", "tokens_seen", "iterator", "nonfinite_streak", "best_valid", "ema_updates", "scaler",
+                 "world_size", "grad_accum")
+PROGRESS_TENSOR = "trainer_state.sha256"  # its name in trainer.safetensors (32 uint8)
 
 
 def check_out_dir(out: Path) -> None:
@@ -212,11 +233,12 @@ def vocab_difference(old, new) -> str:
 
 
 def previous_run_record(out: Path) -> dict:
-    """run.json of an existing run ({} when absent or unreadable: it is a record, not state)."""
-    try:
-        data = read_json(out / "run.json", "run record")
-    except CheckpointError:
+    """run.json of an existing run ({} when absent). An entry that is not a small regular JSON file (a FIFO
+    would block for ever, holding the run's lock) is one CheckpointError naming it; a JSON value that is
+    not an object counts as no record (it is a record, not state)."""
+    if not os.path.lexists(out / "run.json"):
         return {}
+    data = read_json(out / "run.json", "run record", follow_links=False)
     return data if isinstance(data, dict) else {}
 
 
@@ -241,9 +263,31 @@ def trainer_state(trainer: Trainer) -> dict:
             "ema_updates": None if trainer.average is None else trainer.average.updates}
 
 
+def progress_digest(state: dict) -> str:
+    """SHA-256 of trainer_state.json's progress (PROGRESS_KEYS) as JSON text, keys sorted."""
+    progress = {key: state.get(key) for key in PROGRESS_KEYS}
+    text = json.dumps(progress, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _digest_tensor(hexdigest: str) -> torch.Tensor:
+    return torch.tensor(list(bytes.fromhex(hexdigest)), dtype=torch.uint8)
+
+
+def non_finite_state(trainer: Trainer) -> str | None:
+    """What a checkpoint would hold that is NaN or Inf (the weights, the optimiser's state, the weight
+    average), named; None when all of it is finite. One host sync; checked before every checkpoint."""
+    named = list(trainer.model.state_dict().items())
+    for index, state in enumerate(trainer.optimizer.state.values()):
+        named += [(f"optimizer state {index} {key}", value) for key, value in state.items()]
+    if trainer.average is not None:
+        named += list(trainer.average.tensors().items())
+    return first_non_finite(named)
+
+
 def save_checkpoint(trainer: Trainer, path: Path) -> None:
     """Everything for an exact resume, written atomically by rank 0 (others contribute their
-    memory and RNG state through all_gather)."""
+    memory and RNG state through all_gather). The caller has checked the state finite (`non_finite_state`)."""
     extra: dict[str, torch.Tensor] = {}
     for j, memory in enumerate(trainer.memories):
         if memory is None:
@@ -264,13 +308,15 @@ def save_checkpoint(trainer: Trainer, path: Path) -> None:
     if trainer.average is not None:  # the same on every rank (every rank applies the same update)
         extra.update(trainer.average.tensors())
     opt_tensors, opt_plain = optimizer_state_split(trainer.optimizer)
+    state = parse_json(json.dumps(trainer_state(trainer)))  # as it will read back (tuples become lists)
+    extra[PROGRESS_TENSOR] = _digest_tensor(progress_digest(state))
     with atomic_directory(path) as tmp:
         write_model_files(trainer.model, tmp)
         trainer.corpus.vocab.save(tmp / "vocab.json")
         save_tensors(tmp / "optimizer.safetensors", opt_tensors, {"txl_kind": "optimizer"})
         save_tensors(tmp / "trainer.safetensors", extra, {"txl_kind": "trainer"})
         write_json(tmp / "optimizer.json", opt_plain)
-        write_json(tmp / STATE_FILE, trainer_state(trainer))
+        write_json(tmp / STATE_FILE, state)
 
 
 def save_best(trainer: Trainer, result: EvalResult, *, weights: str = "live") -> None:
@@ -283,12 +329,17 @@ def save_best(trainer: Trainer, result: EvalResult, *, weights: str = "live") ->
 
 
 def restore_checkpoint(trainer: Trainer, path: Path) -> None:
-    """Restore everything `save_checkpoint` wrote. The files may be damaged or come from another
-    run: every value is checked before it is used, and any mismatch is one `CheckpointError`."""
-    if not (path / STATE_FILE).is_file():
+    """Restore everything `save_checkpoint` wrote. The files may be damaged, edited or come from another
+    run: every value is checked before it is used (types, the progress digest, the optimiser's
+    hyperparameters against the run's configuration, dtypes, shapes, finiteness), and any mismatch is one
+    `CheckpointError`, so a damaged state can never train on and replace this good-looking `last`."""
+    where = path / STATE_FILE
+    if not os.path.lexists(where):
         raise CheckpointError(f"{path.parent} is not a txl training run (no {LAST}/{STATE_FILE}); "
                               "pass the --out directory of an earlier `txl train`")
-    state = check_trainer_state(read_json(path / STATE_FILE, "trainer state"), path / STATE_FILE)
+    state = check_trainer_state(read_json(where, "trainer state", follow_links=False), where)
+    extra, _ = load_tensors(path / "trainer.safetensors", "trainer state", require_digest=True, follow_links=False)
+    _check_progress_digest(state, extra, path)
     if state["vocab_fingerprint"] != trainer.corpus.vocab.fingerprint:
         raise CheckpointError(f"{path} was trained on a different vocabulary than {trainer.cfg.data!r} has now "
                               "(the corpus files changed); restore them or start a new run")
@@ -297,15 +348,19 @@ def restore_checkpoint(trainer: Trainer, path: Path) -> None:
         raise CheckpointError(f"{path} was trained on other text than {trainer.cfg.data!r} holds now (same vocabulary, "
                               "different content); resume with the corpus the run trained on, or start a new run "
                               "with --init-from")
-    saved_config = load_config(path)
+    saved_config = load_config(path, follow_links=False)
     if saved_config.to_dict() != trainer.model_config.to_dict():
         raise CheckpointError(f"{path}/config.json does not match this run's model config; resume with the "
                               "same configuration (only max_steps/max_minutes may change)")
-    weights, _ = load_tensors(path / WEIGHTS_NAME, "checkpoint weights")
+    weights, _ = load_tensors(path / WEIGHTS_NAME, "checkpoint weights", require_digest=True, follow_links=False)
     check_state_dict(trainer.model.state_dict(), weights, path)
+    bad = first_non_finite(weights)
+    if bad is not None:
+        raise CheckpointError(f"{path / WEIGHTS_NAME} holds weights that are not finite (NaN/Inf in {bad}): the run "
+                              f"had diverged when it was saved; {_restart_hint(path)}")
     trainer.model.load_state_dict(weights)
-    _load_optimizer(trainer, path)
-    damaged = f"{path / STATE_FILE} is damaged"
+    _load_optimizer(trainer, path, saved_step=state["step"])
+    damaged = f"{where} is damaged"
     try:
         trainer.scaler.load_state_dict(state["scaler"])
     except (KeyError, TypeError, ValueError, RuntimeError) as err:
@@ -315,10 +370,14 @@ def restore_checkpoint(trainer: Trainer, path: Path) -> None:
     except DataError as err:
         raise CheckpointError(f"{damaged} or was saved for other data: {err}") from None
     trainer.step, trainer.tokens_seen = state["step"], state["tokens_seen"]
+    trainer.saved_step = state["step"]
     trainer.elapsed = float(state["elapsed"])
     trainer.best_valid = math.inf if state["best_valid"] is None else float(state["best_valid"])
     trainer.nonfinite_streak = state["nonfinite_streak"]
-    extra, _ = load_tensors(path / "trainer.safetensors", "trainer state")
+    bad = first_non_finite({k: v for k, v in extra.items() if not k.startswith("rng.")})
+    if bad is not None:
+        raise CheckpointError(f"{path}/trainer.safetensors holds {bad} with NaN/Inf values; the checkpoint is "
+                              f"damaged: {_restart_hint(path)}")
     if trainer.average is not None:
         trainer.average.load(extra, state.get("ema_updates"), f"{path}/trainer.safetensors")
     same_layout = state["world_size"] == trainer.dist.world and state["grad_accum"] == trainer.cfg.grad_accum
@@ -330,38 +389,154 @@ def restore_checkpoint(trainer: Trainer, path: Path) -> None:
               file=sys.stderr)
 
 
-def _load_optimizer(trainer: Trainer, path: Path) -> None:
-    opt_tensors, _ = load_tensors(path / "optimizer.safetensors", "optimizer state")
-    opt_plain = read_json(path / "optimizer.json", "optimizer state")
-    unusable = f"{path}: the optimizer state does not fit this model (the checkpoint is damaged or from another run)"
+def _restart_hint(path: Path) -> str:
+    """The fix when `last` cannot be resumed: start a new run from the run's other checkpoint if there is one."""
+    advice = use_another_checkpoint(path)
+    if advice.startswith("use "):
+        other = advice.removeprefix("use ").partition(" (")[0]
+        return f"start a new run from {other} with --init-from {other} --out NEW, or restore {path}"
+    return f"restore {path} or start a new run"
+
+
+def _check_progress_digest(state: dict, extra: dict[str, torch.Tensor], path: Path) -> None:
+    """trainer_state.json's progress against the digest trainer.safetensors holds (runs saved before it was
+    recorded have none: resumed as they always were, with a note)."""
+    stored = extra.pop(PROGRESS_TENSOR, None)
+    where = path / STATE_FILE
+    if stored is None:
+        print(f"note: {path} was saved by an older txl without a digest of its {STATE_FILE}; its progress is "
+              "resumed unchecked", file=sys.stderr)
+        return
+    try:
+        expected = bytes(stored.tolist()).hex() if stored.dtype == torch.uint8 and stored.shape == (32,) else None
+        actual = progress_digest(state)
+    except ValueError:  # NaN/Infinity in the progress (allow_nan=False)
+        actual = None
+    if expected is None or actual != expected:
+        raise CheckpointError(f"{where} was edited or is damaged: its progress (step, token counts, data position) "
+                              "does not match the digest stored in trainer.safetensors, so the resume would not be "
+                              "the exact continuation it claims to be; restore the file or start a new run")
+
+
+def check_optimizer_hyperparameters(fresh: list[dict], saved: list[dict], where: Path) -> None:
+    """The saved parameter groups must hold the hyperparameters this run's configuration gives (a freshly
+    built optimiser's), except the learning rate, which the schedule sets at every step (finite, >= 0).
+    torch copies them unchecked: Adam's beta2 edited to 9.999 trains one step and makes every weight NaN."""
+    if not isinstance(saved, list) or len(saved) != len(fresh):
+        count = len(saved) if isinstance(saved, list) else "no list of"
+        raise CheckpointError(f"{where} is damaged: {count} parameter groups, this run's optimiser has "
+                              f"{len(fresh)}; restore the file or start a new run")
+    for index, (want, got) in enumerate(zip(fresh, saved)):
+        if not isinstance(got, dict):
+            raise CheckpointError(f"{where} is damaged: parameter group {index} is not an object; restore the file "
+                                  "or start a new run")
+        for key, value in want.items():
+            if key in _IMPLEMENTATION_FLAGS:
+                continue
+            found = got.get(key, "(missing)")
+            if key == "lr":
+                ok = isinstance(found, int | float) and not isinstance(found, bool) and 0 <= found < math.inf
+            else:
+                ok = _same_value(value, found)
+            if not ok:
+                shown = json.dumps(found) if key in got else "missing"
+                wanted = "a finite number >= 0" if key == "lr" else json.dumps(list(value) if isinstance(
+                    value, tuple) else value)
+                raise CheckpointError(f"{where} does not match this run's configuration: parameter group {index} has "
+                                      f"{key} {shown[:80]} where the run gives {wanted[:80]}; the file is damaged "
+                                      "or was edited: restore it, or start a new run (--init-from keeps the weights)")
+
+
+# How torch runs an optimiser, not what it computes: taken from this process's optimiser (a run saved
+# where the fused kernel exists resumes where it does not).
+_IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
+
+
+def _same_value(want: Any, got: Any) -> bool:
+    """Equal, and of the same kind (JSON turned tuples into lists; True is not 1)."""
+    if isinstance(want, tuple | list):
+        return isinstance(got, tuple | list) and len(got) == len(want) and all(map(_same_value, want, got))
+    if isinstance(want, bool) or want is None or isinstance(got, bool):
+        return got is want
+    if isinstance(want, int | float):
+        return isinstance(got, int | float) and got == want
+    return type(got) is type(want) and got == want
+
+
+def _load_optimizer(trainer: Trainer, path: Path, *, saved_step: int) -> None:
+    opt_tensors, _ = load_tensors(path / "optimizer.safetensors", "optimizer state", require_digest=True,
+                                  follow_links=False)
+    where = path / "optimizer.json"
+    opt_plain = read_json(where, "optimizer state", limit=STATE_LIMIT, follow_links=False)
     if not (isinstance(opt_plain, dict) and isinstance(opt_plain.get("param_groups"), list)
             and isinstance(opt_plain.get("state", {}), dict)):
-        raise CheckpointError(f"{path}/optimizer.json is damaged: expected an object with param_groups and "
+        raise CheckpointError(f"{where} is damaged: expected an object with param_groups and "
                               "state; restore the file or start a new run")
     fresh_groups = trainer.optimizer.state_dict()["param_groups"]
+    check_optimizer_hyperparameters(fresh_groups, opt_plain["param_groups"], where)
+    unusable = f"{path}: the optimizer state does not fit this model (the checkpoint is damaged or from another run)"
+    groups = []
+    for want, got in zip(fresh_groups, opt_plain["param_groups"]):
+        if not isinstance(got, dict):
+            raise CheckpointError(f"{where} is damaged: a parameter group is not an object; restore the file")
+        if got.get("params") != want["params"]:
+            raise CheckpointError(f"{unusable}: its parameter groups list other parameters")
+        # only what this optimiser has, its implementation flags its own
+        groups.append({key: want[key] if key in _IMPLEMENTATION_FLAGS else got[key] for key in want
+                       if key in got or key in _IMPLEMENTATION_FLAGS})
+    _check_optimizer_tensors(trainer, opt_tensors, opt_plain.get("state", {}), path, saved_step)
     try:
-        joined = optimizer_state_join(opt_tensors, opt_plain)
-        _check_param_groups(fresh_groups, joined["param_groups"])
+        joined = optimizer_state_join(opt_tensors, {**opt_plain, "param_groups": groups})
         trainer.optimizer.load_state_dict(joined)
     except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as err:
         raise CheckpointError(f"{unusable}: {type(err).__name__}: {err}") from None
-    # torch compares neither state keys nor shapes with the parameters; a mismatch would only fail
-    # at the first step, deep inside the optimiser
-    for group in trainer.optimizer.param_groups:
-        expected = MUON_STATE_KEYS if group.get("muon") else OPTIMIZER_STATE_KEYS
-        for param in group["params"]:
-            state = trainer.optimizer.state.get(param, {})  # empty: the parameter never had a gradient
-            if state and set(state) != expected:
-                raise CheckpointError(f"{unusable}: a parameter's state holds {sorted(state)}, expected "
-                                      f"{sorted(expected)}")
-            for key, value in state.items():
-                ok = isinstance(value, torch.Tensor) and value.dtype.is_floating_point and (
-                    value.numel() == 1 if key == "step" else tuple(value.shape) == tuple(param.shape))
-                if not ok:
-                    got = f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(
-                        value, torch.Tensor) else repr(value)
-                    raise CheckpointError(f"{unusable}: {key!r} of a parameter of shape {tuple(param.shape)} "
-                                          f"is {got}")
+
+
+def _check_optimizer_tensors(trainer: Trainer, tensors: dict[str, torch.Tensor], plain: dict, path: Path,
+                             saved_step: int) -> None:
+    """Every saved optimiser tensor against the parameter it belongs to, before torch sees it (torch casts
+    them to the parameter's dtype and compares neither keys nor shapes; a mismatch would only fail, or
+    silently train on garbage, at the next step): the keys of its group's algorithm, the dtype and shape a
+    fresh optimiser would create, finite values, second moments >= 0, step counts whole and <= the run's."""
+    unusable = f"{path}/optimizer.safetensors does not fit this model (the checkpoint is damaged or from another run)"
+    lamb = isinstance(trainer.optimizer, Lamb)
+    params: dict[int, tuple[torch.nn.Parameter, set[str]]] = {}
+    fresh = trainer.optimizer.state_dict()["param_groups"]
+    for group, described in zip(trainer.optimizer.param_groups, fresh):
+        keys = MUON_STATE_KEYS if group.get("muon") else OPTIMIZER_STATE_KEYS
+        for param, index in zip(group["params"], described["params"]):
+            params[index] = (param, keys)
+    for index, entry in plain.items():
+        if not (isinstance(entry, dict) and not entry):  # txl's optimisers keep all their state in tensors
+            raise CheckpointError(f"{path}/optimizer.json is damaged: the state of parameter {str(index)[:20]} holds "
+                                  "plain values; restore the file or start a new run")
+    found: dict[int, set[str]] = {}
+    for name, value in tensors.items():
+        prefix, index_text, key = (name.split(".", 2) + ["", ""])[:3]
+        index = int(index_text) if prefix == "state" and index_text.isdigit() else -1
+        if index not in params or key not in params[index][1]:
+            raise CheckpointError(f"{unusable}: unexpected tensor {name[:80]!r}")
+        param, _ = params[index]
+        found.setdefault(index, set()).add(key)
+        if key == "step":
+            ok = value.dtype in (torch.float32, torch.float64) and value.numel() == 1
+            count = float(value.reshape(-1)[0]) if ok else math.nan
+            if not (ok and math.isfinite(count) and count == int(count) and 0 <= count <= saved_step):
+                got = f"{value.dtype} of shape {tuple(value.shape)}" if not ok else repr(count)
+                raise CheckpointError(f"{unusable}: the step count of parameter {index} is {got}, expected a "
+                                      f"whole number from 0 to the run's step {saved_step}")
+            continue
+        dtype = torch.float32 if lamb else param.dtype
+        if value.dtype != dtype or tuple(value.shape) != tuple(param.shape):
+            raise CheckpointError(f"{unusable}: {key!r} of a parameter of shape {tuple(param.shape)} and dtype "
+                                  f"{param.dtype} is a {value.dtype} tensor of shape {tuple(value.shape)}")
+        if not bool(torch.isfinite(value).all()) or (key == "exp_avg_sq" and bool((value < 0).any())):
+            what = "negative values" if bool(torch.isfinite(value).all()) else "NaN/Inf values"
+            raise CheckpointError(f"{unusable}: {key!r} of parameter {index} holds {what}")
+    for index, keys in found.items():
+        expected = params[index][1]
+        if keys != expected:
+            raise CheckpointError(f"{unusable}: a parameter's state holds {sorted(keys)}, expected {sorted(expected)}")
 
 
 def _load_recurrent_memory(trainer: Trainer, extra: dict[str, torch.Tensor], path: Path, rows: int) -> None:
@@ -435,36 +610,18 @@ def check_trainer_state(state, where: Path) -> dict:
         if key not in state or not isinstance(value, types) or isinstance(value, bool):
             raise CheckpointError(f"{where} is damaged: {key!r} is missing or has the wrong type (expected "
                                   f"{' or '.join(t.__name__ for t in types)}); restore the file or start a new run")
-        if isinstance(value, int | float) and (value < 0 or not math.isfinite(value)):
+        if isinstance(value, int | float) and (value < 0 or not math.isfinite(value) or value >= 2**63
+                                               or (key in ("world_size", "grad_accum") and value < 1)):
             raise CheckpointError(f"{where} is damaged: {key!r} is {value!r}; restore the file or start a new run")
     return state
 
 
 def _check_param_groups(fresh: list[dict], saved) -> None:
-    """The saved optimiser hyperparameters must have the types of a freshly built optimiser's:
-    torch copies them unchecked and only fails (or silently misbehaves) at the next step."""
-    if not isinstance(saved, list) or len(saved) != len(fresh):
-        raise ValueError(f"{len(fresh)} parameter group(s) expected")
-    for want, got in zip(fresh, saved):
-        if not isinstance(got, dict):
-            raise TypeError("a parameter group is not an object")
-        for key, value in want.items():
-            if key == "params":
-                continue
-            if key == "muon" and got.get(key) is not value:  # which algorithm the group runs is not data
-                raise ValueError(f"a parameter group has muon={got.get(key)!r}, this optimiser's has {value!r}")
-            if key not in got or not _same_kind(value, got[key]):
-                raise TypeError(f"hyperparameter {key!r} is {got.get(key)!r}, expected a value like {value!r}")
-
-
-def _same_kind(want, got) -> bool:
-    if want is None or isinstance(want, bool):
-        return got is None or isinstance(got, bool) if want is None else isinstance(got, bool)
-    if isinstance(want, int | float):
-        return isinstance(got, int | float) and not isinstance(got, bool) and math.isfinite(got)
-    if isinstance(want, tuple | list):
-        return isinstance(got, tuple | list) and len(got) == len(want) and all(map(_same_kind, want, got))
-    return type(got) is type(want)
+    """`check_optimizer_hyperparameters` raising ValueError (the name tests/test_optim.py imports)."""
+    try:
+        check_optimizer_hyperparameters(fresh, saved, Path("optimizer.json"))
+    except CheckpointError as err:
+        raise ValueError(str(err)) from None
 
 
 def resume_config(run_dir: Path, *, max_steps: int | None = None, max_minutes: float | None = None) -> RunConfig:
@@ -473,10 +630,11 @@ def resume_config(run_dir: Path, *, max_steps: int | None = None, max_minutes: f
     check_run_entries(run_dir)
     recover_directory(run_dir / LAST)
     where = run_dir / LAST / STATE_FILE
-    if not where.is_file():
+    if not os.path.lexists(where):
         raise CheckpointError(f"{run_dir} is not a txl training run (no {LAST}/{STATE_FILE}); pass the --out "
                               "directory of an earlier `txl train`")
-    saved = check_trainer_state(read_json(where, "training state"), where)
+    # a regular file of at most CONFIG_LIMIT bytes (a FIFO here would block for ever, holding the lock)
+    saved = check_trainer_state(read_json(where, "training state", limit=CONFIG_LIMIT, follow_links=False), where)
     try:
         run = RunConfig.from_dict(saved["run"], str(where))
     except ConfigError as err:
