@@ -84,10 +84,27 @@ def _load(ref: str) -> Callable:
     return getattr(importlib.import_module(module), name)
 
 
+class ArgumentMistake(Exception):
+    """A command line argparse refuses; `main` prints it as one line (argparse would print the usage
+    block above it and exit from inside the parser)."""
+
+    def __init__(self, prog: str, message: str):
+        super().__init__(message)
+        self.prog = prog
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: `txl CMD: error: argument --flag: ...; see `txl CMD --help``.
+    Its subcommands' parsers are of this class too (`add_subparsers` makes parsers of its parser's type)."""
+
+    def error(self, message: str):
+        raise ArgumentMistake(self.prog, message)
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The full parser; with `only`, just that subcommand's arguments are declared (faster, and a
     broken optional module cannot break unrelated subcommands)."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="txl",
         description="Transformer-XL for modern PyTorch: train, evaluate, generate, measure.",
     )
@@ -103,7 +120,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Exit codes: 0 done, 2 a user error (one line on stderr), 1 an internal error (a bug: the
+    """Exit codes: 0 done, 2 a user error or a refused argument (one line on stderr), 1 an internal error (a bug: the
     traceback is kept), 130 interrupted, 141 stdout closed early (`txl data list | head -1`)."""
     from txl.allocator import keep_freed_memory
     from txl.errors import TxlError
@@ -115,7 +132,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     first = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(only=first if first in COMMANDS else None)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except ArgumentMistake as err:
+        print(f"{err.prog}: error: {_argument_line(str(err))}; see `{err.prog} --help`", file=sys.stderr)
+        return 2
     if args.command is None:
         parser.print_help()
         return 0
@@ -176,6 +197,19 @@ _MEMORY_FIX = {
     "train": "use a smaller model (n_layer, d_model, d_inner), a smaller batch_size or tgt_len, or grad_accum",
     "": "use a smaller model, batch or segment length, or a machine with more memory",
 }
+
+
+def _argument_line(message: str) -> str:
+    """argparse's message as txl states it: "argument --steps: must be >= 1, got 0" reads "--steps must
+    be >= 1, got 0" (the form of the checks made after parsing); a flag whose value starts with '-'
+    (`--contexts -8,8`) is told how to pass it."""
+    message = " ".join(message.split())
+    flag, sep, rest = message.partition(": must be ")
+    if sep and flag.startswith("argument ") and " " not in flag.removeprefix("argument "):
+        message = f"{flag.removeprefix('argument ').split('/')[-1]} must be {rest}"
+    if message.endswith("expected one argument"):
+        message += " (a value that starts with '-' is written --flag=VALUE)"
+    return message
 
 
 def _one_line(err: BaseException) -> str:

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from txl.cli_types import MAX_BEAM, MAX_LENGTH_PENALTY, integer, real
 from txl.errors import OutputError, UsageError, describe_os_error
 from txl.rundir import write_text as write_file
 
@@ -55,6 +56,8 @@ def _add_checkpoint(parser: argparse.ArgumentParser, nargs: str | None = None) -
 # would otherwise overflow deep inside torch (OverflowError) instead of being named here.
 MAX_LENGTH = 1 << 24
 MAX_COUNT = 1 << 62  # --max-tokens, --positions
+BEAM_SIZE = integer(1, MAX_BEAM)
+LENGTH_PENALTY = real(0, MAX_LENGTH_PENALTY)
 
 
 def _shown(value: int) -> str:
@@ -116,13 +119,17 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-nonfinite", action="store_true",
                         help="report a NaN/Inf loss as a result (exit 0) instead of an error")
     mlm = parser.add_argument_group("masked LM (a bidirectional checkpoint, trained with --objective mlm)")
-    mlm.add_argument("--mask-prob", type=float, help="share of positions masked (default: the run's mask_prob)")
-    mlm.add_argument("--mask-seed", type=int, default=0, help="which positions are masked (default 0)")
+    mlm.add_argument("--mask-prob", type=real(0, 1, low_open=True, high_open=True),
+                     help="share of positions masked (default: the run's mask_prob)")
+    mlm.add_argument("--mask-seed", type=integer(0, 2**63 - 1), default=0, help="which positions are masked (default 0)")
     seq2seq = parser.add_argument_group("sequence-to-sequence runs (arch = encoder-decoder)")
-    seq2seq.add_argument("--beam-size", type=int, default=4, help="beam search width next to greedy (default 4)")
-    seq2seq.add_argument("--length-penalty", type=float, default=0.6, help="GNMT alpha of beam search (default 0.6)")
-    seq2seq.add_argument("--samples", type=int, default=10, help="sample outputs printed next to references")
-    seq2seq.add_argument("--max-pairs", type=int, default=0, help="score only the first N pairs (0 = all)")
+    seq2seq.add_argument("--beam-size", type=BEAM_SIZE, default=4, help="beam search width next to greedy (default 4)")
+    seq2seq.add_argument("--length-penalty", type=LENGTH_PENALTY, default=0.6,
+                         help="GNMT alpha of beam search (default 0.6)")
+    seq2seq.add_argument("--samples", type=integer(0, 100_000), default=10,
+                         help="sample outputs printed next to references")
+    seq2seq.add_argument("--max-pairs", type=integer(0, MAX_COUNT), default=0,
+                         help="score only the first N pairs (0 = all)")
     vanilla = parser.add_argument_group("vanilla baseline (Al-Rfou et al. 2018)")
     vanilla.add_argument("--vanilla", action="store_true",
                          help="score every token with a fresh window of --attn-len tokens and no memory")
@@ -130,10 +137,10 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
     vanilla.add_argument("--stride", type=int, default=1,
                          help="score the last S positions of each window (default 1, the paper's figure)")
     dynamic = parser.add_argument_group("dynamic evaluation (Krause et al. 2018): keep learning from the scored text")
-    dynamic.add_argument("--dynamic-lr", type=float, metavar="ETA",
+    dynamic.add_argument("--dynamic-lr", type=real(0), metavar="ETA",
                          help="after scoring each segment, one SGD step of size ETA on it (one stream; reported "
                               "as dynamic, apart from static scores)")
-    dynamic.add_argument("--dynamic-decay", type=float, default=0.0, metavar="LAMBDA",
+    dynamic.add_argument("--dynamic-decay", type=real(0, 1), default=0.0, metavar="LAMBDA",
                          help="pull the weights back toward the trained ones by LAMBDA per segment (default 0)")
     sweep = parser.add_argument_group("memory sweep")
     sweep.add_argument("--sweep-mem", metavar="M1,M2,...",
@@ -341,8 +348,9 @@ def configure_generate(parser: argparse.ArgumentParser) -> None:
     seq2seq = parser.add_argument_group("sequence-to-sequence runs (arch = encoder-decoder)")
     seq2seq.add_argument("--input", metavar="FILE", help="decode one source per line of FILE, one output per line "
                                                          "(--max-new-tokens caps each output)")
-    seq2seq.add_argument("--beam-size", type=int, default=4, help="beam search width (1 = greedy; default 4)")
-    seq2seq.add_argument("--length-penalty", type=float, default=0.6, help="GNMT alpha of beam search (default 0.6)")
+    seq2seq.add_argument("--beam-size", type=BEAM_SIZE, default=4, help="beam search width (1 = greedy; default 4)")
+    seq2seq.add_argument("--length-penalty", type=LENGTH_PENALTY, default=0.6,
+                         help="GNMT alpha of beam search (default 0.6)")
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:

@@ -51,6 +51,13 @@ def _valid_record(record) -> bool:
                for key in ("loss", "bpc", "ppl", "lr", "tokens_per_second"))
 
 
+def plain(text: str) -> str:
+    """`text` as matplotlib draws it literally: a `$` starts mathtext there (a run named `$\\x$` raised a
+    parse error, `cost $5 and $6` lost its dollars), so each one is escaped. For run names, checkpoint
+    labels and titles, which come from users and directory names."""
+    return text.replace("$", "\\$")
+
+
 def run_metric(run_dir: str | Path, records: list[dict]) -> str:
     """bpc or ppl: what the run's records hold (bpc first), else bpc."""
     return next((m for m in ("bpc", "ppl") if any(m in r for r in records)), "bpc")
@@ -103,7 +110,7 @@ def draw_runs(run_dirs: list[str | Path], *, title: str | None = None, notes: li
                 xs, ys = zip(*points)
                 marker = ("s" if split != "train" else "o") if split != "train" or len(points) == 1 else None
                 ax.plot(xs, ys, line if len(points) > 1 else "", marker=marker, color=colour,
-                        label=f"{run_dir.name} {split}", markersize=4 if len(points) > 1 else 6)
+                        label=plain(f"{run_dir.name} {split}"), markersize=4 if len(points) > 1 else 6)
     for ax, (key, ylabel) in zip(axes, panels):
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
@@ -112,7 +119,7 @@ def draw_runs(run_dirs: list[str | Path], *, title: str | None = None, notes: li
             ax.set_yscale("log")
         if ax.lines:
             ax.legend(fontsize=7)
-    fig.suptitle(title or ", ".join(d.name for d, _ in runs))
+    fig.suptitle(plain(title or ", ".join(d.name for d, _ in runs)))
     fig.tight_layout()
     return fig
 

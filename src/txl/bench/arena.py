@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from txl.cli_types import integer, real, threads
 from txl.errors import UsageError
 from txl.rundir import write_text
 
@@ -126,14 +127,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", type=_names, default=tuple(VARIANTS), metavar="LIST",
                         help=f"variants to train (default all: {','.join(VARIANTS)})")
     parser.add_argument("--data", default=None, help="data spec, e.g. ptb-char:DIR (default: the preset's ptb-char from its download location)")
-    parser.add_argument("--minutes", type=float, default=5.0, help="training budget of each run (default 5)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
-    parser.add_argument("--jobs", type=int, default=2, help="runs side by side (default 2: one per core)")
+    parser.add_argument("--minutes", type=real(0, 7 * 24 * 60, low_open=True), default=5.0, help="training budget of each run (default 5)")
+    parser.add_argument("--threads", type=threads(auto=False), default=1, help="torch threads per run (default 1)")
+    parser.add_argument("--jobs", type=integer(1, 256), default=2, help="runs side by side (default 2: one per core)")
     parser.add_argument("--runs", default="runs/arena", help="directory of the run directories (default runs/arena)")
     parser.add_argument("--out", default="docs", help="directory for arena.json/.md/.png (default docs)")
-    parser.add_argument("--seeds", type=int, default=3,
+    parser.add_argument("--seeds", type=integer(1, 100), default=3,
                         help="seeds for the --top best causal rows (default 3; 1 = one seed for every row)")
-    parser.add_argument("--top", type=int, default=5, help="causal rows trained with every seed (default 5)")
+    parser.add_argument("--top", type=integer(0, 1000), default=5, help="causal rows trained with every seed (default 5)")
     parser.add_argument("--fresh", action="store_true", help="retrain runs that already finished")
     parser.add_argument("--render", action="store_true",
                         help="only rewrite arena.md and arena.png from --out/arena.json (no training)")

@@ -27,9 +27,11 @@ import sys
 import time
 from pathlib import Path
 
+from txl.cli_types import integer, integer_list, real, threads
 from txl.errors import UsageError
 
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+MAX_SCALING_LENGTH = 1_048_576  # tokens; full attention is skipped long before by --max-gb
 VARIANTS = ("full-eager", "full-fast", "sliding", "sparse", "performer", "linformer", "linear", "bigbird", "lsh",
             "routing", "sinkhorn", "compressed", "synthesizer", "inducing", "sliding-bidirectional", "memory-tokens")
 BIDIRECTIONAL_ONLY = ("linformer", "inducing", "sliding-bidirectional")
@@ -320,41 +322,47 @@ def plot(result: dict, path: Path) -> None:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--lengths", default=",".join(str(n) for n in LENGTHS),
+    parser.add_argument("--lengths", type=integer_list(1, MAX_SCALING_LENGTH), default=LENGTHS,
                         help="comma-separated sequence lengths (default: 512 … 32768)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {', '.join(VARIANTS)}")
     parser.add_argument("--modes", default="forward,backward", help="forward and/or backward (= forward + backward)")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    parser.add_argument("--d-head", type=int, default=64, help="dimension per head (default 64)")
-    parser.add_argument("--batch", type=int, default=1, help="sequences per call (default 1)")
+    parser.add_argument("--heads", type=integer(1, 1024), default=4, help="attention heads (default 4)")
+    parser.add_argument("--d-head", type=integer(1, 4096), default=64, help="dimension per head (default 64)")
+    parser.add_argument("--batch", type=integer(1, 4096), default=1, help="sequences per call (default 1)")
     parser.add_argument("--pos", default="rope", help="positional encoding (variants that cannot apply it are skipped)")
-    parser.add_argument("--window", type=int, default=512, help="sliding window w")
-    parser.add_argument("--stride", type=int, default=128, help="sparse stride l")
-    parser.add_argument("--features", type=int, default=256, help="Performer random features")
-    parser.add_argument("--linformer-k", type=int, default=256,
+    parser.add_argument("--window", type=integer(1, MAX_SCALING_LENGTH), default=512, help="sliding window w")
+    parser.add_argument("--stride", type=integer(1, MAX_SCALING_LENGTH), default=128, help="sparse stride l")
+    parser.add_argument("--features", type=integer(1, 65_536), default=256, help="Performer random features")
+    parser.add_argument("--linformer-k", type=integer(1, 65_536), default=256,
                         help="Linformer: rows the keys and values are projected to (default 256)")
-    parser.add_argument("--max-gb", type=float, default=12.0,
+    parser.add_argument("--max-gb", type=real(0, 1_000_000, low_open=True), default=12.0,
                         help="skip full attention when its estimated extra memory exceeds this (GiB)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed calls first (default 1)")
-    parser.add_argument("--steps", type=int, default=1, help="timed calls per variant and length in each round")
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--warmup", type=integer(0, 10_000), default=1, help="untimed calls first (default 1)")
+    parser.add_argument("--steps", type=integer(1, 10_000), default=1,
+                        help="timed calls per variant and length in each round")
+    parser.add_argument("--rounds", type=integer(1, 1_000), default=3,
                         help="repeat the whole sweep; a cell's time is the median of rounds × steps calls")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-memory subprocesses")
-    parser.add_argument("--probe-timeout", type=float, default=900,
+    parser.add_argument("--probe-timeout", type=real(0, 7 * 24 * 3600, low_open=True), default=900,
                         help="seconds one measuring subprocess may take (default 900)")
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--threads", type=threads(), default=1,
                         help="torch threads (0 = torch's default). 1 by default: on a shared machine every small "
                         "op of a multi-threaded run waits for a descheduled worker whenever another job runs "
                         "(measured 40× on a 128×256 matmul), which swamps what is being compared")
-    parser.add_argument("--seed", type=int, default=0, help="random seed of inputs and weights (default 0)")
+    parser.add_argument("--seed", type=integer(0, 2**63 - 1), default=0,
+                        help="random seed of inputs and weights (default 0)")
     parser.add_argument("--out", default="docs", help="directory for attention_scaling.{json,md,png}")
 
 
 def reproduce_command(args: argparse.Namespace) -> str:
     flags = ["lengths", "variants", "modes", "heads", "d_head", "batch", "pos", "window", "stride", "features",
              "linformer_k", "max_gb", "warmup", "steps", "rounds", "threads", "out"]
-    parts = [f"--{flag.replace('_', '-')} {getattr(args, flag)}" for flag in flags]
+    parts = [f"--{flag.replace('_', '-')} {_flag_text(getattr(args, flag))}" for flag in flags]
     return "txl bench attention-scaling " + " ".join(parts) + (" --no-rss" if args.no_rss else "")
+
+
+def _flag_text(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -364,10 +372,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        lengths = [int(n) for n in str(args.lengths).split(",") if n]
-    except ValueError:
-        raise UsageError(f"--lengths must be comma-separated integers, got {args.lengths!r}") from None
+    lengths = list(args.lengths)
     names = [n for n in str(args.variants).split(",") if n]
     modes = [m for m in str(args.modes).split(",") if m]
     for mode in modes:

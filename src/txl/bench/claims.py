@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from txl.bench.arena import planned_run, train_variants
+from txl.cli_types import MAX_COUNT, MAX_LENGTH, integer, integer_list, threads
 from txl.errors import UsageError
 from txl.rundir import save_array, write_text
 
@@ -89,35 +90,25 @@ def _names(text: str) -> tuple[str, ...]:
     return names
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}")
-    return values
-
-
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpus", dest="corpora", type=_corpus, action="append", default=[], metavar="NAME=SPEC",
                         help="a corpus to run the claims on (repeat; e.g. shakespeare=text:input.txt?tokenizer=chars)")
     parser.add_argument("--variants", type=_names, default=tuple(VARIANTS), metavar="LIST",
                         help=f"models to train (default all: {','.join(VARIANTS)})")
-    parser.add_argument("--seeds", type=_ints, default=(1, 2, 3), metavar="S1,S2,...", help="training seeds (default 1,2,3)")
-    parser.add_argument("--sweep-seeds", type=int, default=1,
+    parser.add_argument("--seeds", type=integer_list(0, 2**63 - 1, at_most=100), default=(1, 2, 3), metavar="S1,S2,...", help="training seeds (default 1,2,3)")
+    parser.add_argument("--sweep-seeds", type=integer(1, 100), default=1,
                         help="seeds of the sweep-only variants xl-m32 and xl-m128 (default 1: the first seed)")
-    parser.add_argument("--steps", type=int, default=1000, help="training steps of every run (default 1000)")
-    parser.add_argument("--eval-tokens", type=int, default=100000,
+    parser.add_argument("--steps", type=integer(1, 100_000_000), default=1000, help="training steps of every run (default 1000)")
+    parser.add_argument("--eval-tokens", type=integer(0, MAX_COUNT), default=100000,
                         help="valid targets scored per evaluation, the same for every model (default 100000; 0 = all)")
-    parser.add_argument("--eval-mems", type=_ints, default=(0, 16, 32, 64, 128, 256, 512), metavar="M1,M2,...",
+    parser.add_argument("--eval-mems", type=integer_list(0, MAX_LENGTH), default=(0, 16, 32, 64, 128, 256, 512), metavar="M1,M2,...",
                         help="evaluation memory lengths of the sweep (default 0,16,32,64,128,256,512)")
     parser.add_argument("--contexts", default="16,32,64,128,256,512", help="RECL context lengths (default 16,...,512)")
-    parser.add_argument("--recl-positions", type=int, default=1000, help="RECL positions scored per context (default 1000)")
-    parser.add_argument("--blocks", type=int, default=50,
+    parser.add_argument("--recl-positions", type=integer(0, MAX_COUNT), default=1000, help="RECL positions scored per context (default 1000)")
+    parser.add_argument("--blocks", type=integer(2, 1_000_000), default=50,
                         help="contiguous blocks for the batch-means standard error of paired differences (default 50)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
-    parser.add_argument("--jobs", type=int, default=2, help="processes side by side (default 2)")
+    parser.add_argument("--threads", type=threads(auto=False), default=1, help="torch threads per process (default 1)")
+    parser.add_argument("--jobs", type=integer(1, 256), default=2, help="processes side by side (default 2)")
     parser.add_argument("--runs", default="runs/claims", help="directory of the run directories (default runs/claims)")
     parser.add_argument("--out", default="docs", help="directory for claims.json, claims_tables.md, PNGs (default docs)")
     parser.add_argument("--phase", choices=("all", "train", "eval", "report"), default="all",

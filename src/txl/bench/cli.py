@@ -8,6 +8,13 @@ import importlib
 import importlib.util
 
 from txl.bench.common import CONFIG_NAMES
+from txl.cli_types import integer, integer_list, threads
+
+# Bounds of the shared flags: far above any useful benchmark, below a run that would never end or a
+# shape that exhausts memory before the first timing (issue 50).
+MAX_STEPS = 10_000
+MAX_BENCH_LENGTH = 65_536  # --context and --mem-lens, in tokens
+MAX_PROFILE_STEPS = 1_000
 
 # NAME -> module providing TITLE, run(options) and table(result) (see txl/bench/__init__.py).
 BENCHES: dict[str, str] = {
@@ -35,13 +42,6 @@ def load(name: str):
     if not available(name):
         raise UsageError(f"benchmark {name!r} is not part of this install yet (module {BENCHES[name]} missing)")
     return importlib.import_module(BENCHES[name])
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -98,14 +98,17 @@ def add_shared_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | N
                                               "extra)")),
         "impl": (("--impl",), dict(type=_names, default=("eager", "fast"), metavar="LIST",
                                    help="attention implementations of ours to run (default eager,fast)")),
-        "steps": (("--steps",), dict(type=int, default=None, help="timed steps per contender (default 5)")),
-        "warmup": (("--warmup",), dict(type=int, default=None, help="untimed steps first (default 2)")),
-        "threads": (("--threads",), dict(type=int, default=0, help="torch threads (default: torch's choice)")),
-        "mem_lens": (("--mem-lens",), dict(type=_ints, default=(), metavar="LIST",
+        "steps": (("--steps",), dict(type=integer(1, MAX_STEPS), default=None,
+                                     help="timed steps per contender (default 5)")),
+        "warmup": (("--warmup",), dict(type=integer(0, MAX_STEPS), default=None,
+                                       help="untimed steps first (default 2)")),
+        "threads": (("--threads",), dict(type=threads(), default=0, help="torch threads (default: torch's choice)")),
+        "mem_lens": (("--mem-lens",), dict(type=integer_list(1, MAX_BENCH_LENGTH), default=(), metavar="LIST",
                                            help="memory lengths to sweep (default: the benchmark's)")),
-        "context": (("--context",), dict(type=int, default=1024, help="context length (default 1024)")),
+        "context": (("--context",), dict(type=integer(2, MAX_BENCH_LENGTH), default=1024,
+                                         help="context length (default 1024)")),
         "no_rss": (("--no-rss",), dict(action="store_true", help="skip the peak-RSS subprocesses")),
-        "profile": (("--profile",), dict(type=int, default=0, metavar="N",
+        "profile": (("--profile",), dict(type=integer(0, MAX_PROFILE_STEPS), default=0, metavar="N",
                                          help="also profile N more steps of each contender and list the operators "
                                               "that take the most time (default 0: off)")),
         "quick": (("--quick",), dict(action="store_true", help="few steps and small shapes: a smoke run")),
@@ -145,24 +148,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def options_from(args: argparse.Namespace):
     from txl.bench.common import BenchOptions
-    from txl.errors import UsageError
-
-    for flag in ("steps", "warmup"):
-        value = getattr(args, flag)
-        if value is not None and value < (1 if flag == "steps" else 0):
-            raise UsageError(f"--{flag} must be >= {1 if flag == 'steps' else 0}, got {value}")
-    if any(m < 1 for m in args.mem_lens):
-        raise UsageError(f"--mem-lens must be >= 1, got {list(args.mem_lens)}")
-    if args.context < 2:
-        raise UsageError(f"--context must be >= 2, got {args.context}")
     from txl.config import ATTENTION_IMPLS
+    from txl.errors import UsageError
 
     for impl in args.impl:
         if impl not in ATTENTION_IMPLS:
             raise UsageError(f"--impl {impl!r} is not an attention implementation ({', '.join(ATTENTION_IMPLS)})")
     quick = args.quick
-    if args.profile < 0:
-        raise UsageError(f"--profile must be >= 0, got {args.profile}")
     extra = {"context": args.context, "profile": args.profile}
     if args.name == "mfu" and args.precision is None:
         extra["precisions"] = ["fp32", "bf16"]

@@ -35,9 +35,12 @@ import sys
 import time
 from dataclasses import dataclass
 
+from txl.cli_types import integer, integer_list, threads
+
 TITLE = "Evaluation speed-up of Transformer-XL over the vanilla Transformer (per scored token)"
 PAPER = {800: 363, 1800: 773, 2800: 1409, 3800: 1874}  # Dai et al. 2019, Table 9 (GPU)
 DEFAULT_TGT_LEN = 1024  # XL segment length: min(attn_len, this); see docs/evaluation.md
+MAX_ATTN_LEN = 65_536  # tokens: 17x the paper's longest (3,800); the vanilla side is quadratic in it
 
 
 @dataclass(frozen=True)
@@ -217,29 +220,24 @@ def markdown(result: dict) -> str:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--attn-len", type=str, default="800",
+    parser.add_argument("--attn-len", type=integer_list(1, MAX_ATTN_LEN), default=(800,),
                         help="attention length(s), comma-separated (paper: 800,1800,2800,3800)")
     parser.add_argument("--config", choices=sorted(SHAPES), default="base",
                         help="model shape with random weights (default base: 12 layers, d_model 512)")
     parser.add_argument("--ckpt", help="time this checkpoint instead of a random model")
-    parser.add_argument("--tgt-len", type=int, default=0,
+    parser.add_argument("--tgt-len", type=integer(0, MAX_ATTN_LEN), default=0,
                         help=f"XL segment length (default min(attn_len, {DEFAULT_TGT_LEN}))")
-    parser.add_argument("--windows", type=int, default=0, help="vanilla windows per forward (0 = ~4096 tokens)")
-    parser.add_argument("--steps", type=int, default=5, help="timed rounds (default 5)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    parser.add_argument("--windows", type=integer(0, 4096), default=0,
+                        help="vanilla windows per forward (0 = ~4096 tokens)")
+    parser.add_argument("--steps", type=integer(1, 10_000), default=5, help="timed rounds (default 5)")
+    parser.add_argument("--warmup", type=integer(0, 10_000), default=1, help="untimed rounds first (default 1)")
+    parser.add_argument("--threads", type=threads(), default=0, help="torch threads (default: torch's choice)")
     parser.add_argument("--impl", default="auto", help="attention_impl: auto, eager or fast")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def run(args: argparse.Namespace) -> int:
-    from txl.errors import UsageError
-
-    try:
-        attn_lens = [int(x) for x in str(args.attn_len).split(",") if x.strip()]
-    except ValueError:
-        raise UsageError(f"--attn-len {args.attn_len!r}: give integers, e.g. 800 or 800,3800") from None
-    result = benchmark(attn_lens, config=args.config, ckpt=args.ckpt, tgt_len=args.tgt_len, windows=args.windows,
+    result = benchmark(list(args.attn_len), config=args.config, ckpt=args.ckpt, tgt_len=args.tgt_len, windows=args.windows,
                        warmup=args.warmup, steps=args.steps, threads=args.threads, impl=args.impl)
     print(json.dumps(result, indent=2) if args.json else f"## {TITLE}\n\n{markdown(result)}")
     return 0

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from txl.bench.arena import planned_run, train_variants
+from txl.cli_types import integer, real, threads
 from txl.errors import UsageError
 from txl.rundir import write_text
 
@@ -267,17 +268,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--candidates", type=_names, default=(), metavar="LIST",
                         help="candidates to run (default all of the sweep)")
     parser.add_argument("--data", default=None, help="data spec (default: the preset's corpus from its download location)")
-    parser.add_argument("--minutes", type=float, default=None,
+    parser.add_argument("--minutes", type=real(0, 7 * 24 * 60, low_open=True), default=None,
                         help="wall-clock budget of each run (default: 10 for the proxies, the preset's "
                              "max_minutes for --confirm)")
-    parser.add_argument("--steps", type=int, default=None,
+    parser.add_argument("--steps", type=integer(1, 100_000_000), default=None,
                         help="a step budget instead of minutes: every candidate trains the same steps (what a step "
                              "learns, e.g. bf16 against fp32), the cosine over those steps")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
-    parser.add_argument("--jobs", type=int, default=2, help="runs side by side (default 2)")
+    parser.add_argument("--threads", type=threads(auto=False), default=1, help="torch threads per run (default 1)")
+    parser.add_argument("--jobs", type=integer(1, 256), default=2, help="runs side by side (default 2)")
     parser.add_argument("--confirm", metavar="NAME", default=None,
                         help="train this candidate with --seeds seeds and score valid and test whole")
-    parser.add_argument("--seeds", type=int, default=None,
+    parser.add_argument("--seeds", type=integer(1, 100), default=None,
                         help="seeds per candidate (default 1; --confirm: 2); the spread is reported next to the gaps")
     parser.add_argument("--runs", default="runs/recipes", help="directory of the run directories (default runs/recipes)")
     parser.add_argument("--out", default="docs/cpu_hour", help="directory for the tables and plots (default docs/cpu_hour)")

@@ -91,6 +91,7 @@ def run_generate(args: argparse.Namespace) -> int:
     """One output per source line of --input (blank lines skipped), decoded in batches."""
     from txl.checkpoint import load_checkpoint
     from txl.eval_cli import _device
+    from txl.generate import check_sampling, check_seed
     from txl.seq2seq.data import collate
     from txl.seq2seq.decode import beam_search, greedy, sample
 
@@ -98,6 +99,10 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UsageError("give --input FILE (one source per line) for a sequence-to-sequence run, not --prompt")
     if args.beam_size < 1:
         raise UsageError(f"--beam-size must be >= 1, got {args.beam_size}")
+    # the numbers a language model's generation checks, checked here too (a nan temperature meant greedy)
+    check_sampling(args.max_new_tokens, 0.0 if args.temperature is None else args.temperature, args.top_k or 0,
+                   1.0 if args.top_p is None else args.top_p)
+    check_seed(args.seed)
     sampling = args.temperature is not None and args.temperature > 0
     if sampling and args.beam_size > 1:
         raise UsageError("--temperature samples; it does not combine with --beam-size")

@@ -14,11 +14,13 @@ greedy decoding, and it stops early only when no live hypothesis can still beat 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from txl.cli_types import MAX_BEAM, MAX_LENGTH_PENALTY
 from txl.errors import UsageError
 from txl.seq2seq.model import DecoderCache, EncoderDecoder
 
@@ -138,8 +140,11 @@ def beam_search(model: EncoderDecoder, source: Tensor, attention_mask: Tensor | 
     _check(model, source, max_len, bos, eos)
     if beam_size < 1:
         raise UsageError(f"beam_size must be >= 1, got {beam_size}")
-    if alpha < 0:
-        raise UsageError(f"the length penalty alpha must be >= 0, got {alpha}")
+    if beam_size > MAX_BEAM:  # (batch × beam_size) decoder caches are held at once
+        raise UsageError(f"beam_size must be <= {MAX_BEAM}, got {beam_size:,}")
+    if not (math.isfinite(alpha) and 0 <= alpha <= MAX_LENGTH_PENALTY):  # NaN ranked every hypothesis alike
+        raise UsageError(f"the length penalty alpha must be a finite number in [0, {MAX_LENGTH_PENALTY:g}], "
+                         f"got {alpha}")
     baseline = greedy(model, source, attention_mask, bos=bos, eos=eos, max_len=max_len, use_cache=use_cache)
     if beam_size == 1:
         return baseline

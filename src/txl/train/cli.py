@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from txl.cli_types import integer, real
 from txl.errors import UsageError
 from txl.optim import lr_at
 from txl.run_config import apply_sets, build_run_config, preset_names
@@ -16,6 +17,9 @@ from txl.train.distributed import env_int
 from txl.train.finish import finish
 from txl.train.loop import Trainer
 from txl.train.state import LAST, STATE_FILE, open_run_dir, resume_config
+
+MAX_NPROC = 1024  # processes; more than a machine txl trains on has cores (launch() also checks this one's)
+MAX_MINUTES = 525_600  # a year of wall clock
 
 
 def configure_cli(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +31,8 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="DIR", help="run directory (default: runs/PRESET-TIMESTAMP)")
     parser.add_argument("--max-steps", type=int, metavar="N",
                         help="optimiser steps (also the schedule's horizon; with --resume, a new total)")
-    parser.add_argument("--max-minutes", type=float, metavar="M", help="wall-clock budget in minutes (0 = none)")
+    parser.add_argument("--max-minutes", type=real(0, MAX_MINUTES, meaning="0 = none"), metavar="M",
+                        help="wall-clock budget in minutes (0 = none)")
     parser.add_argument("--seed", type=int, help="random seed of the model, data order and sample")
     parser.add_argument("--objective", choices=["lm", "mlm"],
                         help="lm: next-token LM with memory (default); mlm: masked LM (BERT 80/10/10) for the "
@@ -42,8 +47,8 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override any config key: model.d_model=256, lr=1e-3, precision=bf16 ... "
                              "(all --set flags are applied together, then checked)")
-    parser.add_argument("--nproc", type=int, default=0,
-                        help="launch N processes on this machine (torchrun --nproc-per-node N)")
+    parser.add_argument("--nproc", type=integer(0, MAX_NPROC, meaning="0 = this process only"), default=0,
+                        help="launch N processes on this machine (torchrun --nproc-per-node N; at most one per CPU)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="where to train (default: auto, a GPU when there is one)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
@@ -53,8 +58,6 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    if args.nproc < 0:
-        raise UsageError(f"--nproc must be >= 0 (0 = this process only), got {args.nproc}")
     if args.nproc and env_int("WORLD_SIZE", 1) == 1:
         return launch(args.nproc)
     flags = {"data": args.data, "max_steps": args.max_steps, "max_minutes": args.max_minutes, "seed": args.seed,
@@ -184,8 +187,13 @@ def schedule_note(before, after, step: int, elapsed: float = 0.0) -> str:
 
 def launch(nproc: int) -> int:
     """`txl train --nproc N ...` = `torchrun --nproc-per-node N -m txl train ...` (same arguments)."""
+    import os
     import subprocess
 
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if nproc > cpus:  # each process is a whole trainer (~150 MB before its model); past the cores they only queue
+        raise UsageError(f"--nproc {nproc} is more than the {cpus} CPUs this process may use; use --nproc {cpus} "
+                         "or fewer (one process per core)")
     argv = [a for a in sys.argv[1:]]
     cleaned, skip = [], False
     for a in argv:
