@@ -351,20 +351,19 @@ def _(ctx):
 @case("corpus-unreadable", "unreadable corpus file (permission denied)", "txl data prepare text:FILE",
       "cannot read", "permission denied", "readable")
 def _(ctx):
-    import txl.data.readers as readers
-
     path = ctx.write("locked.txt", "some text\n" * 50)
+    real_open = os.open
 
     def deny(file, *args, **kwargs):  # root ignores chmod, so refuse the read the way the kernel would
-        if Path(file) == path:
+        if isinstance(file, (str, os.PathLike)) and Path(file) == path:
             raise PermissionError(13, "Permission denied", str(file))
-        return open(file, *args, **kwargs)
+        return real_open(file, *args, **kwargs)
 
-    readers.open = deny
+    os.open = deny
     try:
         return cli("data", "prepare", f"text:{path}")
     finally:
-        del readers.open
+        os.open = real_open
 
 
 @case("corpus-not-utf8", "non-UTF-8 bytes in a word corpus", "txl data prepare 'text:FILE?tokenizer=words'",
@@ -1533,22 +1532,23 @@ def _(ctx):
 def _(ctx):
     import txl.data.fetch
 
-    class Full(io.RawIOBase):
-        def writable(self):
-            return True
+    class Full:  # the .part file on a full disk
+        def __init__(self, f):
+            self.f = f
 
         def write(self, data):
             raise OSError(28, "No space left on device")
 
-    def full_open(path, mode="r", *args, **kwargs):
-        return Full() if str(path).endswith(".part") else open(path, mode, *args, **kwargs)
+        def __getattr__(self, name):
+            return getattr(self.f, name)
 
-    txl.data.fetch.open = full_open
+    real_stream = txl.data.fetch._stream
+    txl.data.fetch._stream = lambda resp, f, *args: real_stream(resp, Full(f), *args)
     try:
         with _server("file", b"x" * 100_000) as server:
             return _download(ctx, server)
     finally:
-        del txl.data.fetch.open
+        txl.data.fetch._stream = real_stream
 
 
 @case("dl-timeout-nan", "`--timeout nan`", "txl data download wikitext2 --timeout nan", "--timeout")
