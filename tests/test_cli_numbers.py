@@ -268,3 +268,58 @@ def test_recl_plot_draws_checkpoint_names_as_written(tmp_path):
     result = compute_recl(losses, contexts, [0.5, 1.0], threshold=0.01)
     path = plot_recl(result, tmp_path / "recl.png", metric="bpc")
     assert Path(path).stat().st_size > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Numbers `txl plot` reads from metrics.jsonl
+
+
+def _records_run(directory: Path, records: list[dict]) -> Path:
+    directory.mkdir(parents=True)
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return directory
+
+
+@pytest.mark.parametrize("values", [
+    [1e308, -1e308],  # a finite loss near the largest float raised ValueError inside savefig
+    [float("nan"), float("inf"), float("-inf")],  # a diverged run records these (not 0.0)
+    [-5.0, 0.0],  # perplexities the log axis cannot take
+], ids=["huge", "non-finite", "non-positive-ppl"])
+def test_plot_draws_what_it_can_and_notes_the_values_left_out(values, tmp_path):
+    records = [{"split": "train", "step": s + 1, "loss": v, "ppl": v, "lr": v, "tokens_per_second": v}
+               for s, v in enumerate(values)] + [{"split": "train", "step": 9, "loss": 2.0, "ppl": 7.4, "lr": 1e-3,
+                                                   "tokens_per_second": 10.0}]
+    run = _records_run(tmp_path / "run", records)
+    code, err = call(["plot", str(run)])
+    assert code == 0, err
+    assert "Traceback" not in err and "Warning" not in err, err
+    assert "values not drawn" in err and (run / "curves.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("record", [
+    {"split": "train", "step": 1, "loss": 10**400},  # no float holds it: OverflowError inside matplotlib
+    {"split": "train", "step": -1, "loss": 1.0},
+    {"split": "train", "step": 10**30, "loss": 1.0},
+    {"split": "train", "step": 1, "lr": "0.1"},
+], ids=["int-beyond-float", "negative-step", "huge-step", "string-value"])
+def test_plot_refuses_a_record_no_run_writes_in_one_line(record, tmp_path):
+    run = _records_run(tmp_path / "run", [record])
+    line = one_line(*call(["plot", str(run)]))
+    assert "metrics.jsonl:1 is not a metrics record" in line and "damaged" in line
+
+
+def test_plot_reads_a_regular_metrics_file_and_nothing_else(tmp_path):
+    """A FIFO in place of metrics.jsonl hung `txl plot` for ever; a link is not followed."""
+    import os
+
+    fifo = tmp_path / "fifo-run"
+    fifo.mkdir()
+    os.mkfifo(fifo / "metrics.jsonl")
+    line = one_line(*call(["plot", str(fifo)], seconds=20))
+    assert "metrics.jsonl" in line and "not a regular file" in line
+    linked = tmp_path / "linked-run"
+    linked.mkdir()
+    _records_run(tmp_path / "elsewhere", [{"split": "train", "step": 1, "loss": 1.0}])
+    (linked / "metrics.jsonl").symlink_to(tmp_path / "elsewhere" / "metrics.jsonl")
+    line = one_line(*call(["plot", str(linked)]))
+    assert "symbolic link" in line

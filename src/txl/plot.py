@@ -9,23 +9,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 from txl.errors import OutputError, UsageError, describe_os_error
-from txl.rundir import save_figure
+from txl.io import METRICS_LIMIT, read_text, save_figure
+
+KEYS = ("loss", "bpc", "ppl", "lr", "tokens_per_second")  # the numbers drawn
+MAX_STEP = 2**62  # a step a run can reach; beyond it (or below 0) the record is damaged
+# Values beyond this magnitude (and NaN, +-inf) are left out of a panel, with a note: matplotlib overflows
+# computing axis limits and ticks near the largest float (a "loss" of 1e308 raised inside savefig).
+DRAWN = 1e300
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         raise UsageError(f"{run_dir} has no metrics.jsonl; pass the --out directory of a `txl train` run")
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except OSError as err:
-        raise UsageError(f"cannot read {path}: {describe_os_error(err)}") from None
-    except UnicodeDecodeError as err:
-        raise UsageError(f"{path} is not UTF-8 text (byte {err.start}); the file is damaged") from None
+    # bounded, a regular file, not followed through a link: a FIFO here would hang the plot for ever
+    text = read_text(path, what="metrics file", limit=METRICS_LIMIT, error=UsageError)
     records = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -36,7 +39,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
             raise UsageError(f"{path}:{number} is not a JSON record; the file is damaged") from None
         if not _valid_record(record):
             raise UsageError(f"{path}:{number} is not a metrics record (an object with split, an integer "
-                             "step and numeric values); the file is damaged")
+                             f"step in [0, 2**62] and numeric values); the file is damaged")
         records.append(record)
     return records
 
@@ -45,10 +48,20 @@ def _valid_record(record) -> bool:
     if not isinstance(record, dict) or not isinstance(record.get("split"), str):
         return False
     step = record.get("step")
-    if not isinstance(step, int) or isinstance(step, bool):
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
         return False
-    return all(isinstance(record.get(key), int | float | None) and not isinstance(record.get(key), bool)
-               for key in ("loss", "bpc", "ppl", "lr", "tokens_per_second"))
+    return all(record.get(key) is None or _is_number(record[key]) for key in KEYS)
+
+
+def _is_number(value) -> bool:
+    """A JSON number a float can hold (NaN and infinities included: a diverged run records them)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return isinstance(value, float) or abs(value) < 2**1023  # float(10**400) overflows
+
+
+def _drawable(key: str, value: float) -> bool:
+    return math.isfinite(value) and abs(value) <= DRAWN and (key != "ppl" or value > 0)  # ppl: a log axis
 
 
 def plain(text: str) -> str:
@@ -94,6 +107,7 @@ def draw_runs(run_dirs: list[str | Path], *, title: str | None = None, notes: li
     for number, (run_dir, records) in enumerate(runs):
         colour = f"C{number % 10}"  # one colour per run, in every panel
         metric = run_metric(run_dir, records)
+        left_out = 0
         for split, line in (("train", "-"), ("valid", "--"), ("valid_ema", ":")):  # valid_ema: train.ema
             rows = [r for r in records if r.get("split") == split]
             if not rows:
@@ -104,13 +118,18 @@ def draw_runs(run_dirs: list[str | Path], *, title: str | None = None, notes: li
                     continue
                 if key in ("lr", "tokens_per_second") and split != "train":
                     continue
-                points = [(s, r.get(key)) for s, r in zip(steps, rows) if r.get(key) is not None]
+                given = [(s, float(r[key])) for s, r in zip(steps, rows) if r.get(key) is not None]
+                points = [(s, v) for s, v in given if _drawable(key, v)]
+                left_out += len(given) - len(points)
                 if not points:
                     continue
                 xs, ys = zip(*points)
                 marker = ("s" if split != "train" else "o") if split != "train" or len(points) == 1 else None
                 ax.plot(xs, ys, line if len(points) > 1 else "", marker=marker, color=colour,
                         label=plain(f"{run_dir.name} {split}"), markersize=4 if len(points) > 1 else 6)
+        if left_out and notes is not None:
+            notes.append(f"{run_dir.name}: {left_out} values not drawn (NaN, infinite, beyond ±1e300 or a "
+                         "perplexity <= 0: the run diverged there, or the file was edited)")
     for ax, (key, ylabel) in zip(axes, panels):
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
