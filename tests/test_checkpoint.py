@@ -77,3 +77,32 @@ def test_save_replaces_atomically(tmp_path):
     model, path = _saved(tmp_path)
     model.save_pretrained(path)  # overwrite in place
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary leftovers
+
+
+def test_a_file_txl_wrote_needs_its_digest_even_in_a_plain_directory(tmp_path):
+    """Its metadata says txl wrote it (`txl_kind`): a removed digest is an error, not a skip (issue 50)."""
+    import struct
+
+    _, path = _saved(tmp_path)
+    raw = (path / WEIGHTS_NAME).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    del header["__metadata__"]["txl_sha256"]
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    (path / WEIGHTS_NAME).write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + n :])
+    with pytest.raises(CheckpointError, match="has no txl_sha256 digest") as info:
+        TransformerXL.from_pretrained(path)
+    assert "use another checkpoint" in str(info.value)  # a plain directory has no sibling to offer
+
+
+def test_the_other_checkpoint_of_a_run_is_named_only_when_it_exists(tmp_path):
+    from txl.checkpoint import other_checkpoint, use_another_checkpoint
+
+    model, _ = _saved(tmp_path)
+    model.save_pretrained(tmp_path / "run" / "best")
+    assert other_checkpoint(tmp_path / "run" / "best") is None
+    model.save_pretrained(tmp_path / "run" / "last")
+    assert other_checkpoint(tmp_path / "run" / "best") == tmp_path / "run" / "last"
+    assert use_another_checkpoint(tmp_path / "run" / "last") == f"use {tmp_path / 'run' / 'best'} (the run's other checkpoint)"
+    assert use_another_checkpoint(tmp_path / "ckpt") == "use another checkpoint"

@@ -44,6 +44,7 @@ import json, os, shutil, signal, sys
 import safetensors.torch
 import torch._dynamo  # imported by torch.optim on first use: once here rather than in every session
 import txl.cli
+import txl.io.files
 import txl.train
 
 if os.path.isdir("/proc/self/task"):
@@ -81,8 +82,6 @@ def arrange_kill(kind, nth):
 
         safetensors.torch.save_file = save_file
     elif kind == "json":  # half of a JSON file (config, optimizer, trainer state, run.json) is on disk
-        import txl.io.files
-
         real_write_bytes = txl.io.files.write_bytes
 
         def write_bytes(path, data):  # what txl.io's writer does, killed half-way through the file

@@ -20,7 +20,6 @@ import io
 import json
 import math
 import os
-import resource
 import shutil
 import signal
 import struct
@@ -33,7 +32,7 @@ import torch
 
 import helpers
 from txl.checkpoint import load_tensors, save_tensors
-from txl.errors import CheckpointError, TrainingError
+from txl.errors import TrainingError
 
 corpus, cache_dir = helpers.corpus, helpers.cache_dir  # fixtures
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -220,7 +219,7 @@ def test_one_flipped_bit_in_the_digest_key_does_not_turn_verification_off(run):
     raw[at] ^= 0x01  # "txl_sha256" -> "txl_rha256": same length, header still valid JSON
     path.write_bytes(bytes(raw))
     flip_data_bit(path)  # and a second flip in the weights
-    refused_keeping_last(run, "model.safetensors", "txl_sha256")
+    refused_keeping_last(run, "model.safetensors", "txl_sha256", "'txl_rha256'")
 
 
 def test_best_without_its_digest_is_refused_by_eval(run):
@@ -232,6 +231,7 @@ def test_best_without_its_digest_is_refused_by_eval(run):
     code, err = call("eval", str(run), "--device", "cpu", "--max-tokens", "64")
     line = one_error_line(err)
     assert code == 2 and "txl_sha256" in line and "best" in line, line
+    assert f"use {run / 'last'} (the run's other checkpoint)" in line  # which one exists
 
 
 def test_a_strangers_plain_weights_without_digest_still_load(tmp_path, tiny):

@@ -304,9 +304,12 @@ def load_tensors(path: str | Path, what: str = "tensor file", *, require_digest:
     expected = header_metadata.get(DIGEST_KEY)
     if required and not (isinstance(expected, str) and re.fullmatch(r"[0-9a-f]{64}", expected)):
         state = "no" if expected is None else "an unreadable"
-        raise CheckpointError(f"{what} {path} has {state} {DIGEST_KEY} digest in its metadata, which every tensor "
-                              "file txl writes carries: the file is damaged or was rewritten by another program; "
-                              "restore it or use another checkpoint")
+        near = [key for key in header_metadata if key != DIGEST_KEY and len(key) == len(DIGEST_KEY)
+                and sum(a != b for a, b in zip(key, DIGEST_KEY)) <= 2]
+        instead = f" (a damaged key {near[0][:40]!r} stands in its place)" if near and expected is None else ""
+        raise CheckpointError(f"{what} {path} has {state} {DIGEST_KEY} digest in its metadata{instead}, which every "
+                              "tensor file txl writes carries: the file is damaged or was rewritten by another "
+                              f"program; restore it or {use_another_checkpoint(path.parent)}")
     try:
         tensors = {}
         with safe_open(str(path), framework="pt") as f:
@@ -534,11 +537,12 @@ class LoadedCheckpoint:
     # where `state["run"]` and `run` were read (named by the errors of `train_setting`)
     state_file: Path | None = None
     run_file: Path | None = None
+    data_file: Path | None = None  # where `state["data"]` was read
 
     @property
     def data_spec(self) -> str | None:
         """The corpus the run trained on (trainer_state.json or run.json `data`)."""
-        for value, where in ((self.state.get("data"), self.state_file), (self.run.get("data"), self.run_file)):
+        for value, where in ((self.state.get("data"), self.data_file), (self.run.get("data"), self.run_file)):
             if value is None or value == "":
                 continue
             if not isinstance(value, str) or "\0" in value or len(value) > 4096:
@@ -605,7 +609,7 @@ def load_checkpoint(path: str | Path, *, device: torch.device | str = "cpu", req
     if vocab is not None and model.config.vocab_size not in (vocab.size, vocab.size + (not model.config.causal)):
         raise CheckpointError(f"{directory}: vocab.json has {vocab.size} ids but config.json has vocab_size="
                               f"{model.config.vocab_size}; the checkpoint is inconsistent")
-    state_file = directory / "trainer_state.json"
+    state_file = data_file = directory / "trainer_state.json"
     state = _read_optional_json(state_file, "trainer state")
     in_run = directory.name in RUN_CHECKPOINTS
     run_file = directory.parent / "run.json" if in_run else None
@@ -615,6 +619,8 @@ def load_checkpoint(path: str | Path, *, device: torch.device | str = "cpu", req
         last = _read_optional_json(last_file, "trainer state")
         if "run" in last:
             state_file = last_file
+        if "data" not in state:
+            data_file = last_file
         state = {**last, **state}
     return LoadedCheckpoint(path=directory, model=model, vocab=vocab, state=state, run=run,
-                            state_file=state_file, run_file=run_file)
+                            state_file=state_file, run_file=run_file, data_file=data_file)

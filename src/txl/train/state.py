@@ -394,7 +394,7 @@ def _restart_hint(path: Path) -> str:
     advice = use_another_checkpoint(path)
     if advice.startswith("use "):
         other = advice.removeprefix("use ").partition(" (")[0]
-        return f"start a new run from {other} with --init-from {other} --out NEW, or restore {path}"
+        return f"start a new run from the run's other weights (--init-from {other} --out NEW), or restore {path}"
     return f"restore {path} or start a new run"
 
 
@@ -498,7 +498,8 @@ def _check_optimizer_tensors(trainer: Trainer, tensors: dict[str, torch.Tensor],
     them to the parameter's dtype and compares neither keys nor shapes; a mismatch would only fail, or
     silently train on garbage, at the next step): the keys of its group's algorithm, the dtype and shape a
     fresh optimiser would create, finite values, second moments >= 0, step counts whole and <= the run's."""
-    unusable = f"{path}/optimizer.safetensors does not fit this model (the checkpoint is damaged or from another run)"
+    unusable = (f"{path}/optimizer.safetensors: the optimizer state does not fit this model (the checkpoint is "
+                "damaged or from another run)")
     lamb = isinstance(trainer.optimizer, Lamb)
     params: dict[int, tuple[torch.nn.Parameter, set[str]]] = {}
     fresh = trainer.optimizer.state_dict()["param_groups"]
