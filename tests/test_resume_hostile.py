@@ -264,6 +264,19 @@ def test_an_edited_progress_in_trainer_state_is_refused(run, edit):
     refused_keeping_last(run, "trainer_state.json", "edited", steps=5)
 
 
+def test_a_run_saved_before_the_progress_digest_resumes_with_a_note(run):
+    """Policy for older runs: trainer.safetensors without the progress digest (txl before issue 50) resumes
+    as it always did, saying so; removing the digest from a newer file needs its txl_sha256 recomputed."""
+    path = run / "last" / "trainer.safetensors"
+    tensors, metadata = load_tensors(path)
+    del tensors["trainer_state.sha256"]
+    save_tensors(path, tensors, {"txl_kind": metadata["txl_kind"]})
+    code, err = resume(run)
+    assert code == 0, err
+    assert "without a digest of its trainer_state.json" in err
+    assert "trainer_state.sha256" in load_tensors(path)[0]  # the new checkpoint has one again
+
+
 def test_an_unedited_state_still_resumes(run):
     code, err = resume(run)
     assert code == 0, err

@@ -123,8 +123,9 @@ class Trainer:
         self.init_from = None
         if init_from is not None and not resume:
             self.init_from = str(load_initial_weights(self.model, init_from, self.corpus.vocab))
-        elif resume:  # keep the record of where a fine-tuned run started
-            self.init_from = previous_run_record(self.out).get("init_from")
+        elif resume:  # keep the record of where a fine-tuned run started (a path; anything else is no record)
+            init_from = previous_run_record(self.out).get("init_from")
+            self.init_from = init_from if isinstance(init_from, str) else None
         torch.manual_seed(self.cfg.seed + self.dist.rank)  # distinct dropout streams per rank
         self.ddp = self.model
         if self.dist.world > 1:

@@ -339,7 +339,7 @@ def restore_checkpoint(trainer: Trainer, path: Path) -> None:
                               "pass the --out directory of an earlier `txl train`")
     state = check_trainer_state(read_json(where, "trainer state", follow_links=False), where)
     extra, _ = load_tensors(path / "trainer.safetensors", "trainer state", require_digest=True, follow_links=False)
-    _check_progress_digest(state, extra, path)
+    _check_progress_digest(state, extra, path, note=trainer.dist.main)
     if state["vocab_fingerprint"] != trainer.corpus.vocab.fingerprint:
         raise CheckpointError(f"{path} was trained on a different vocabulary than {trainer.cfg.data!r} has now "
                               "(the corpus files changed); restore them or start a new run")
@@ -398,14 +398,15 @@ def _restart_hint(path: Path) -> str:
     return f"restore {path} or start a new run"
 
 
-def _check_progress_digest(state: dict, extra: dict[str, torch.Tensor], path: Path) -> None:
+def _check_progress_digest(state: dict, extra: dict[str, torch.Tensor], path: Path, *, note: bool = True) -> None:
     """trainer_state.json's progress against the digest trainer.safetensors holds (runs saved before it was
     recorded have none: resumed as they always were, with a note)."""
     stored = extra.pop(PROGRESS_TENSOR, None)
     where = path / STATE_FILE
     if stored is None:
-        print(f"note: {path} was saved by an older txl without a digest of its {STATE_FILE}; its progress is "
-              "resumed unchecked", file=sys.stderr)
+        if note:
+            print(f"note: {path} was saved by an older txl without a digest of its {STATE_FILE}; its progress is "
+                  "resumed unchecked", file=sys.stderr)
         return
     try:
         expected = bytes(stored.tolist()).hex() if stored.dtype == torch.uint8 and stored.shape == (32,) else None
