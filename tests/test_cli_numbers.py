@@ -323,3 +323,25 @@ def test_plot_reads_a_regular_metrics_file_and_nothing_else(tmp_path):
     (linked / "metrics.jsonl").symlink_to(tmp_path / "elsewhere" / "metrics.jsonl")
     line = one_line(*call(["plot", str(linked)]))
     assert "symbolic link" in line
+
+
+def test_eval_sweep_and_recl_of_a_run_named_with_mathtext(tmp_path, monkeypatch):
+    """Both plot titles and labels made of the run's directory name (`txl eval --sweep-mem`, `txl recl --out`)."""
+    import helpers
+
+    monkeypatch.setenv("TXL_CACHE_DIR", str(tmp_path / "cache"))
+    corpus = helpers.make_corpus(tmp_path / "corpus.txt", lines=300)
+    config = helpers.write_config(tmp_path, corpus, steps=2, varlen="false")
+    run = tmp_path / "$\\x$"
+    tiny = ["--set", "model.n_layer=1", "--set", "model.d_model=16", "--set", "model.d_head=8",
+            "--set", "model.d_inner=32", "--set", "model.mem_len=8", "--set", "tgt_len=8"]
+    code, err = call(["train", "--config", str(config), "--out", str(run), "--quiet", *tiny], seconds=300)
+    assert code == 0, err
+    code, err = call(["eval", str(run), "--device", "cpu", "--quiet", "--max-tokens", "200", "--sweep-mem", "0,8",
+                      "--sweep-out", str(tmp_path / "sweep")], seconds=300)
+    assert code == 0, err
+    assert (tmp_path / "sweep.png").stat().st_size > 0
+    code, err = call(["recl", str(run), "--device", "cpu", "--contexts", "4,8", "--positions", "50",
+                      "--out", str(tmp_path / "recl")], seconds=300)
+    assert code == 0, err
+    assert (tmp_path / "recl.png").stat().st_size > 0

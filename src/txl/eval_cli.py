@@ -14,7 +14,8 @@ from pathlib import Path
 
 from txl.cli_types import MAX_BEAM, MAX_LENGTH_PENALTY, integer, real
 from txl.errors import OutputError, UsageError, describe_os_error
-from txl.rundir import write_text as write_file
+from txl.io import STATE_LIMIT, read_text
+from txl.io import write_text as write_file
 
 PRECISIONS = ("fp32", "bf16", "fp16", "auto")
 
@@ -271,6 +272,7 @@ def _run_sweep(args: argparse.Namespace, ckpt, mem_lens: list[int], common: dict
     import torch
 
     from txl.evaluate import evaluate_checkpoint, plot_sweep, resolve_precision, sweep_markdown
+    from txl.plot import plain
 
     results = []
     for mem_len in mem_lens:
@@ -296,9 +298,9 @@ def _run_sweep(args: argparse.Namespace, ckpt, mem_lens: list[int], common: dict
               f"{torch.__version__}, {time.strftime('%Y-%m-%d')}\n\n")
     table = sweep_markdown(results)
     prefix = Path(args.sweep_out)
+    run_name = ckpt.path.parent.name if ckpt.path.name in ("best", "last") else ckpt.path.name
     png = plot_sweep(results, prefix.with_suffix(".png"), train_attn_len=train_attn,
-                     title=f"{ckpt.path.parent.name if ckpt.path.name in ('best', 'last') else ckpt.path.name}: "
-                           f"{results[0].metric} vs attention length ({args.split})")
+                     title=plain(f"{run_name}: {results[0].metric} vs attention length ({args.split})"))
     try:
         write_file(prefix.with_suffix(".md"), header + table + f"\n![sweep]({png.name})\n")
         write_file(prefix.with_suffix(".json"), json.dumps([r.to_dict() for r in results], indent=2) + "\n")
@@ -359,12 +361,8 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     if args.prompt is not None and args.prompt_file:
         raise UsageError("give --prompt or --prompt-file, not both")
     if args.prompt_file:
-        try:
-            text = Path(args.prompt_file).read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise UsageError(f"prompt file not found: {args.prompt_file}") from None
-        except (OSError, UnicodeDecodeError) as err:
-            raise UsageError(f"cannot read prompt file {args.prompt_file}: {err}") from None
+        # a path the user typed (a link is followed), bounded and regular (a FIFO would wait for ever)
+        text = read_text(args.prompt_file, what="prompt file", limit=STATE_LIMIT, error=UsageError, follow_links=True)
         prompts = [line for line in text.splitlines() if line.strip()]
         if not prompts:
             raise UsageError(f"prompt file {args.prompt_file} has no prompts (one per line)")

@@ -41,7 +41,7 @@ import numpy as np
 
 from txl.cli_types import shown as _shown
 from txl.errors import DataError, OutputError, UsageError, describe_os_error
-from txl.rundir import save_array, save_figure
+from txl.io import save_array, save_figure
 
 THRESHOLD = 0.01  # the paper's gain threshold (appendix C)
 MODES = ("window", "memory")

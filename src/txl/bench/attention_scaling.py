@@ -29,6 +29,7 @@ from pathlib import Path
 
 from txl.cli_types import integer, integer_list, real, threads
 from txl.errors import UsageError
+from txl.io import save_figure, write_text
 
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 MAX_SCALING_LENGTH = 1_048_576  # tokens; full attention is skipped long before by --max-gb
@@ -313,7 +314,7 @@ def plot(result: dict, path: Path) -> None:
                 ax.legend(fontsize=8)
     fig.suptitle("One attention layer against sequence length (txl bench attention-scaling)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -436,7 +437,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "attention_scaling.json", result)
-    (out / "attention_scaling.md").write_text(markdown(result))
+    write_text(out / "attention_scaling.md", markdown(result))
     plot(result, out / "attention_scaling.png")
     print("\n".join(result["targets"]))
     print(f"wrote {out / 'attention_scaling.md'}, .json, .png")

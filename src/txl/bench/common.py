@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from txl.errors import UsageError
+from txl.io import write_text
 
 
 @dataclass(frozen=True)
@@ -307,7 +308,8 @@ def machine() -> dict[str, Any]:
         "platform": platform.platform(),
     }
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        with open("/proc/cpuinfo") as f:  # a kernel file (st_size 0): read as a stream, not through txl.io
+            text = f.read()
         for line in text.splitlines():
             if line.startswith("model name"):
                 info["cpu"] = line.split(":", 1)[1].strip()
@@ -374,9 +376,10 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str]] | None = Non
 
 
 def write_json(path: str | Path, result: dict) -> None:
+    """`--json FILE` and the reports: created by txl (txl.io), never written through a link planted there."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2, sort_keys=False) + "\n")
+    write_text(path, json.dumps(result, indent=2, sort_keys=False) + "\n")  # keys in the order measured
 
 
 def options_dict(options: BenchOptions) -> dict:

@@ -23,6 +23,7 @@ from txl.bench.common import (
     options_dict,
     setup_torch,
 )
+from txl.io import STATE_LIMIT, read_bytes, save_figure
 
 TITLE = "bf16 autocast against fp32: training loss curve"
 STEPS = 200
@@ -36,7 +37,7 @@ def byte_stream(n_bytes: int):
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks, total = [], 0
     for path in sorted(root.glob("*.py")):
-        data = path.read_bytes()
+        data = read_bytes(path, what="standard-library source", limit=STATE_LIMIT, follow_links=True)
         chunks.append(data)
         total += len(data)
         if total >= n_bytes:
@@ -127,5 +128,5 @@ def plot(result: dict, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)

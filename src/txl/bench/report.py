@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 from txl.bench.common import BenchOptions, hf_available, machine, machine_markdown, write_json
+from txl.errors import UsageError
+from txl.io import STATE_LIMIT, read_json, save_figure, write_text
 
 EXTERNAL = ("eval-speedup",)  # run by `all` after ours, when installed
 
@@ -81,7 +83,7 @@ def write_report(results: list[dict], out: Path, *, started: float, quick: bool)
         "results": results,
     }
     plots = write_plots(results, out)
-    (out / "benchmarks.md").write_text(render(report, plots, out))
+    write_text(out / "benchmarks.md", render(report, plots, out))
     write_json(out / "benchmarks.json", report)
     return report
 
@@ -120,7 +122,7 @@ def write_plots(results: list[dict], out: Path) -> list[str]:
             ax.legend()
         fig.tight_layout()
         name = f"bench_eval_{result['config']}_{result['precision']}.png"
-        fig.savefig(out / name, dpi=110)
+        save_figure(fig, out / name, dpi=110)
         plt.close(fig)
         written.append(name)
 
@@ -149,7 +151,7 @@ def write_plots(results: list[dict], out: Path) -> list[str]:
         ax.legend()
         ax.grid(alpha=0.3, axis="y")
         fig.tight_layout()
-        fig.savefig(out / "bench_train.png", dpi=110)
+        save_figure(fig, out / "bench_train.png", dpi=110)
         plt.close(fig)
         written.append("bench_train.png")
     return written
@@ -203,12 +205,10 @@ def _targets(results: list[dict]) -> list[dict]:
 
 def rerender(out_dir: str | Path = "docs") -> None:
     """Rewrite benchmarks.md from benchmarks.json (after a change to this renderer)."""
-    import json
-
     out = Path(out_dir)
-    report = json.loads((out / "benchmarks.json").read_text())
+    report = read_json(out / "benchmarks.json", what="benchmark report", limit=STATE_LIMIT, error=UsageError)
     plots = [p.name for p in out.glob("bench_*.png")]
-    (out / "benchmarks.md").write_text(render(report, plots, out))
+    write_text(out / "benchmarks.md", render(report, plots, out))
 
 
 # The single measurements the code's choices rest on (its comments point here; timings go stale in code).

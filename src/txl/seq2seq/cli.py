@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 
 from txl.display import for_stream
 from txl.errors import DataError, UsageError
+from txl.io import STATE_LIMIT, read_text
 
 
 def _corpus(ckpt, data: str | None):
@@ -106,12 +106,8 @@ def run_generate(args: argparse.Namespace) -> int:
     sampling = args.temperature is not None and args.temperature > 0
     if sampling and args.beam_size > 1:
         raise UsageError("--temperature samples; it does not combine with --beam-size")
-    try:
-        sources = [line for line in Path(args.input).read_text(encoding="utf-8").splitlines() if line.strip()]
-    except FileNotFoundError:
-        raise UsageError(f"input file not found: {args.input}") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise UsageError(f"cannot read input file {args.input}: {err}") from None
+    text = read_text(args.input, what="input file", limit=STATE_LIMIT, error=UsageError, follow_links=True)
+    sources = [line for line in text.splitlines() if line.strip()]
     if not sources:
         raise UsageError(f"input file {args.input} has no sources (one per line)")
     device = _device(args.device)
