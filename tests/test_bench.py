@@ -396,3 +396,22 @@ def test_every_attention_scaling_variant_builds_and_runs_one_layer():
         for backward in (False, True):
             args.backward_mode = backward
             scaling.build_layer(name, 32, args)()
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hardlink"])
+def test_bench_json_never_writes_through_a_planted_link(kind, tmp_path, capsys):
+    """`--json FILE` where FILE is a link to a file elsewhere: a symbolic link is refused in one line
+    before anything is measured; a hard link is replaced by a new file, and the other name keeps its
+    bytes (issue 50: the bench wrote through both)."""
+    target = tmp_path / "precious.txt"
+    target.write_text("years of work")
+    out = tmp_path / "result.json"
+    (out.symlink_to if kind == "symlink" else out.hardlink_to)(target)
+    code = main(["bench", "kernel", "--quick", "--steps", "1", "--warmup", "0", "--json", str(out)])
+    err = capsys.readouterr().err
+    assert target.read_text() == "years of work"
+    if kind == "symlink":
+        assert code == 2 and "symbolic link" in err and len(err.strip().splitlines()) == 1
+    else:
+        assert code == 0, err
+        assert json.loads(out.read_text())["bench"] == "kernel" and out.stat().st_nlink == 1

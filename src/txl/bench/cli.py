@@ -174,8 +174,13 @@ def options_from(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from txl.bench.common import write_json
+    from pathlib import Path
 
+    from txl.bench.common import write_json
+    from txl.io import refuse_link
+
+    if getattr(args, "json", None):
+        refuse_link(Path(args.json))  # before minutes of measuring, not after (write_json refuses it too)
     if args.name != "all":
         module = load(args.name)
         if has_own_cli(module):
