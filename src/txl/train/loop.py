@@ -373,7 +373,8 @@ class Trainer:
         a damaged hyperparameter); saving them would replace the last good `last` with NaNs. The ranks agree
         (their states are the same; the sum makes them stop together)."""
         bad = non_finite_state(self)
-        if self.dist.all_sum([float(bad is not None)])[0] == 0:
+        broken = bad is not None if self.dist.world == 1 else self.dist.all_sum([float(bad is not None)])[0] > 0
+        if not broken:
             return
         kept = (f"{self.out / LAST} keeps step {self.saved_step}" if self.saved_step is not None
                 else "no checkpoint was written")
