@@ -345,3 +345,27 @@ def test_eval_sweep_and_recl_of_a_run_named_with_mathtext(tmp_path, monkeypatch)
                       "--out", str(tmp_path / "recl")], seconds=300)
     assert code == 0, err
     assert (tmp_path / "recl.png").stat().st_size > 0
+
+
+def test_recl_cache_reads_only_a_regular_file_of_the_expected_size(tmp_path):
+    """A FIFO in a --cache directory hung `txl recl`; a .npy whose header claims 3 GiB on a sparse file
+    was read into memory. Both are named in one line (delete the file), quickly."""
+    import os
+
+    import numpy as np
+
+    from txl.errors import DataError
+    from txl.recl import _read_cached
+
+    np.save(tmp_path / "good.npy", np.arange(10, dtype=np.float64))
+    assert _read_cached(tmp_path / "good.npy", 10).tolist() == list(range(10))
+    os.mkfifo(tmp_path / "fifo.npy")
+    with pytest.raises(DataError, match="not a regular file"):
+        _read_cached(tmp_path / "fifo.npy", 10)
+    big = tmp_path / "big.npy"
+    header = np.lib.format.header_data_from_array_1_0(np.zeros(1, np.float64)) | {"shape": (400_000_000,)}
+    with open(big, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, header)
+        f.truncate(400_000_000 * 8 + 128)  # sparse: no disk used
+    with pytest.raises(DataError, match="cached losses .*big.npy"):
+        _read_cached(big, 10)

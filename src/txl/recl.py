@@ -41,7 +41,7 @@ import numpy as np
 
 from txl.cli_types import shown as _shown
 from txl.errors import DataError, OutputError, UsageError, describe_os_error
-from txl.io import save_array, save_figure
+from txl.io import open_regular, save_array, save_figure
 
 THRESHOLD = 0.01  # the paper's gain threshold (appendix C)
 MODES = ("window", "memory")
@@ -146,6 +146,7 @@ def compute_recl(
 MAX_CONTEXTS = 1_000
 MAX_CONTEXT_LENGTH = 1 << 24
 MAX_RATIOS = 100
+NPY_HEADER_LIMIT = 1 << 16  # bytes of a cached .npy's header (numpy writes ~128)
 
 
 def parse_contexts(text: str) -> list[int]:
@@ -242,7 +243,7 @@ def context_losses(
             digest = hashlib.sha256(f"{cache_key}|{mode}|{c}|{tgt_len}|{batch_size}|{used}".encode())
             digest.update(np.ascontiguousarray(positions, dtype=np.int64).tobytes())
             path = Path(cache) / f"losses-{mode}-c{c}-{digest.hexdigest()[:16]}.npy"
-            if path.exists():
+            if path.exists() or path.is_symlink():  # (a link is refused by name, not skipped)
                 out[c] = _read_cached(path, len(positions))
                 continue
         start = time.perf_counter()
@@ -287,10 +288,13 @@ def fixed_context(config, train_tgt_len: int | None) -> int | None:
 def _read_cached(path: Path, n: int) -> np.ndarray:
     """A cached loss vector; a damaged one (truncated, wrong shape or dtype, not finite) is an error that
     names the file, as for a damaged prepared corpus, rather than a number silently trusted."""
-    try:
-        values = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError):
-        values = None
+    # a regular file no larger than n float64 values and a header: a FIFO would wait for ever, a header
+    # claiming gigabytes on a sparse file would be read into memory
+    with open_regular(path, what="cached losses", error=DataError, limit=n * 8 + NPY_HEADER_LIMIT) as f:
+        try:
+            values = np.load(f, allow_pickle=False)
+        except (OSError, ValueError, EOFError):
+            values = None
     if values is None or values.shape != (n,) or values.dtype.kind != "f" or not np.isfinite(values).all():
         raise DataError(f"cached losses {path} are damaged (expected {n} finite float values); delete the file "
                         "(or the whole --cache directory) and run again to recompute them")
