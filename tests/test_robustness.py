@@ -565,7 +565,7 @@ def _(ctx):
 
 
 @case("config-not-json", "config.json that is not JSON", "TransformerXL.from_pretrained", "not valid JSON",
-      "corrupt")
+      "damaged")
 def _(ctx):
     from txl.errors import CheckpointError
 
@@ -621,13 +621,16 @@ def _(ctx):
 @case("resume-optimizer-damaged", "`--resume` with optimizer state that does not fit the model",
       "txl train --resume RUN", "optimizer state does not fit", "exp_avg")
 def _(ctx):
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
+
+    from txl.checkpoint import save_tensors
 
     run = ctx.run_copy()
     tensors = load_file(str(run / "last" / "optimizer.safetensors"))
     name = next(k for k in sorted(tensors) if k.endswith("exp_avg"))
     tensors[name] = torch.zeros(3)
-    save_file(tensors, str(run / "last" / "optimizer.safetensors"))  # well-formed, no digest: a stranger's file
+    # well-formed and with its digest (a file without one is refused before its shapes are looked at)
+    save_tensors(run / "last" / "optimizer.safetensors", tensors, {"txl_kind": "optimizer"})
     return cli("train", "--resume", str(run), "--quiet")
 
 

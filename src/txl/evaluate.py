@@ -33,7 +33,10 @@ import torch
 
 from txl.checkpoint import LoadedCheckpoint, load_checkpoint
 from txl.errors import CheckpointError, DataError, OutputError, UsageError, describe_os_error
+from txl.io import read_bytes
 from txl.rundir import save_array, save_figure, write_text
+
+TEXT_LIMIT = 2**31  # `txl eval --text FILE` holds the whole file and its token ids in memory
 
 
 @dataclass
@@ -638,14 +641,10 @@ def encode_text(vocab, text: str | bytes, *, what: str = "the text") -> np.ndarr
 def read_text_tokens(vocab, path: str | Path) -> np.ndarray:
     """A whole text file as token ids of the checkpoint's vocabulary (`txl eval --text FILE`)."""
     path = Path(path).expanduser()
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise DataError(f"text file not found: {path}") from None
-    except IsADirectoryError:
-        raise DataError(f"{path} is a directory; --text takes one text file") from None
-    except OSError as err:
-        raise DataError(f"cannot read {path}: {describe_os_error(err, reading=True)}") from None
+    if path.is_dir():
+        raise DataError(f"{path} is a directory; --text takes one text file")
+    # a path the user typed (links followed); a FIFO or device is refused, the size bounded
+    data = read_bytes(path, what="text file", limit=TEXT_LIMIT, follow_links=True)
     tokens = encode_text(vocab, data, what=str(path))
     if len(tokens) < 2:
         raise DataError(f"{path} holds {len(tokens)} token(s) with the checkpoint's vocabulary; at least 2 are needed "
