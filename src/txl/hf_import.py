@@ -31,6 +31,7 @@ Name map (HF -> txl), l = layer, i = cluster:
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -40,7 +41,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from txl.checkpoint import atomic_directory, load_tensors, read_json, write_model_files
+from txl.checkpoint import (atomic_directory, check_header, check_state_dict, expected_tensors, load_tensors,
+                            read_header, read_json, write_model_files)
 from txl.config import TransformerXLConfig
 from txl.errors import CheckpointError, ConfigError
 
@@ -199,10 +201,46 @@ def convert_state_dict(hf: dict[str, Tensor], config: TransformerXLConfig) -> di
     return out
 
 
+def read_hf_weight_table(src: Path) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], dict[str, Tensor] | None]:
+    """name -> (dtype, shape) of the HF weights, from model.safetensors' header alone (no tensor read:
+    None is returned with it); a pytorch_model.bin has no header, so its tensors are read (no more than
+    the file holds) and returned with the table."""
+    if _weights_file(src).name == "model.safetensors":
+        return read_header(src / "model.safetensors", "HF weights")[0], None
+    tensors = read_hf_weights(src)
+    return {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}, tensors
+
+
+def check_hf_weights(config: TransformerXLConfig, table: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                     src: Path) -> None:
+    """The HF weights' names, shapes and dtypes against what config.json implies, before anything is built
+    or allocated: a config.json that declares a far larger model than its weights (vocab_size 2**21 next to
+    96 KB of tensors cost 2.3 GB when the model was built first) is refused in one line."""
+    held = sum(math.prod(shape) for _, shape in table.values())
+    if config.num_parameters_estimate() > 8 * held:  # far off: not worth even a model on the meta device
+        raise CheckpointError(f"{src}: config.json describes a model of at least {config.num_parameters_estimate():,} "
+                              f"parameters but the HF weights hold {held:,}; the weights and config.json disagree")
+    # the conversion itself, on tensors that hold no memory: names, splits and stacks as the real ones
+    meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (dtype, shape) in table.items()}
+    try:
+        converted = convert_state_dict(meta, config)
+    except (RuntimeError, IndexError) as err:  # torch.stack / torch.cat of tensors whose shapes disagree
+        msg = str(err).splitlines()[0][:200]
+        raise CheckpointError(f"{src}: the HF tensors do not have the shapes config.json implies ({msg})") from None
+    check_header(expected_tensors(config), {k: (v.dtype, tuple(v.shape)) for k, v in converted.items()}, src)
+
+
+def _weights_file(src: Path) -> Path:
+    for name in WEIGHT_FILES:
+        if os.path.lexists(src / name):
+            return src / name
+    raise CheckpointError(f"{src} has neither model.safetensors nor pytorch_model.bin")
+
+
 def read_hf_weights(src: Path) -> dict[str, Tensor]:
     safetensors_file = src / "model.safetensors"
     bin_file = src / "pytorch_model.bin"
-    if safetensors_file.is_file():
+    if _weights_file(src) == safetensors_file:
         tensors, _ = load_tensors(safetensors_file, "HF weights")
         return tensors
     if bin_file.is_file():
@@ -223,7 +261,7 @@ def read_hf_weights(src: Path) -> dict[str, Tensor]:
         if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
             raise CheckpointError(f"{bin_file} is not a state dict of tensors")
         return state
-    raise CheckpointError(f"{src} has neither model.safetensors nor pytorch_model.bin")
+    raise CheckpointError(f"{bin_file} is not a regular file; replace it with the weights file")
 
 
 def _torch_version() -> tuple[int, int]:
@@ -246,7 +284,8 @@ def looks_like_repo_id(text: str) -> bool:
 
 
 def download_hf(repo_id: str, revision: str | None = None) -> Path:
-    """Fetch config.json, the weights, vocab.pkl and tokenizer_config.json of `repo_id` into the hub cache;
+    """Fetch config.json, the weights, vocab.pkl, tokenizer_config.json and added_tokens.json of `repo_id`
+    into the hub cache;
     returns the snapshot directory. One-line `CheckpointError` for every failure (no network included)."""
     try:
         import huggingface_hub
@@ -298,6 +337,7 @@ def download_hf(repo_id: str, revision: str | None = None) -> Path:
             fetch(WEIGHT_FILES[1], True)
         fetch("vocab.pkl", False)
         fetch("tokenizer_config.json", False)
+        fetch("added_tokens.json", False)  # tokens added beyond vocab.pkl (transformers < 4.34 lists them only here)
     finally:
         hub_logging.set_verbosity(verbosity)
     return config.parent
@@ -318,16 +358,20 @@ def resolve_source(src: str | Path, revision: str | None = None) -> Path:
 
 
 def read_source_vocab(src: Path, vocab_size: int):
-    """vocab.json content from `src/vocab.pkl` (None when there is none); checked against the model."""
-    from txl.hf_vocab import read_hf_vocab, read_tokenizer_config
+    """vocab.json content from `src/vocab.pkl` and the tokens added beyond it (None when there is no
+    vocab.pkl); checked against the model."""
+    from txl.hf_vocab import read_added_tokens, read_hf_vocab, read_tokenizer_config
 
     pkl = src / "vocab.pkl"
-    if not pkl.is_file():
+    if not os.path.lexists(pkl):
         return None
-    vocab = read_hf_vocab(pkl, tokenizer_config=read_tokenizer_config(src / "tokenizer_config.json"))
+    tokenizer_config = read_tokenizer_config(src / "tokenizer_config.json")
+    added = read_added_tokens(src, tokenizer_config)
+    vocab = read_hf_vocab(pkl, tokenizer_config=tokenizer_config, added_tokens=added)
     if vocab.size != vocab_size:
-        raise CheckpointError(f"{pkl} has {vocab.size} symbols but config.json has vocab_size={vocab_size}; "
-                              "they are not the same model's")
+        with_added = f" (with the tokens of {added.source.name})" if added is not None else ""
+        raise CheckpointError(f"{pkl} has {vocab.size} symbols{with_added} but config.json has "
+                              f"vocab_size={vocab_size}; they are not the same model's")
     return vocab
 
 
@@ -340,15 +384,11 @@ def import_hf(src: str | Path, out: str | Path, *, revision: str | None = None) 
         config = convert_config(read_json(src / "config.json", "HF config"))
     except ConfigError as err:
         raise CheckpointError(f"{src / 'config.json'}: {err}") from None
-    try:
-        tensors = convert_state_dict(read_hf_weights(src), config)
-    except (RuntimeError, IndexError) as err:  # torch.stack / torch.cat of tensors whose shapes disagree
-        msg = str(err).splitlines()[0]
-        raise CheckpointError(f"{src}: the HF tensors do not have the shapes config.json implies ({msg})") from None
+    table, tensors = read_hf_weight_table(src)
+    check_hf_weights(config, table, src)  # before anything is built or allocated
     vocab = read_source_vocab(src, config.vocab_size)  # before anything is written: a refused file leaves nothing
+    tensors = convert_state_dict(tensors if tensors is not None else read_hf_weights(src), config)
     model = TransformerXL(config)
-    from txl.checkpoint import check_state_dict
-
     expected = model.state_dict()
     check_state_dict(expected, tensors, src)
     model.load_state_dict({k: v.to(expected[k].dtype) for k, v in tensors.items()})

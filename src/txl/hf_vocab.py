@@ -12,29 +12,37 @@ data only, and take what a vocabulary is made of. Two layouts exist and both are
 
 Settings in a `tokenizer_config.json` next to the file take precedence over those in the pickle, as
 they do when transformers loads the tokenizer (its constructor arguments win over the pickled ones).
+
+Tokens added beyond `vocab.pkl` (`TransfoXLTokenizer` adds its `additional_special_tokens`, by default
+`<formula>`, when the vocabulary lacks them; `tokenizer.add_tokens(...)` adds more) are not in the pickle:
+transformers 4.34+ lists them in tokenizer_config.json's `added_tokens_decoder`, older versions in
+`added_tokens.json`, and the model's `vocab_size` counts them. They keep their ids here, and are split out
+of the text whole before Moses sees it, as transformers' `tokenize` does (they become protected symbols).
+Every JSON file of the folder is read bounded (size, nesting, duplicate keys) through `txl.io`.
 """
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 from typing import Any
 
 from txl.data.vocab import Vocab
 from txl.errors import CheckpointError, DataError
-from txl.plain_pickle import PickleRefused, read_plain_pickle_at
+from txl.io import CONFIG_LIMIT, VOCAB_LIMIT, read_bytes, read_json
+from txl.plain_pickle import PickleRefused, brief, read_plain_pickle_at
 
 DEFAULT_PROTECTED = ("<unk>", "<eos>", "<formula>")  # TransfoXLTokenizer's unk, eos, additional special
 TORCH_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # torch.save before 1.6: magic, protocol, sys_info, object, storages
 
 
-def read_hf_vocab(path: str | Path, *, tokenizer_config: dict[str, Any] | None = None) -> Vocab:
-    """The `Vocab` (words, with WikiText-103 text rules) of a TransfoXL `vocab.pkl`."""
+def read_hf_vocab(path: str | Path, *, tokenizer_config: dict[str, Any] | None = None,
+                  added_tokens: AddedTokens | None = None) -> Vocab:
+    """The `Vocab` (words, with WikiText-103 text rules) of a TransfoXL `vocab.pkl`, followed by the
+    tokens added beyond it (see `read_added_tokens`)."""
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as err:
-        raise CheckpointError(f"cannot read {path}: {err.strerror or err}") from None
+    # a hub snapshot's files are links into its blob store: links are followed in a folder the user names
+    data = read_bytes(path, what="vocabulary", limit=VOCAB_LIMIT, error=CheckpointError, follow_links=True)
     try:
         state, end = read_plain_pickle_at(data, 0)
         if state == TORCH_LEGACY_MAGIC and not isinstance(state, bool):  # a dictionary saved with torch.save
@@ -44,23 +52,26 @@ def read_hf_vocab(path: str | Path, *, tokenizer_config: dict[str, Any] | None =
         raise CheckpointError(f"refused {path}: {err}; nothing in it was run (a TransfoXL vocab.pkl holds "
                               "plain data only)") from None
     try:
-        return vocab_from_hf_state(state, tokenizer_config or {})
+        return vocab_from_hf_state(state, tokenizer_config or {}, added_tokens)
     except DataError as err:
         raise CheckpointError(f"{path} is not a TransfoXL vocabulary: {err}") from None
 
 
-def vocab_from_hf_state(state: Any, config: dict[str, Any]) -> Vocab:
-    """Build our vocabulary from the plain data of a `vocab.pkl` (and tokenizer_config.json values)."""
+def vocab_from_hf_state(state: Any, config: dict[str, Any], added_tokens: AddedTokens | None = None) -> Vocab:
+    """Build our vocabulary from the plain data of a `vocab.pkl` (and tokenizer_config.json values, and
+    the tokens added beyond the pickle)."""
     if not isinstance(state, dict):
         raise DataError(f"it holds a {type(state).__name__}, not the tokenizer's dictionary")
     symbols = _symbols(state)
+    added = added_tokens.extend(symbols) if added_tokens is not None else []
+    symbols = symbols + added
 
     def setting(key: str, kind: type | tuple[type, ...], default: Any) -> Any:
         value = config.get(key, state.get(key, default))
         if value is None and default is None:
             return None
         if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-            raise DataError(f"its {key!r} is {value!r}")
+            raise DataError(f"its {key!r} is {brief(value)}")
         return value
 
     lower_case = setting("lower_case", bool, False)
@@ -85,8 +96,9 @@ def vocab_from_hf_state(state: Any, config: dict[str, Any]) -> Vocab:
     if protected is None:
         protected = [s for s in (unk, eos, *DEFAULT_PROTECTED) if s]
     if not isinstance(protected, list | tuple) or not all(isinstance(s, str) for s in protected):
-        raise DataError(f"its 'never_split' is {protected!r}")
-    protected = list(dict.fromkeys(s for s in protected if s.strip()))
+        raise DataError(f"its 'never_split' is {brief(protected)}")
+    # transformers splits every added token out of the text before its Moses pipeline sees it
+    protected = list(dict.fromkeys(s for s in (*protected, *added) if s.strip()))
     rules = {"tokenizer": "moses", "language": language, "lower_case": lower_case, "protected": protected,
              "clean_up_spaces": clean_up}
     return Vocab("words", symbols, eos=eos, unk=unk, text=rules)
@@ -114,12 +126,87 @@ def _symbols(state: dict) -> list[str]:
 
 def read_tokenizer_config(path: Path) -> dict[str, Any]:
     """tokenizer_config.json as a dict ({} if absent); a damaged one is an error naming the file."""
-    if not path.is_file():
+    return _read_optional_object(path, "tokenizer config")
+
+
+def _read_optional_object(path: Path, what: str) -> dict[str, Any]:
+    """A JSON object read bounded ({} when there is no such entry; a FIFO or a directory is refused)."""
+    if not os.path.lexists(path):
         return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"cannot read {path}: {err}") from None
+    data = read_json(path, what=what, limit=CONFIG_LIMIT, error=CheckpointError, follow_links=True)
     if not isinstance(data, dict):
-        raise CheckpointError(f"{path} is not a JSON object")
+        raise CheckpointError(f"{what} {path} is not a JSON object")
     return data
+
+
+class AddedTokens:
+    """Tokens a TransfoXL tokenizer added beyond its vocab.pkl: id -> token, and the file that says so."""
+
+    def __init__(self, source: Path, tokens: dict[int, str]):
+        self.source = source
+        self.tokens = tokens
+
+    def extend(self, symbols: list[str]) -> list[str]:
+        """The symbols to append to `symbols` (ids len(symbols), len(symbols) + 1, ...). An added token whose
+        id names the same symbol in the pickle is already there; any other id is an error naming the file."""
+        where = {s: i for i, s in enumerate(symbols)}
+        out: list[str] = []
+        for token_id, token in sorted(self.tokens.items()):
+            if token_id < len(symbols) and symbols[token_id] == token:
+                continue
+            if token_id < len(symbols):
+                raise CheckpointError(
+                    f"{self.source} gives {brief(token)} id {token_id}, which vocab.pkl gives to "
+                    f"{brief(symbols[token_id])}; the tokenizer's files disagree (remove the entry to import "
+                    "without that token)")
+            if token in where:
+                raise CheckpointError(f"{self.source} adds {brief(token)} as id {token_id}, but it has id "
+                                      f"{where[token]} already; the tokenizer's files disagree")
+            expected = len(symbols) + len(out)
+            if token_id != expected:
+                raise CheckpointError(f"{self.source} gives {brief(token)} id {token_id}, but the next free id is "
+                                      f"{expected} (vocab.pkl has {len(symbols)} symbols); ids must follow on "
+                                      "without a gap")
+            where[token] = token_id
+            out.append(token)
+        return out
+
+
+def read_added_tokens(directory: Path, tokenizer_config: dict[str, Any]) -> AddedTokens | None:
+    """The tokens added beyond vocab.pkl, as transformers 4.35.2 finds them: tokenizer_config.json's
+    `added_tokens_decoder` ({"67": {"content": "<formula>", ...}}) when it has one, else the legacy
+    `added_tokens.json` ({"<formula>": 67}); None when neither is there."""
+    if "added_tokens_decoder" in tokenizer_config:
+        source = directory / "tokenizer_config.json"
+        table = tokenizer_config["added_tokens_decoder"]
+        if not isinstance(table, dict):
+            raise CheckpointError(f"{source}: 'added_tokens_decoder' is {brief(table)}, not a JSON object")
+        pairs = []
+        for key, entry in table.items():
+            token = entry.get("content") if isinstance(entry, dict) else None
+            if not isinstance(token, str):
+                raise CheckpointError(f"{source}: 'added_tokens_decoder' entry {brief(key)} has no 'content' string")
+            pairs.append((key, token))
+        return AddedTokens(source, _token_ids(source, pairs, key_is_id=True))
+    source = directory / "added_tokens.json"
+    table = _read_optional_object(source, "added tokens file")
+    if not table:
+        return None
+    return AddedTokens(source, _token_ids(source, list(table.items()), key_is_id=False))
+
+
+def _token_ids(source: Path, pairs: list[tuple[Any, Any]], *, key_is_id: bool) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for key, value in pairs:
+        token, token_id = (value, key) if key_is_id else (key, value)
+        if key_is_id and isinstance(token_id, str) and token_id.isdecimal() and len(token_id) < 12:
+            token_id = int(token_id)
+        if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < 2**31:
+            raise CheckpointError(f"{source}: token {brief(token)} has id {brief(token_id)}, not a non-negative "
+                                  "integer")
+        if not isinstance(token, str) or not token.strip():
+            raise CheckpointError(f"{source}: id {token_id} names {brief(token)}, not a token (a non-blank string)")
+        if token_id in out:
+            raise CheckpointError(f"{source} gives id {token_id} to both {brief(out[token_id])} and {brief(token)}")
+        out[token_id] = token
+    return out

@@ -13,9 +13,13 @@ dict, list, tuple, set, str, bytes, int, float, bool, None, `collections.Counter
 - Any other global (`os.system`, `subprocess.Popen`, `builtins.eval`, a class of the file's own) is
   refused at the opcode that names it, before anything else happens.
 
-Its work is bounded, so a hostile file is refused instead of exhausting memory or the stack: the
-stream size, the nesting depth of containers and the number of items they would hold if shared
-containers were expanded (the "billion laughs" bomb built from memo references).
+Its work is bounded, so a hostile file is refused in one line instead of exhausting memory, time or
+the stack (issue 50): the stream size, the number of opcodes, of containers (empty ones included), of
+objects on the stack and of memo entries, the nesting depth of containers, the number of items they
+would hold if shared containers were expanded (the "billion laughs" bomb built from memo references),
+and the hashing of dictionary keys and set members: a tuple does not cache its hash, so a key's
+expanded size is checked before it is hashed, and all keys together may not cost more than a budget.
+A message quotes a value only as a short summary (`brief`).
 """
 
 from __future__ import annotations
@@ -27,10 +31,21 @@ from typing import Any
 
 from txl.errors import DataError
 
-MAX_BYTES = 256 << 20  # the wt103 vocab.pkl is ~10 MB
-MAX_DEPTH = 64  # a tokenizer's __dict__ nests about 6 deep
-MAX_ITEMS = 50_000_000  # items held by containers, counting shared containers once per use
+# The limits, against what transfo-xl-wt103's vocabulary (267,735 words) needs in transformers 4.35's
+# layout: 8 MB, 1.6M opcodes, 99 containers, 268k memo entries, 1.3M expanded items, 13 deep.
+# lm1b's 793k words would need about three times as much.
+MAX_BYTES = 256 << 20
+MAX_OPS = 16_000_000  # opcodes executed
+MAX_CONTAINERS = 200_000  # containers built, empty ones included (10 MB of EMPTY_SET were 3.1 GB)
+MAX_STACK = 1_000_000  # objects on the stack at once (a vocabulary batches its items 1,000 at a time)
+MAX_MEMO = 4_000_000  # memo entries
+MAX_DEPTH = 64  # a tokenizer's __dict__ nests about 13 deep
+MAX_ITEMS = MAX_OPS  # items held by containers, counting shared containers once per use: without
+# sharing a stream of MAX_OPS opcodes cannot hold more, so sharing buys a bomb nothing
+MAX_KEY_ITEMS = 1_000  # expanded items of one dictionary key or set member (a vocabulary's keys are strings)
+MAX_HASHED = MAX_OPS  # expanded items hashed as keys and set members, all together
 MAX_INT_BYTES = 64  # LONG1/LONG4/LONG: no vocabulary needs integers of more than 512 bits
+BRIEF_CHARS = 80  # the longest quotation of a value in a message
 
 # Globals whose objects a tokenizer's __dict__ holds and which we keep as inert placeholders.
 _INERT_MODULE_PREFIXES = ("sacremoses.",)
@@ -81,10 +96,61 @@ class _Global:
         self.name = f"{module}.{name}"
         self.kind = _BUILT_HERE.get((module, name))
         if self.kind is None and not ((module, name) in _INERT or module.startswith(_INERT_MODULE_PREFIXES)):
-            raise PickleRefused(f"it refers to the Python object {self.name}, and unpickling it could run code")
+            raise PickleRefused(f"it refers to the Python object {_cut(self.name)}, and unpickling it could run code")
 
 
 _CONTAINERS = (list, dict, set, tuple, frozenset, Opaque)
+
+
+def _cut(text: str, limit: int = BRIEF_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def brief(value: Any, *, _level: int = 0) -> str:
+    """A short summary of `value` for a message (at most BRIEF_CHARS): two levels deep, four items per
+    container, strings cut. Never `repr()` of the whole: a 231-byte file of shared lists expands to a
+    100 MB repr, and repr() of a Counter or OrderedDict subclass is not bounded by `reprlib` either."""
+    if isinstance(value, str | bytes):
+        text = repr(value[:40]) + ("..." if len(value) > 40 else "")
+    elif isinstance(value, dict | list | tuple | set | frozenset):
+        if isinstance(value, dict):
+            opening, closing = "{", "}"
+        elif isinstance(value, list):
+            opening, closing = "[", "]"
+        elif isinstance(value, tuple):
+            opening, closing = "(", ")"
+        else:
+            opening, closing = type(value).__name__ + "({", "})"
+        if not value:
+            return opening + closing
+        if _level >= 2:
+            return opening + "..." + closing
+        shown = []
+        for i, item in enumerate(value.items() if isinstance(value, dict) else value):
+            if i == 4:
+                shown.append("...")
+                break
+            if isinstance(value, dict):
+                shown.append(f"{brief(item[0], _level=_level + 1)}: {brief(item[1], _level=_level + 1)}")
+            else:
+                shown.append(brief(item, _level=_level + 1))
+        text = opening + ", ".join(shown) + ("," if isinstance(value, tuple) and len(value) == 1 else "") + closing
+    elif value is None or isinstance(value, bool | int | float):
+        text = repr(value) if not isinstance(value, int) or value.bit_length() < 200 else "<a large integer>"
+    elif isinstance(value, Opaque):
+        text = f"<opaque {_cut(value.name, 40)}>"
+    else:
+        text = f"<{type(value).__name__}>"
+    return _cut(text)
+
+
+def _hash_each(items: list[Any]) -> None:
+    """Hash keys or set members whose size `_Reader.keys` has checked (a tuple holding a list raises)."""
+    for item in items:
+        try:
+            hash(item)
+        except TypeError:
+            raise PickleRefused("it is malformed (an unhashable key or set member)") from None
 
 
 def read_plain_pickle(data: bytes) -> Any:
@@ -111,6 +177,7 @@ class _Reader:
         # depth and expanded size of every container built so far (keyed by id; `keep` holds them alive)
         self.shape: dict[int, tuple[int, int]] = {}
         self.keep: list[Any] = []
+        self.hashed = 0  # expanded items hashed as keys so far
 
     # ---- reading the stream ----------------------------------------------------------------
     def take(self, n: int) -> bytes:
@@ -131,9 +198,16 @@ class _Reader:
 
     # ---- bookkeeping for the bounds -------------------------------------------------------------
     def new(self, obj: Any) -> Any:
+        self.count_container(obj)
         self.shape[id(obj)] = (1, 1)
-        self.keep.append(obj)
         return obj
+
+    def count_container(self, obj: Any = None) -> None:
+        """Every container counts, empty ones and the shared empty tuple too (`keep` also holds them
+        alive, so that their ids in `shape` stay theirs)."""
+        if len(self.keep) >= MAX_CONTAINERS:
+            raise PickleRefused(f"it builds more than {MAX_CONTAINERS:,} containers (a pickle bomb?)")
+        self.keep.append(obj)
 
     def size_of(self, obj: Any) -> tuple[int, int]:
         return self.shape.get(id(obj), (0, 1)) if isinstance(obj, _CONTAINERS) else (0, 1)
@@ -176,21 +250,28 @@ class _Reader:
         elif kind == "list":
             obj = self.new(list(items))
         elif kind == "frozenset":
-            obj = self.new(frozenset(self.hashable(items)))
+            obj = self.new(frozenset(self.keys(items)))
         else:
             raise AssertionError(kind)
         self.grow(obj, items)
         return obj
 
-    @staticmethod
-    def hashable(items: list[Any]) -> list[Any]:
+    def keys(self, items: list[Any]) -> list[Any]:
+        """`items` as dictionary keys or set members: their expanded sizes are checked first, and only
+        then are they hashed (hashing a tuple visits every item it holds, every time)."""
+        total = 0
         for item in items:
             if isinstance(item, Opaque | _Global):
                 raise PickleRefused("it is malformed (an object as a key or set member)")
-            try:
-                hash(item)  # a tuple holding a list is not hashable either
-            except TypeError:
-                raise PickleRefused("it is malformed (an unhashable key or set member)") from None
+            size = self.size_of(item)[1]
+            if size > MAX_KEY_ITEMS:
+                raise PickleRefused(f"it has a dictionary key or set member of more than {MAX_KEY_ITEMS:,} items "
+                                    "(a pickle bomb?)")
+            total += size
+        self.hashed += total
+        if self.hashed > MAX_HASHED:
+            raise PickleRefused(f"it hashes more than {MAX_HASHED:,} key items (a pickle bomb?)")
+        _hash_each(items)
         return items
 
     def setitems(self, target: Any, items: list[Any]) -> None:
@@ -200,8 +281,8 @@ class _Reader:
             self.grow(target, items)
             return
         if not isinstance(target, dict):
-            raise PickleRefused(f"it is malformed (SETITEM on a {type(target).__name__})")
-        keys = self.hashable(items[0::2])
+            raise PickleRefused(f"it is malformed (SETITEM on a {_cut(type(target).__name__)})")
+        keys = self.keys(items[0::2])
         self.grow(target, items)
         for key, value in zip(keys, items[1::2]):
             target[key] = value
@@ -228,12 +309,13 @@ class _Reader:
                 source = args[0]
                 if not isinstance(source, dict) or len(args) > 1:
                     raise PickleRefused(f"it is malformed ({kind} built from a {type(source).__name__})")
+                self.keys(list(source))  # hashed again by update()
                 obj.update(source)
                 self.grow(obj, [source])
             return obj
         if kind in ("set", "frozenset"):
             items = list(args[0]) if args and isinstance(args[0], list | tuple | set | frozenset) else []
-            obj = self.new(set(self.hashable(items)) if kind == "set" else frozenset(self.hashable(items)))
+            obj = self.new(set(self.keys(items)) if kind == "set" else frozenset(self.keys(items)))
             self.grow(obj, items)
             return obj
         if kind == "bytes":
@@ -257,9 +339,15 @@ class _Reader:
     # ---- the interpreter ----------------------------------------------------------------------
     def run(self) -> Any:  # one branch per opcode reads best as one function
         push = self.stack.append
+        ops, max_ops, max_stack = 0, MAX_OPS, MAX_STACK
         while True:
             if self.pos >= len(self.data):
                 raise PickleRefused("it is truncated (no STOP opcode)")
+            ops += 1
+            if ops > max_ops:
+                raise PickleRefused(f"it runs more than {max_ops:,} opcodes (a pickle bomb?)")
+            if len(self.stack) > max_stack:
+                raise PickleRefused(f"it holds more than {max_stack:,} objects on its stack (a pickle bomb?)")
             op = self.data[self.pos]
             self.pos += 1
             # -- the most frequent opcodes of a vocabulary first: strings, the memo, small ints
@@ -276,6 +364,8 @@ class _Reader:
                     key = self._line_int()
                 else:
                     key = self.uint(1 if op == 0x71 else 4)
+                if len(self.memo) >= MAX_MEMO and key not in self.memo:
+                    raise PickleRefused(f"it has more than {MAX_MEMO:,} memo entries (a pickle bomb?)")
                 self.memo[key] = self.top()
             elif op in (0x67, 0x68, 0x6A):  # GET, BINGET, LONG_BINGET
                 key = self._line_int() if op == 0x67 else self.uint(1 if op == 0x68 else 4)
@@ -365,6 +455,7 @@ class _Reader:
             elif op == 0x7D:  # EMPTY_DICT
                 push(self.new({}))
             elif op == 0x29:  # EMPTY_TUPLE
+                self.count_container()
                 push(())
             elif op == 0x8F:  # EMPTY_SET
                 push(self.new(set()))
@@ -399,7 +490,7 @@ class _Reader:
                 if not isinstance(target, set):
                     raise PickleRefused("it is malformed (ADDITEMS on something that is not a set)")
                 self.grow(target, items)
-                target.update(self.hashable(items))
+                target.update(self.keys(items))
             # -- globals and object construction: never imported, never called
             elif op == 0x63:  # GLOBAL
                 module = self.line().decode("utf-8", "replace")
