@@ -469,3 +469,123 @@ def test_without_sacremoses_raw_text_names_the_extra(imported, monkeypatch, caps
     assert main(["generate", str(out), "--prompt", "Hello, world", "--max-new-tokens", "2"]) == 2
     captured = capsys.readouterr()
     assert "sacremoses" in captured.err and captured.err.count("\n") == 1, captured.err
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokens added beyond vocab.pkl (issue 50): a folder saved by transformers 4.35.2, checked in
+# (tests/data/hf_added_tokens, written by tests/data/make_hf_added_tokens.py)
+
+ADDED = Path(__file__).parent / "data" / "hf_added_tokens"
+
+
+def _expected_ids() -> dict[str, list[int]]:
+    import json
+
+    return json.loads((ADDED / "expected.json").read_text(encoding="utf-8"))["ids"]
+
+
+def _added_copy(tmp_path: Path, *, legacy: bool = False, **files: str) -> Path:
+    """A copy of the folder; `legacy` drops tokenizer_config.json's added_tokens_decoder (what transformers
+    < 4.34 wrote), so added_tokens.json is what names the added token; `files` replace files' text."""
+    import json
+    import shutil
+
+    src = tmp_path / "hf"
+    shutil.copytree(ADDED, src)
+    if legacy:
+        config = json.loads((src / "tokenizer_config.json").read_text(encoding="utf-8"))
+        del config["added_tokens_decoder"]
+        (src / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    for name, text in files.items():
+        (src / name.replace("__", ".")).write_text(text, encoding="utf-8")
+    return src
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["added_tokens_decoder", "added_tokens.json"])
+def test_a_folder_with_an_added_token_imports_and_tokenises_as_transformers(tmp_path, legacy):
+    """vocab.pkl holds 67 symbols; `<formula>` was added as id 67 and config.json counts 68. Before issue
+    50 import-hf refused the folder ("vocab.pkl has 67 symbols but config.json has vocab_size=68")."""
+    pytest.importorskip("sacremoses", reason="WikiText-103 tokenisation needs sacremoses (dev/hf extra)")
+    src = _added_copy(tmp_path, legacy=legacy)
+    assert main(["import-hf", str(src), str(tmp_path / "out")]) == 0
+    vocab = Vocab.load(tmp_path / "out" / "vocab.json")
+    assert vocab.size == 68 and vocab.symbols[67] == "<formula>" and vocab.symbols[:2] == ("<eos>", "<unk>")
+    for sentence, ids in _expected_ids().items():  # what TransfoXLTokenizer.from_pretrained(folder) gave
+        assert vocab.encode(sentence).tolist() == ids, sentence
+    assert "<formula>" in vocab.decode(vocab.encode("a <formula> b"))
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("legacy", [False, True], ids=["added_tokens_decoder", "added_tokens.json"])
+def test_added_tokens_tokenise_as_the_live_transfoxl_tokenizer(tmp_path, legacy):
+    """The same against transformers itself, on the checked-in sentences and the parity sentences."""
+    _need_hf()
+    from transformers import TransfoXLTokenizer
+
+    src = _added_copy(tmp_path, legacy=legacy)
+    assert main(["import-hf", str(src), str(tmp_path / "out")]) == 0
+    vocab = Vocab.load(tmp_path / "out" / "vocab.json")
+    tok = TransfoXLTokenizer.from_pretrained(str(src))
+    assert tok.added_tokens_encoder["<formula>"] == 67 and len(tok) == vocab.size
+    for sentence in [*_expected_ids(), *F.SENTENCES]:
+        assert vocab.encode(sentence).tolist() == tok.encode(sentence), sentence
+
+
+@pytest.mark.parametrize(
+    ("files", "why"),
+    [
+        ({"added_tokens__json": '{"<formula>": 2}'}, "gives '<formula>' id 2, which vocab.pkl gives to 'the'"),
+        ({"added_tokens__json": '{"<formula>": 70}'}, "next free id is 67"),
+        ({"added_tokens__json": '{"<formula>": "67"}'}, "not a non-negative integer"),
+        ({"added_tokens__json": '{"<formula>": 67, "<f2>": 67}'}, "gives id 67 to both"),
+        ({"added_tokens__json": '{"the": 67}'}, "has id 2 already"),
+        ({"added_tokens__json": '{" ": 67}'}, "not a token"),
+        ({"added_tokens__json": '["<formula>"]'}, "not a JSON object"),
+        ({"added_tokens__json": '{"<formula>": 67, "<formula>": 68}'}, "appears twice"),
+        ({"added_tokens__json": "[" * 100_000 + "]" * 100_000}, "nests too deeply"),
+        ({"added_tokens__json": '{"<formula>": 67, "<extra>": 68}'}, "69 symbols (with the tokens of "
+                                                                     "added_tokens.json) but config.json has "
+                                                                     "vocab_size=68"),
+    ],
+    ids=["taken-id", "gap", "string-id", "two-tokens-one-id", "existing-symbol", "blank", "list", "duplicate-key",
+         "100k-deep", "one-more-than-the-model"],
+)
+def test_a_damaged_added_tokens_json_is_one_line(tmp_path, capsys, files, why):
+    src = _added_copy(tmp_path, legacy=True, **files)
+    assert main(["import-hf", str(src), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert why in err and err.count("\n") == 1 and "added_tokens.json" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_damaged_added_tokens_decoder_is_one_line(tmp_path, capsys):
+    import json
+
+    src = _added_copy(tmp_path)
+    config = json.loads((src / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config["added_tokens_decoder"]["67"] = {"special": True}
+    (src / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    assert main(["import-hf", str(src), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "'added_tokens_decoder' entry '67' has no 'content' string" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "added_tokens.json"])
+def test_a_100k_deep_json_file_in_the_folder_is_one_line(tmp_path, capsys, name):
+    """json.loads raised RecursionError (a traceback) on a 100k-deep tokenizer_config.json."""
+    src = _added_copy(tmp_path, legacy=name == "added_tokens.json")
+    (src / name).write_text("[" * 100_000 + "]" * 100_000, encoding="utf-8")
+    assert main(["import-hf", str(src), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "nests too deeply" in err and name in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "added_tokens.json", "vocab.pkl"])
+def test_a_fifo_in_the_folder_is_refused_not_waited_on(tmp_path, capsys, name):
+    src = _added_copy(tmp_path, legacy=True)
+    (src / name).unlink()
+    os.mkfifo(src / name)
+    assert main(["import-hf", str(src), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "not a regular file" in err and name in err and err.count("\n") == 1, err
