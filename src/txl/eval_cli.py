@@ -14,7 +14,7 @@ from pathlib import Path
 
 from txl.cli_types import MAX_BEAM, MAX_LENGTH_PENALTY, integer, real
 from txl.errors import OutputError, UsageError, describe_os_error
-from txl.io import STATE_LIMIT, read_text
+from txl.io import STATE_LIMIT, read_proc, read_text
 from txl.io import write_text as write_file
 
 PRECISIONS = ("fp32", "bf16", "fp16", "auto")
@@ -260,8 +260,8 @@ def _check_finite(result, ckpt, args: argparse.Namespace) -> None:
 
 def _cpu_name() -> str | None:
     try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+        return next((ln.split(":", 1)[1].strip() for ln in read_proc("/proc/cpuinfo").splitlines()
+                     if ln.startswith("model name")), None)
     except OSError:
         return None
 

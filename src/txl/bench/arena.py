@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from txl.cli_types import integer, real, threads
-from txl.errors import UsageError
-from txl.rundir import write_text
+from txl.errors import TxlError, UsageError
+from txl.io import METRICS_LIMIT, create_log, read_bytes, read_json, read_text, save_figure, write_text
 
 PRESET = "arena-ptb-char"
 
@@ -214,12 +214,33 @@ def shell_line(argv: list[str], threads: int) -> str:
     return f"OMP_NUM_THREADS={threads} " + shlex.join(argv)
 
 
+def read_record(path: Path) -> dict:
+    """A JSON record of a finished run (result.json, run.json, arena.json), read bounded (txl.io)."""
+    return read_json(path, what="run record", error=UsageError)
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl."""
+    text = read_text(path, what="metrics log", limit=METRICS_LIMIT, error=UsageError)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def log_tail(path: str | Path) -> str:
+    """The last line of a child's log, for the one-line error when it failed."""
+    try:
+        tail = read_bytes(path, what="log", limit=METRICS_LIMIT, error=UsageError).decode("utf-8", "replace")
+    except TxlError:
+        return "no output"
+    lines = tail.strip().splitlines()
+    return lines[-1] if lines else "no output"
+
+
 def finished_stamp(run_dir: Path, line: str) -> dict | None:
     """The stamp of a run that finished with exactly this command line (reused instead of retrained)."""
     try:
-        stamp = json.loads((run_dir / "arena.json").read_text())
-        result = json.loads((run_dir / "result.json").read_text())
-    except (OSError, ValueError):
+        stamp = read_record(run_dir / "arena.json")
+        result = read_record(run_dir / "result.json")
+    except (OSError, ValueError, TxlError):
         return None
     finished = stamp.get("command") == line and stamp.get("peak_rss_mb") is not None and result.get("steps")
     return stamp if finished else None
@@ -252,7 +273,7 @@ def train_variants(plan: list[dict], args: argparse.Namespace, *, desc: str = "a
                 clear_for_training(run_dir)
                 run_dir.mkdir(parents=True, exist_ok=True)
                 write_text(run_dir / "arena.json", json.dumps({"command": item["command"]}, indent=2) + "\n")
-                log = open(run_dir.parent / f"{run_dir.name}.log", "w")  # noqa: SIM115 (closed on exit)
+                log = create_log(run_dir.parent / f"{run_dir.name}.log")
                 argv = [sys.executable, "-m", "txl", *item["argv"][1:]]
                 proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
                 running[proc.pid] = (item, proc, log)
@@ -264,9 +285,8 @@ def train_variants(plan: list[dict], args: argparse.Namespace, *, desc: str = "a
             proc.returncode = os.waitstatus_to_exitcode(status)
             log.close()
             if proc.returncode != 0:
-                tail = Path(log.name).read_text(errors="replace").strip().splitlines()[-1:]
                 raise UsageError(f"{desc} run {item['name']} failed (exit {proc.returncode}): "
-                                 f"{tail[0] if tail else 'no output'}; log {log.name}")
+                                 f"{log_tail(log.name)}; log {log.name}")
             item["peak_rss_mb"] = usage.ru_maxrss / 1024  # KiB on Linux
             write_text(Path(item["run_dir"]) / "arena.json", json.dumps(
                 {"command": item["command"], "peak_rss_mb": item["peak_rss_mb"]}, indent=2) + "\n")
@@ -282,8 +302,8 @@ def train_variants(plan: list[dict], args: argparse.Namespace, *, desc: str = "a
 
 def collect(item: dict) -> dict:
     run_dir = Path(item["run_dir"])
-    result = json.loads((run_dir / "result.json").read_text())
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    result = read_record(run_dir / "result.json")
+    records = read_records(run_dir / "metrics.jsonl")
     valid = [r for r in records if r.get("split") == "valid"]
     train = [r for r in records if r.get("split") == "train"]
     metric = result.get("metric", "bpc")
@@ -300,7 +320,8 @@ def collect(item: dict) -> dict:
         "tokens": result["tokens"],
         "train_minutes": result["elapsed"] / 60,
         "tokens_per_second": result["tokens_per_second"],
-        "curve": [(r["elapsed"] / 60, r[metric]) for r in train],
+        # a window without a finite step records its loss as null (train/loop.py): no point on the curve
+        "curve": [(r["elapsed"] / 60, r[metric]) for r in train if r.get(metric) is not None],
     }
 
 
@@ -459,7 +480,7 @@ def plot(report: dict, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -471,10 +492,10 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if args.render:
         try:
-            report = json.loads((out / "arena.json").read_text())
-        except (OSError, ValueError) as err:
+            report = read_json(out / "arena.json", what="arena report", error=UsageError)
+        except (OSError, ValueError, TxlError) as err:
             raise UsageError(f"--render needs a readable {out / 'arena.json'} ({err})") from None
-        (out / "arena.md").write_text(markdown(report))
+        write_text(out / "arena.md", markdown(report))
         plot(report, out / "arena.png")
         print(f"wrote {out / 'arena.md'}, {out / 'arena.png'}")
         return 0
@@ -518,8 +539,8 @@ def run(args: argparse.Namespace) -> int:
         "reproduce": shlex.join(flags), "rows": rows,
     }
     out.mkdir(parents=True, exist_ok=True)
-    (out / "arena.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "arena.md").write_text(markdown(report))
+    write_text(out / "arena.json", json.dumps(report, indent=2) + "\n")
+    write_text(out / "arena.md", markdown(report))
     plot(report, out / "arena.png")
     print(markdown(report).split("## Reproduce")[0])
     print(f"wrote {out / 'arena.md'}, {out / 'arena.json'}, {out / 'arena.png'}")

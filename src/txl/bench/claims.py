@@ -33,9 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-from txl.bench.arena import planned_run, train_variants
+from txl.bench.arena import log_tail, planned_run, read_record, train_variants
 from txl.cli_types import MAX_COUNT, MAX_LENGTH, integer, integer_list, threads
-from txl.errors import UsageError
+from txl.errors import TxlError, UsageError
+from txl.io import create_log, read_json
 from txl.rundir import save_array, write_text
 
 PRESET = "claims-char"
@@ -201,8 +202,8 @@ def evaluate_run(item: dict, args: argparse.Namespace) -> dict:
     run_dir = Path(item["run_dir"])
     cache_path = run_dir / "claims_eval.json"
     try:
-        cache = json.loads(cache_path.read_text())
-    except (OSError, ValueError):
+        cache = read_record(cache_path)
+    except (OSError, ValueError, TxlError):
         cache = {}
     ckpt = None
     variant = item["variant"]
@@ -276,12 +277,12 @@ def run_recl(args: argparse.Namespace, plan: list[dict]) -> dict:
         if len(running) >= args.jobs:
             _wait_one(running)
         print("recl:", shlex.join(argv[2:]), flush=True)
-        log = open(prefix.with_suffix(".log"), "w")  # noqa: SIM115 (closed in _wait_one)
+        log = create_log(prefix.with_suffix(".log"))
         running.append((key, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env), log))
     while running:
         _wait_one(running)
     for key, prefix, argv in procs:
-        data = json.loads(prefix.with_suffix(".json").read_text())
+        data = read_record(prefix.with_suffix(".json"))
         results[f"{key[0]}/s{key[1]}"] = {"corpus": key[0], "seed": key[1], "command": shlex.join(["txl", *argv[3:]]),
                                           **data}
     return results
@@ -292,8 +293,7 @@ def _wait_one(running: list) -> None:
     code = proc.wait()
     log.close()
     if code != 0:
-        tail = Path(log.name).read_text(errors="replace").strip().splitlines()[-1:]
-        raise UsageError(f"recl of {key} failed (exit {code}): {tail[0] if tail else 'no output'}; log {log.name}")
+        raise UsageError(f"recl of {key} failed (exit {code}): {log_tail(log.name)}; log {log.name}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,7 +310,7 @@ def build_report(args: argparse.Namespace, plan: list[dict], evals: dict[str, di
                     "eval_tokens": args.eval_tokens, "eval_mems": list(args.eval_mems), "blocks": args.blocks,
                     "runs": [], "ablation": {}, "sweep": {}, "recl": recl}
     for item in plan:
-        result = json.loads((Path(item["run_dir"]) / "result.json").read_text())
+        result = read_record(Path(item["run_dir"]) / "result.json")
         report["runs"].append({k: item[k] for k in ("name", "corpus", "variant", "seed", "size", "parameters",
                                                     "command", "peak_rss_mb", "trained_mem", "ablation_mem")}
                               | {"tokens": result["tokens"], "steps": result["steps"],
@@ -479,8 +479,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if args.phase == "report":
         try:
-            report = json.loads((out / "claims.json").read_text())
-        except (OSError, ValueError) as err:
+            report = read_json(out / "claims.json", what="claims report", error=UsageError)
+        except (OSError, ValueError, TxlError) as err:
             raise UsageError(f"--phase report needs a readable {out / 'claims.json'} ({err})") from None
         _write(report, out)
         return 0

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from txl.errors import UsageError
-from txl.io import write_text
+from txl.io import read_proc, write_text
 
 
 @dataclass(frozen=True)
@@ -258,8 +258,7 @@ def interleaved_medians(steps: dict[str, Callable[[], object]], *, warmup: int, 
 def rss_mb() -> float:
     """Current resident set size of this process in MiB."""
     try:
-        with open("/proc/self/statm") as f:
-            pages = int(f.read().split()[1])
+        pages = int(read_proc("/proc/self/statm").split()[1])
         return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
     except OSError:
         return peak_rss_mb()
@@ -272,10 +271,9 @@ def peak_rss_mb() -> float:
     high-water mark when that is larger (the kernel carries it over at exec).
     """
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
+        for line in read_proc("/proc/self/status").splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
     except OSError:
         pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
@@ -308,8 +306,7 @@ def machine() -> dict[str, Any]:
         "platform": platform.platform(),
     }
     try:
-        with open("/proc/cpuinfo") as f:  # a kernel file (st_size 0): read as a stream, not through txl.io
-            text = f.read()
+        text = read_proc("/proc/cpuinfo")
         for line in text.splitlines():
             if line.startswith("model name"):
                 info["cpu"] = line.split(":", 1)[1].strip()

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 
 from txl.cli_types import integer, integer_list, threads
+from txl.io import read_proc
 
 TITLE = "Evaluation speed-up of Transformer-XL over the vanilla Transformer (per scored token)"
 PAPER = {800: 363, 1800: 773, 2800: 1409, 3800: 1874}  # Dai et al. 2019, Table 9 (GPU)
@@ -152,11 +153,9 @@ def machine() -> dict:
 
     info = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
             "threads": torch.get_num_threads(), "torch": torch.__version__}
-    try:
-        with open("/proc/cpuinfo") as f:
-            info["cpu"] = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    with contextlib.suppress(OSError, StopIteration):
+        info["cpu"] = next(ln.split(":", 1)[1].strip() for ln in read_proc("/proc/cpuinfo").splitlines()
+                           if ln.startswith("model name"))
     with contextlib.suppress(OSError):
         info["load_average"] = [round(x, 2) for x in os.getloadavg()]
     return info

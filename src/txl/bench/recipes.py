@@ -27,10 +27,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from txl.bench.arena import planned_run, train_variants
+from txl.bench.arena import planned_run, read_record, read_records, train_variants
 from txl.cli_types import integer, real, threads
 from txl.errors import UsageError
-from txl.rundir import write_text
+from txl.io import save_figure, write_text
 
 
 @dataclass(frozen=True)
@@ -315,8 +315,8 @@ def plan_item(sweep: Sweep, candidate: Candidate, args: argparse.Namespace, *, r
 def collect(item: dict) -> dict:
     """One finished run: its final scores, speed and training curve (minutes, train and valid metric)."""
     run_dir = Path(item["run_dir"])
-    result = json.loads((run_dir / "result.json").read_text())
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    result = read_record(run_dir / "result.json")
+    records = read_records(run_dir / "metrics.jsonl")
     metric = result.get("metric", "bpc")
     final = {split: scores[metric] for split, scores in (result.get("final") or {}).items()}
     valid = [r for r in records if r.get("split") == "valid"]
@@ -328,16 +328,19 @@ def collect(item: dict) -> dict:
         "tokens": result["tokens"],
         "train_minutes": result["elapsed"] / 60,
         "tokens_per_second": result["tokens_per_second"],
-        "precision": json.loads((run_dir / "run.json").read_text()).get("precision"),
+        "precision": read_record(run_dir / "run.json").get("precision"),
         "valid": final.get("valid", valid[-1][metric] if valid else None),
         "test": final.get("test"),
         "best_weights": result.get("best_weights"),  # "average" when train.ema's average won on valid
         # then the last step's live weights, scored beside it
         "test_live": ((result.get("final_live") or {}).get("test") or {}).get(metric),
-        "curve": [(r["elapsed"] / 60, r[metric]) for r in records if r.get("split") == "train"],
-        "valid_curve": [(r["elapsed"] / 60, r[metric]) for r in valid],
+        # a record without a finite value holds null (train/loop.py): no point on the curves
+        "curve": [(r["elapsed"] / 60, r[metric]) for r in records
+                  if r.get("split") == "train" and r.get(metric) is not None],
+        "valid_curve": [(r["elapsed"] / 60, r[metric]) for r in valid if r.get(metric) is not None],
         # train.ema's weight average, validated beside the live weights
-        "valid_ema_curve": [(r["elapsed"] / 60, r[metric]) for r in records if r.get("split") == "valid_ema"],
+        "valid_ema_curve": [(r["elapsed"] / 60, r[metric]) for r in records
+                            if r.get("split") == "valid_ema" and r.get(metric) is not None],
     }
 
 
@@ -464,7 +467,7 @@ def plot(report: dict, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 

@@ -326,3 +326,28 @@ def read_json(path: str | Path, *, what: str = "JSON file", limit: int = CONFIG_
         raise error(f"{what} {path} nests too deeply to be a file txl wrote; the file is damaged") from None
     except ValueError as err:  # JSONDecodeError, a 5000-digit number
         raise error(f"{what} {path} is not valid JSON ({str(err)[:200]}); the file is damaged") from None
+
+
+def read_proc(path: str, *, limit: int = 4 * 2**20) -> str:
+    """A kernel file under /proc (`/proc/cpuinfo`, `/proc/self/status`): fstat gives them size 0, so they
+    are read as a stream, up to `limit` bytes. OSError passes through (the callers fall back)."""
+    if not path.startswith("/proc/"):
+        raise ValueError(f"read_proc reads /proc files only, not {path}")
+    with open(path, "rb") as f:
+        return f.read(limit).decode("utf-8", "replace")
+
+
+def create_log(path: str | Path):
+    """A fresh file for a child process's output (`bench arena` runs): an old regular entry is removed
+    first, a link is refused, and the new file is created with O_EXCL | O_NOFOLLOW (never truncating a
+    file that is also elsewhere)."""
+    path = Path(path)
+    refuse_link(path)
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            os.unlink(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o666)
+    except OSError as err:
+        raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
+    return os.fdopen(fd, "w", encoding="utf-8")
