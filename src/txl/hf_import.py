@@ -41,8 +41,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from txl.checkpoint import (atomic_directory, check_header, check_state_dict, expected_tensors, load_tensors,
-                            read_header, read_json, write_model_files)
+from txl.checkpoint import (
+    atomic_directory,
+    check_header,
+    check_state_dict,
+    expected_tensors,
+    load_tensors,
+    read_header,
+    read_json,
+    write_model_files,
+)
 from txl.config import TransformerXLConfig
 from txl.errors import CheckpointError, ConfigError
 
@@ -216,6 +224,14 @@ def check_hf_weights(config: TransformerXLConfig, table: dict[str, tuple[torch.d
     """The HF weights' names, shapes and dtypes against what config.json implies, before anything is built
     or allocated: a config.json that declares a far larger model than its weights (vocab_size 2**21 next to
     96 KB of tensors cost 2.3 GB when the model was built first) is refused in one line."""
+    # the tensors that grow with vocab_size first, from the config alone: building even a meta model costs
+    # ~75 MB (torch's meta kernels), which a vocab_size bomb should not be worth
+    for name, want in _embedding_shapes(config).items():
+        found = table.get(name)
+        if found is not None and found[1] != want:
+            raise CheckpointError(f"{src}: tensor {name!r} has shape {found[1]} but config.json (vocab_size="
+                                  f"{config.vocab_size}, cutoffs {list(config.cutoffs)}) implies {want}; the weights "
+                                  "and config.json disagree")
     held = sum(math.prod(shape) for _, shape in table.values())
     if config.num_parameters_estimate() > 8 * held:  # far off: not worth even a model on the meta device
         raise CheckpointError(f"{src}: config.json describes a model of at least {config.num_parameters_estimate():,} "
@@ -228,6 +244,16 @@ def check_hf_weights(config: TransformerXLConfig, table: dict[str, tuple[torch.d
         msg = str(err).splitlines()[0][:200]
         raise CheckpointError(f"{src}: the HF tensors do not have the shapes config.json implies ({msg})") from None
     check_header(expected_tensors(config), {k: (v.dtype, tuple(v.shape)) for k, v in converted.items()}, src)
+
+
+def _embedding_shapes(config: TransformerXLConfig) -> dict[str, tuple[int, ...]]:
+    """The HF embedding tables config.json implies (one per cluster, or one when div_val is 1)."""
+    from txl.adaptive import cluster_bounds, cluster_dims
+
+    bounds, dims = cluster_bounds(config), cluster_dims(config)
+    if config.div_val == 1:
+        return {"transformer.word_emb.emb_layers.0.weight": (config.vocab_size, dims[0])}
+    return {f"transformer.word_emb.emb_layers.{i}.weight": (hi - lo, d) for i, ((lo, hi), d) in enumerate(zip(bounds, dims))}
 
 
 def _weights_file(src: Path) -> Path:
