@@ -86,7 +86,10 @@ def test_ddp_ranks_share_one_clock_for_the_minutes_budget(tmp_path, corpus):
     assert result["stopped_by"] == "max_minutes" and result["steps"] > 1
     lrs = [r["lr"] for r in map(json.loads, (tmp_path / "two" / "metrics.jsonl").read_text().splitlines())
            if r.get("split") == "train"]
-    assert lrs[-1] < 0.5 * lrs[0]  # well down the cosine although max_steps is a million
+    peak = json.loads((tmp_path / "two" / "run.json").read_text())["config"]["train"]["lr"]
+    # down the cosine of the minutes although max_steps is a million (how far down depends on how many
+    # steps a loaded machine fits into the budget: the clock's arithmetic is pinned by the next test)
+    assert lrs and lrs[-1] < peak
 
 
 def test_the_all_reduced_clock_decides_the_stop_and_the_schedule(tmp_path, corpus):
@@ -324,7 +327,7 @@ def test_matmul_probe_times_each_dtype_and_restores_the_threads():
 
     threads = torch.get_num_threads()
     seconds = evaluate.matmul_seconds((torch.float32, torch.bfloat16), size=64, repeats=2)
-    assert len(seconds) == 2 and all(0 < s < 1 for s in seconds)
+    assert len(seconds) == 2 and all(math.isfinite(s) and s > 0 for s in seconds)  # no wall-clock bound
     assert torch.get_num_threads() == threads
 
 
