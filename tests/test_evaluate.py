@@ -265,7 +265,10 @@ def test_eval_speedup_bench_runs(capsys):
     result = json.loads(capsys.readouterr().out)
     assert [r["attn_len"] for r in result["rows"]] == [24, 40]
     assert all(r["speedup"] > 0 and r["tgt_len"] == 16 for r in result["rows"])
-    assert bench(["--attn-len", "0", "--config", "tiny"]) == 2
+    with pytest.raises(SystemExit) as refused:  # argparse's own exit: one line, status 2
+        bench(["--attn-len", "0", "--config", "tiny"])
+    assert refused.value.code == 2
+    assert "--attn-len" in capsys.readouterr().err
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------
