@@ -260,7 +260,11 @@ class _Reader:
         """`items` as dictionary keys or set members: their expanded sizes are checked first, and only
         then are they hashed (hashing a tuple visits every item it holds, every time)."""
         total = 0
+        others = []
         for item in items:
+            if type(item) is str:  # a vocabulary's keys: one item, hashed once (str caches its hash)
+                total += 1
+                continue
             if isinstance(item, Opaque | _Global):
                 raise PickleRefused("it is malformed (an object as a key or set member)")
             size = self.size_of(item)[1]
@@ -268,10 +272,11 @@ class _Reader:
                 raise PickleRefused(f"it has a dictionary key or set member of more than {MAX_KEY_ITEMS:,} items "
                                     "(a pickle bomb?)")
             total += size
+            others.append(item)
         self.hashed += total
         if self.hashed > MAX_HASHED:
             raise PickleRefused(f"it hashes more than {MAX_HASHED:,} key items (a pickle bomb?)")
-        _hash_each(items)
+        _hash_each(others)
         return items
 
     def setitems(self, target: Any, items: list[Any]) -> None:
@@ -338,7 +343,8 @@ class _Reader:
 
     # ---- the interpreter ----------------------------------------------------------------------
     def run(self) -> Any:  # one branch per opcode reads best as one function
-        push = self.stack.append
+        stack = self.stack
+        push = stack.append
         ops, max_ops, max_stack = 0, MAX_OPS, MAX_STACK
         while True:
             if self.pos >= len(self.data):
@@ -346,7 +352,7 @@ class _Reader:
             ops += 1
             if ops > max_ops:
                 raise PickleRefused(f"it runs more than {max_ops:,} opcodes (a pickle bomb?)")
-            if len(self.stack) > max_stack:
+            if len(stack) > max_stack:
                 raise PickleRefused(f"it holds more than {max_stack:,} objects on its stack (a pickle bomb?)")
             op = self.data[self.pos]
             self.pos += 1
