@@ -50,14 +50,19 @@ def train_run(root: Path, steps: int = 40) -> Path:
 
 
 @contextlib.contextmanager
-def running(app):
-    """Serve `app` with uvicorn on 127.0.0.1 (a free port) in a thread; yields the base URL."""
+def running(app, guard=None):
+    """Serve `app` with uvicorn on 127.0.0.1 (a free port) in a thread, configured as `txl serve` does
+    (txl.serve.connections); yields the base URL."""
     import uvicorn
 
+    from txl.serve.connections import Guard, server_config
+
+    guard = guard or getattr(app.state.server, "connections", None) or Guard(max_connections=256, header_timeout=10)
+    app.state.server.connections = guard
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error", access_log=False, timeout_graceful_shutdown=1))
+    server = uvicorn.Server(server_config(app, guard, log_level="error", graceful=1))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

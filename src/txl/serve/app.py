@@ -6,8 +6,12 @@
     POST /api/generate   server-sent events: start, token…, done (or error)
     POST /api/score      per-token NLL of a text or ids; with "attention", one query's attention
 
-Every request is bounded (body size, prompt and text length, new tokens, concurrent work, time) and
-every refusal is one JSON object {"error": "…"} with a 4xx status. Requests name runs by their index
+Every request is bounded (body size and the time it takes to arrive, prompt and text length, new
+tokens, concurrent work, time, response size) and every refusal is one JSON object {"error": "…"}
+with a 4xx status, or 503 with a Retry-After header when the server is full; a bug is one JSON 500
+and one line in the log, never a traceback. Client sessions live within a memory budget (least
+recently used dropped first). Connections (open count, header time) are guarded by
+`txl.serve.connections`. Requests name runs by their index
 in the order the server was started with: nothing a client sends is ever used as a path, and the only
 files served are the page's own (a fixed list). Work runs in threads, one forward pass at a time per
 model, and stops between two forward passes when its client goes away or its time is up.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import secrets
 import threading
@@ -35,9 +40,19 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from txl.display import json_text
 from txl.errors import TxlError
 from txl.generate import encode_prompt
-from txl.serve.engine import Cancelled, Decoder, ServedRun, generate, score, token_pieces
+from txl.serve.engine import (
+    VIEW_MAX_ROWS,
+    Cancelled,
+    Decoder,
+    NotFinite,
+    ServedRun,
+    generate,
+    score,
+    token_pieces,
+)
 
 STATIC = {  # the only files the server reads after start-up: name -> media type
     "index.html": "text/html; charset=utf-8",
@@ -51,6 +66,8 @@ SECURITY_HEADERS = {
     "cache-control": "no-store",
 }
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
+MB = 1 << 20
+log = logging.getLogger("txl.serve")
 
 
 @dataclass(frozen=True)
@@ -66,18 +83,35 @@ class Limits:
     queue_timeout: float = 30.0  # seconds a request waits for a slot
     request_timeout: float = 120.0  # seconds of work per request
     max_body_bytes: int = 256 * 1024
+    body_timeout: float = 10.0  # seconds for a request's body to arrive once its headers have
+    max_response_bytes: int = 4 * MB  # a /api/score answer (the attention view alone is at most ~1.3 MB)
     max_sessions: int = 256  # client sessions kept (least recently used dropped first)
+    session_memory: int = 1024 * MB  # bytes all client sessions may hold (least recently used dropped first)
     session_ttl: float = 3600.0  # seconds an idle session keeps its memory
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str):
+    """A refusal: its status and one line. retry_after: seconds, sent as Retry-After (503s)."""
+
+    def __init__(self, status: int, message: str, *, retry_after: int | None = None):
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status, headers=SECURITY_HEADERS)
+def _error(status: int, message: str, *, retry_after: int | None = None) -> JSONResponse:
+    headers = SECURITY_HEADERS if retry_after is None else {**SECURITY_HEADERS, "retry-after": str(retry_after)}
+    return JSONResponse({"error": json_text(message)}, status_code=status, headers=headers)
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """torch's CPU allocator raises RuntimeError("... can't allocate memory ..."), CUDA OutOfMemoryError."""
+    return isinstance(err, MemoryError | torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and "can't allocate memory" in str(err))
+
+
+def _one_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {json_text(str(err)).splitlines()[0][:200] if str(err) else ''}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,6 +144,12 @@ def _check_field(name: str, value: Any, spec: Field) -> Any:
         if spec.high is not None and value > spec.high:
             raise ApiError(413 if name in ("max_new_tokens",) else 422,
                            f"field {name!r} must be <= {spec.high:g} on this server, got {value}")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:  # JSON may carry "\ud800"; text is never encoded with it
+            raise ApiError(422, f"field {name!r} holds a lone surrogate (\\u{ord(value[err.start]):04x} at character "
+                                f"{err.start}), which is not text: send valid Unicode") from None
     if isinstance(value, str | list) and spec.high is not None and len(value) > spec.high:
         raise ApiError(413, f"field {name!r} is too long: {len(value)} > {spec.high:g} "
                             f"{'characters' if isinstance(value, str) else 'entries'}")
@@ -128,17 +168,27 @@ def parse_fields(data: Any, fields: dict[str, Field]) -> dict[str, Any]:
             for name, spec in fields.items()}
 
 
-async def read_json(request: Request, limit: int) -> Any:
+async def read_json(request: Request, limit: int, timeout: float = 10.0) -> Any:
+    """The body as JSON: at most `limit` bytes, arriving within `timeout` seconds (a client that sends
+    its headers and then trickles or stalls its body holds a connection only that long)."""
     if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
         raise ApiError(415, "send the body as JSON with Content-Type: application/json")
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
         raise ApiError(413, f"the request body is larger than this server's limit of {limit:,} bytes")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ApiError(413, f"the request body is larger than this server's limit of {limit:,} bytes")
+
+    async def whole() -> bytearray:
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise ApiError(413, f"the request body is larger than this server's limit of {limit:,} bytes")
+        return body
+
+    try:
+        body = await asyncio.wait_for(whole(), timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s; send it at once") from None
     try:
         return json.loads(body.decode("utf-8"))
     except UnicodeDecodeError:
@@ -155,22 +205,55 @@ async def read_json(request: Request, limit: int) -> Any:
 class Session:
     decoder: Decoder
     used: float
+    reserved: int = 0  # bytes set aside when it started (ServedRun.session_bytes)
+    held: int = 0  # bytes measured after its last request (Decoder.nbytes)
     busy: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return max(self.reserved, self.held)
 
 
 class Sessions:
-    """Client memories keyed by (session id, run index); bounded in count and idle time."""
+    """Client memories keyed by (session id, run index); bounded in count, idle time and bytes.
+
+    A new session reserves the most it can hold (`ServedRun.session_bytes` at its mem_len); when the
+    sessions would pass `Limits.session_memory` or `max_sessions`, the least recently used idle ones
+    are dropped (a later "continue" of theirs gets 404); when only busy ones are left, the request gets
+    503 with Retry-After. After each request a session's measured size replaces the estimate where
+    it is larger, and the budget is restored the same way."""
 
     def __init__(self, limits: Limits):
         self.limits = limits
         self.items: OrderedDict[tuple[str, int], Session] = OrderedDict()
         self.lock = threading.Lock()
+        self.evicted = 0
 
     def __len__(self) -> int:
         return len(self.items)
 
-    def take(self, key: tuple[str, int], make: Callable[[], Decoder] | None) -> Session:
-        """The session to use (marked busy), a new one from `make()`, or an error."""
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.items.values())
+
+    def full(self) -> bool:
+        """True when a new session could not start now (every slot or byte held by busy sessions)."""
+        with self.lock:
+            idle = any(not s.busy for s in self.items.values())
+            return not idle and (len(self.items) >= self.limits.max_sessions or self.nbytes >= self.limits.session_memory)
+
+    def _make_room(self, nbytes: int, count: int, keep: Session | None = None) -> bool:
+        """Drop least recently used idle sessions until `count` more sessions of `nbytes` fit."""
+        while len(self.items) + count > self.limits.max_sessions or self.nbytes + nbytes > self.limits.session_memory:
+            idle = next((k for k, s in self.items.items() if not s.busy and s is not keep), None)
+            if idle is None:
+                return False
+            del self.items[idle]
+            self.evicted += 1
+        return True
+
+    def take(self, key: tuple[str, int], make: Callable[[], Decoder] | None, reserve: int = 0) -> Session:
+        """The session to use (marked busy), a new one from `make()` that reserves `reserve` bytes, or an error."""
         now = time.monotonic()
         with self.lock:
             for old in [k for k, s in self.items.items() if not s.busy and now - s.used > self.limits.session_ttl]:
@@ -184,20 +267,29 @@ class Sessions:
                     raise ApiError(404, "no such session to continue (it expired or was never started); "
                                         "generate without \"continue\" first")
             else:
-                while len(self.items) >= self.limits.max_sessions:
-                    idle = next((k for k, s in self.items.items() if not s.busy), None)
-                    if idle is None:
-                        raise ApiError(503, "every session slot is in use; try again shortly")
-                    del self.items[idle]
-                session = Session(decoder=make(), used=now)
+                budget = self.limits.session_memory
+                if reserve > budget:
+                    raise ApiError(413, f"a session at this mem_len holds up to {reserve / MB:.1f} MB, more than this "
+                                        f"server's {budget / MB:.1f} MB for all sessions: ask for a smaller mem_len")
+                if session is not None:  # a new generation replaces this session's memory
+                    del self.items[key]
+                if not self._make_room(reserve, 1):
+                    raise ApiError(503, f"every session slot or the sessions' memory ({budget / MB:.1f} MB) is held by "
+                                        "generations still running; try again shortly", retry_after=5)
+                session = Session(decoder=make(), used=now, reserved=reserve)
                 self.items[key] = session
             self.items.move_to_end(key)
             session.busy, session.used = True, now
             return session
 
     def release(self, session: Session) -> None:
+        held = session.decoder.nbytes()
         with self.lock:
-            session.busy, session.used = False, time.monotonic()
+            session.busy, session.used, session.held = False, time.monotonic(), held
+            if not self._make_room(0, 0, keep=session):  # it outgrew its estimate and nothing else can go
+                for key in [k for k, s in self.items.items() if s is session]:
+                    del self.items[key]
+                    self.evicted += 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,6 +307,13 @@ class Server:
         self.waiting = 0
         self.served_tokens = 0
         self.recent: deque[dict] = deque(maxlen=32)  # how the last generations ended (GET /health)
+        self.outcomes: deque[bool] = deque(maxlen=8)  # the last API requests: True = failed on our side (5xx)
+        self.failures = 0  # 5xx answers and generations ended by an internal error, since the start
+        self.connections = None  # txl.serve.connections.Guard, when the server runs behind one
+
+    def note(self, failed: bool) -> None:
+        self.outcomes.append(failed)
+        self.failures += failed
 
     def run_of(self, index: int) -> ServedRun:
         if not 0 <= index < len(self.runs):
@@ -235,9 +334,9 @@ class Server:
         self.waiting += 1
         try:
             await asyncio.wait_for(self.slots.acquire(), timeout=self.limits.queue_timeout)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             raise ApiError(503, f"no work slot became free within {self.limits.queue_timeout:g} s; "
-                                "try again shortly") from None
+                                "try again shortly", retry_after=max(1, round(self.limits.queue_timeout))) from None
         finally:
             self.waiting -= 1
         self.active += 1
@@ -247,11 +346,35 @@ class Server:
         self.slots.release()
 
     def start(self, job: Callable[[], Any]) -> asyncio.Future:
-        """Run `job` in a worker thread; its slot is freed when the thread is done (not before)."""
+        """Run `job` in a worker thread; its slot is freed when the thread is done (not before), and an
+        error nobody awaited any more (a request past its deadline) is collected, not logged."""
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self.pool, job)
-        future.add_done_callback(lambda _: self.release())
+
+        def done(f: asyncio.Future) -> None:
+            self.release()
+            if not f.cancelled():
+                f.exception()
+
+        future.add_done_callback(done)
         return future
+
+    def health(self) -> tuple[int, dict]:
+        """(HTTP status, body) of GET /health: "ok"; "full" (503) when a new session or request cannot
+        start now; "failing" (503) when each of the last 8 API requests failed on the server's side."""
+        status = "ok"
+        if len(self.outcomes) == self.outcomes.maxlen and all(self.outcomes):
+            status = "failing"
+        elif self.sessions.full() or (self.slots is not None and self.slots.locked()
+                                      and self.waiting >= self.limits.max_waiting):
+            status = "full"
+        body = {"status": status, "runs": len(self.runs), "active": self.active, "waiting": self.waiting,
+                "sessions": len(self.sessions), "session_bytes": self.sessions.nbytes,
+                "session_budget_bytes": self.limits.session_memory, "sessions_dropped": self.sessions.evicted,
+                "failures": self.failures, "tokens": self.served_tokens, "recent": list(self.recent)}
+        if self.connections is not None:
+            body.update(self.connections.stats())
+        return (200 if status == "ok" else 503), body
 
 
 GENERATE_FIELDS = {
@@ -281,12 +404,15 @@ def _sse(event: str, data: dict) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
-def create_app(runs: list[ServedRun], limits: Limits | None = None, *, allowed_hosts: tuple[str, ...] | None = None):
+def create_app(runs: list[ServedRun], limits: Limits | None = None, *, allowed_hosts: tuple[str, ...] | None = None,
+               connections=None):
     """The ASGI app. allowed_hosts: the Host header values accepted (default: loopback names only, which
     keeps a web page elsewhere from reaching this server through DNS rebinding); None in the tuple
-    accepts any host."""
+    accepts any host. connections: the `txl.serve.connections.Guard` it runs behind (its counts go
+    into GET /health)."""
     limits = limits or Limits()
     server = Server(runs, limits)
+    server.connections = connections
     hosts = LOOPBACK_HOSTS if allowed_hosts is None else allowed_hosts
     generate_fields = dict(GENERATE_FIELDS)  # with this server's bounds
     generate_fields["prompt"] = Field(str, "", high=limits.max_prompt_tokens * 8)
@@ -297,27 +423,27 @@ def create_app(runs: list[ServedRun], limits: Limits | None = None, *, allowed_h
     score_fields["ids"] = Field(list, None, high=limits.max_score_tokens)
     score_fields["mem_len"] = Field(int, None, low=0, high=limits.max_mem_len)
 
+    page = _read_page()
+
     async def index(request: Request) -> Response:
-        return _static("index.html")
+        return Response(page["index.html"], media_type=STATIC["index.html"], headers=SECURITY_HEADERS)
 
     async def static(request: Request) -> Response:
         name = request.path_params["name"]
         if name not in STATIC:
             raise ApiError(404, "not found")
-        return _static(name)
+        return Response(page[name], media_type=STATIC[name], headers=SECURITY_HEADERS)
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "runs": len(runs), "active": server.active, "waiting": server.waiting,
-                             "sessions": len(server.sessions), "tokens": server.served_tokens,
-                             "recent": list(server.recent)},
-                            headers=SECURITY_HEADERS)
+        status, body = server.health()
+        return JSONResponse(body, status_code=status, headers=SECURITY_HEADERS)
 
     async def model_info(request: Request) -> Response:
         return JSONResponse({"runs": [{**run.card, "eval_tgt_len": run.tgt_len} for run in runs],
                              "limits": asdict(limits)}, headers=SECURITY_HEADERS)
 
     async def generate_route(request: Request) -> Response:
-        args = parse_fields(await read_json(request, limits.max_body_bytes), generate_fields)
+        args = parse_fields(await read_json(request, limits.max_body_bytes, limits.body_timeout), generate_fields)
         run = server.run_of(args["run"])
         model = run.model
         session_id = args["session"]
@@ -338,7 +464,7 @@ def create_app(runs: list[ServedRun], limits: Limits | None = None, *, allowed_h
             raise ApiError(413, f"the prompt is {len(ids):,} tokens; this server takes at most "
                                 f"{limits.max_prompt_tokens:,}")
         server.check_capacity()
-        window = run.ckpt.train_setting("tgt_len") if mem_len == 0 else None  # as `txl generate`
+        window = run.window if mem_len == 0 else None  # as `txl generate`
         session_id = session_id or secrets.token_urlsafe(12)
         key = (session_id, args["run"])
         if args["continue"]:
@@ -351,14 +477,15 @@ def create_app(runs: list[ServedRun], limits: Limits | None = None, *, allowed_h
                 server.sessions.release(session)
                 raise ApiError(422, "nothing to continue from: give a prompt")
         else:
-            session = server.sessions.take(key, lambda: Decoder(run, mem_len=mem_len, window=window))
+            session = server.sessions.take(key, lambda: Decoder(run, mem_len=mem_len, window=window),
+                                           reserve=run.session_bytes(mem_len=mem_len, window=window))
         seed = args["seed"] if args["seed"] is not None else secrets.randbits(62)
         settings = {k: args[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p")}
         return StreamingResponse(_generation(server, run, session, session_id, ids, seed, settings),
                                  media_type="text/event-stream", headers={**SECURITY_HEADERS, "x-accel-buffering": "no"})
 
     async def score_route(request: Request) -> Response:
-        args = parse_fields(await read_json(request, limits.max_body_bytes), score_fields)
+        args = parse_fields(await read_json(request, limits.max_body_bytes, limits.body_timeout), score_fields)
         run = server.run_of(args["run"])
         if (args["text"] is None) == (args["ids"] is None):
             raise ApiError(422, "give exactly one of \"text\" and \"ids\"")
@@ -390,26 +517,46 @@ def create_app(runs: list[ServedRun], limits: Limits | None = None, *, allowed_h
                                     "before it is the one shown)")
             if attention["layer"] >= config.n_layer or attention["head"] >= config.n_head:
                 raise ApiError(422, f"attention.layer must be < {config.n_layer} and attention.head < {config.n_head}")
+            if config.n_layer * config.n_head > VIEW_MAX_ROWS:
+                raise ApiError(422, f"the attention view covers at most {VIEW_MAX_ROWS:,} layer x head rows; this model "
+                                    f"has {config.n_layer * config.n_head:,}: score without 'attention'")
         mem_len = args["mem_len"]
         if mem_len is None:
-            mem_len = run.ckpt.train_setting("eval_mem_len")
-            mem_len = run.model.mem_len if mem_len is None else mem_len
+            mem_len = min(run.eval_mem_len, limits.max_mem_len)
         tgt_len = args["tgt_len"] or run.tgt_len
-        deadline = time.monotonic() + limits.request_timeout
+
+        def job() -> bytes:  # in a worker thread: the scoring and the JSON (never on the event loop)
+            result = score(run, ids, mem_len=mem_len, tgt_len=tgt_len, attention=attention,
+                           cancelled=lambda: time.monotonic() > deadline)
+            result.update(run=args["run"], ids=ids, tokens=token_pieces(run.vocab, ids), metric=run.card["metric"])
+            body = json.dumps(result, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+            if len(body) > limits.max_response_bytes:
+                raise ApiError(413, f"the answer would be {len(body):,} bytes, more than this server's limit of "
+                                    f"{limits.max_response_bytes:,}: score a shorter text")
+            return body
+
         await server.acquire()
-        future = server.start(lambda: score(run, ids, mem_len=mem_len, tgt_len=tgt_len, attention=attention,
-                                            cancelled=lambda: time.monotonic() > deadline))
-        try:
-            result = await future
-        except Cancelled:
-            raise ApiError(503, f"scoring took longer than this server's limit of {limits.request_timeout:g} s") from None
+        deadline = time.monotonic() + limits.request_timeout
+        future = server.start(job)
+        late = ApiError(503, f"scoring took longer than this server's limit of {limits.request_timeout:g} s; score a "
+                             "shorter text or smaller tgt_len/mem_len", retry_after=1)
+        try:  # answered at the deadline even while a long forward pass is still running (it stops after it)
+            body = await asyncio.wait_for(asyncio.shield(future), max(deadline - time.monotonic(), 0.001))
+        except (asyncio.TimeoutError, Cancelled):
+            raise late from None
+        except NotFinite as err:
+            raise ApiError(500, str(err)) from None
         except TxlError as err:
             raise ApiError(422, str(err)) from None
-        result.update(run=args["run"], ids=ids, tokens=token_pieces(run.vocab, ids), metric=run.card["metric"])
-        return JSONResponse(result, headers=SECURITY_HEADERS)
+        except Exception as err:
+            if _out_of_memory(err):
+                raise ApiError(503, "the server ran out of memory for this request; score a shorter text or a smaller "
+                                    "tgt_len/mem_len, or try again shortly", retry_after=5) from None
+            raise
+        return Response(body, media_type="application/json", headers=SECURITY_HEADERS)
 
     async def on_api_error(request: Request, err: ApiError) -> Response:
-        return _error(err.status, str(err))
+        return _error(err.status, str(err), retry_after=err.retry_after)
 
     async def on_http_error(request: Request, err: HTTPException) -> Response:
         message = {404: "not found", 405: f"method {request.method} is not allowed here"}.get(err.status_code, err.detail)
@@ -434,7 +581,7 @@ def create_app(runs: list[ServedRun], limits: Limits | None = None, *, allowed_h
                             Exception: on_crash},
     )
     app.state.server = server
-    return _HostCheck(app, hosts)
+    return _Guard(app, hosts, server)
 
 
 async def _generation(server: Server, run: ServedRun, session: Session, session_id: str, ids: list[int], seed: int,
@@ -480,10 +627,21 @@ async def _generation(server: Server, run: ServedRun, session: Session, session_
             stopped_by = "time_limit" if timed_out else "disconnected"
         except TxlError as err:
             stopped_by = "error"
-            put("error", {"error": str(err)})
+            put("error", {"error": json_text(str(err)), "status": 422})
+        except NotFinite as err:
+            stopped_by = "error"
+            server.note(True)
+            put("error", {"error": str(err), "status": 500})
         except Exception as err:  # never let one request take the server down
             stopped_by = "error"
-            put("error", {"error": f"internal error ({type(err).__name__}); the server keeps running"})
+            server.note(True)
+            if _out_of_memory(err):
+                put("error", {"error": "the server ran out of memory for this generation; try a shorter prompt, a "
+                                       "smaller mem_len, or again shortly", "status": 503, "retry_after": 5})
+            else:
+                log.error("txl serve: internal error in a generation: %s", _one_line(err))
+                put("error", {"error": f"internal error ({type(err).__name__}); the server keeps running",
+                              "status": 500})
         finally:
             server.sessions.release(session)
         seconds = time.perf_counter() - started
@@ -498,7 +656,8 @@ async def _generation(server: Server, run: ServedRun, session: Session, session_
         try:
             await server.acquire()
         except ApiError as err:
-            yield _sse("error", {"error": str(err), "status": err.status})
+            yield _sse("error", {"error": str(err), "status": err.status,
+                                 **({"retry_after": err.retry_after} if err.retry_after else {})})
             return
         server.start(job)
         started = True
@@ -513,27 +672,57 @@ async def _generation(server: Server, run: ServedRun, session: Session, session_
             server.sessions.release(session)
 
 
-def _static(name: str) -> Response:
-    body = resources.files("txl.serve").joinpath("static", name).read_bytes()
-    return Response(body, media_type=STATIC[name], headers=SECURITY_HEADERS)
+def _read_page() -> dict[str, bytes]:
+    """The page's files, read once when the app is made (the only files read after start-up: none)."""
+    from txl.io import read_bytes
+
+    folder = resources.files("txl.serve").joinpath("static")
+    page = {}
+    for name in STATIC:
+        with resources.as_file(folder.joinpath(name)) as path:
+            page[name] = read_bytes(path, what="a page file of txl serve", limit=4 * MB)
+    return page
 
 
-class _HostCheck:
-    """Refuse requests whose Host header is not one of `hosts` (DNS rebinding), as JSON."""
+class _Guard:
+    """The outermost layer: refuse requests whose Host header is not one of `hosts` (DNS rebinding),
+    as JSON; count the API answers that failed on our side (GET /health); and end any exception that
+    escaped the app as one JSON 500 and one log line. Starlette's error middleware re-raises after
+    answering, which made uvicorn print a traceback for each (issue 50)."""
 
-    def __init__(self, app, hosts: tuple[str, ...]):
+    def __init__(self, app, hosts: tuple[str, ...], server: Server):
         self.app = app
         self.hosts = hosts
+        self.server = server
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and None not in self.hosts:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if None not in self.hosts:
             host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
             name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
             if name not in self.hosts:
                 await _error(400, f"Host {host[:60]!r} is not served here; use http://127.0.0.1 "
                                   "(or start with --host NAME to serve that name)")(scope, receive, send)
                 return
-        await self.app(scope, receive, send)
+        answered = []
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                answered.append(message["status"])
+                if scope["path"].startswith("/api/"):
+                    self.server.note(message["status"] >= 500)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as err:
+            log.error("txl serve: internal error in %s %s: %s", scope.get("method"), scope.get("path", "")[:100],
+                      _one_line(err))
+            if not answered:
+                await _error(500, f"internal error ({type(err).__name__}); the server keeps running")(
+                    scope, receive, sending)
 
     @property
     def state(self):

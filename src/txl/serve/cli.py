@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ipaddress
+import math
 import socket
 import sys
 
@@ -30,18 +31,39 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="generations and scorings running at once; more wait for a slot (4)")
     limits.add_argument("--timeout", type=float, default=120.0, help="seconds of work per request (120)")
     limits.add_argument("--max-sessions", type=int, default=256, help="client memories kept (256)")
+    limits.add_argument("--session-memory", type=float, default=1024,
+                        help="MB all client memories may hold; least recently used dropped first (1024)")
+    limits.add_argument("--max-connections", type=int, default=512,
+                        help="open connections (512; lowered to fit the descriptor limit, ulimit -n)")
+    limits.add_argument("--header-timeout", type=float, default=10.0,
+                        help="seconds a connection may take to send a request's headers, and its body (10)")
+
+
+# (low, high) of each number: out of range or not finite ends the start in one line (issue 50)
+RANGES = {
+    "port": (0, 65535), "threads": (0, 1024), "max_new_tokens": (1, 1_000_000), "max_prompt_tokens": (1, 1_000_000),
+    "max_score_tokens": (1, 1_000_000), "max_concurrent": (1, 1024), "timeout": (0.001, 86400.0),
+    "max_sessions": (1, 1_000_000), "session_memory": (1.0, 1_048_576.0), "max_connections": (1, 1_000_000),
+    "header_timeout": (0.001, 3600.0),
+}
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    for name, (low, high) in RANGES.items():
+        value, flag = getattr(args, name), f"--{name.replace('_', '-')}"
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{flag} must be a finite number, got {value}")
+        if name == "port" and not low <= value <= high:
+            raise UsageError(f"--port must be in 0…65535, got {value}")
+        if name == "timeout" and value <= 0:  # the message of the start-up check before issue 50
+            raise UsageError(f"--timeout must be > 0 seconds, got {value}")
+        if not low <= value <= high:
+            bound = f">= {low:g}" if value < low else f"<= {high:,}" if isinstance(high, int) else f"<= {high:,g}"
+            raise UsageError(f"{flag} must be {bound}, got {value:g}")
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("max_new_tokens", "max_prompt_tokens", "max_score_tokens", "max_concurrent", "max_sessions"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not 0 <= args.port <= 65535:
-        raise UsageError(f"--port must be in 0…65535, got {args.port}")
-    if args.timeout <= 0:
-        raise UsageError(f"--timeout must be > 0 seconds, got {args.timeout}")
-    if args.threads < 0:
-        raise UsageError(f"--threads must be >= 0, got {args.threads}")
+    check_numbers(args)
     if len(args.runs) > 2:
         raise UsageError(f"txl serve shows one run or two side by side; got {len(args.runs)}")
     try:
@@ -53,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from txl.eval_cli import _device
-    from txl.serve.app import LOOPBACK_HOSTS, Limits, create_app
+    from txl.serve.app import LOOPBACK_HOSTS, MB, Limits, create_app
+    from txl.serve.connections import Guard, connection_cap, server_config
     from txl.serve.engine import open_run
 
     if args.threads:
@@ -64,9 +87,11 @@ def run(args: argparse.Namespace) -> int:
         runs[1].name += " (2)"
     limits = Limits(max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                     max_score_tokens=args.max_score_tokens, max_concurrent=args.max_concurrent,
-                    request_timeout=args.timeout, max_sessions=args.max_sessions)
+                    request_timeout=args.timeout, max_sessions=args.max_sessions,
+                    session_memory=int(args.session_memory * MB), body_timeout=args.header_timeout)
     loopback = _is_loopback(args.host)
-    app = create_app(runs, limits, allowed_hosts=None if not loopback else LOOPBACK_HOSTS)
+    guard = Guard(max_connections=connection_cap(args.max_connections), header_timeout=args.header_timeout)
+    app = create_app(runs, limits, allowed_hosts=None if not loopback else LOOPBACK_HOSTS, connections=guard)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/"
@@ -74,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"txl serve: warning: listening on {args.host}: anyone who can reach this machine can use the model",
               file=sys.stderr)
     print(f"txl serve: {', '.join(r.name for r in runs)} at {url} (Ctrl-C to stop)", flush=True)
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, access_log=False)
+    config = server_config(app, guard)
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn shuts down gracefully, then re-raises the Ctrl-C
         uvicorn.Server(config).run(sockets=[sock])
     print("txl serve: stopped", flush=True)
