@@ -45,7 +45,7 @@ def empty_set_bomb(count: int = 10_000_000) -> bytes:
 
 
 def long_error_line_bomb(levels: int = 23) -> bytes:
-    """~230 bytes: {'idx2sym': ['a'], 'lower_case': L} with L_0 = ['a', 'a'], L_i = [L_{i-1}, L_{i-1}] by
+    """250 bytes (the review's file had 231): {'idx2sym': ['a'], 'lower_case': L} with L_0 = ['a', 'a'], L_i = [L_{i-1}, L_{i-1}] by
     memo reference; quoting L with repr() writes 2**(levels + 1) strings (100 MB at 23 levels)."""
     out = bytearray(b"\x80\x04}\x94(")  # EMPTY_DICT MEMOIZE(0) MARK
     out += b"\x8c\x07idx2sym(\x8c\x01al"  # 'idx2sym': ['a']
@@ -60,7 +60,7 @@ def _expanded(data: bytes) -> object:
 
 
 def test_the_hostile_files_are_what_the_review_describes():
-    assert len(shared_tuple_key_bomb()) < 6200 and len(long_error_line_bomb()) < 260
+    assert len(shared_tuple_key_bomb()) < 6200 and len(long_error_line_bomb()) <= 250
     tuples = _expanded(shared_tuple_key_bomb(levels=3, dicts=2))
     assert tuples is None
     state = _expanded(long_error_line_bomb(levels=2))
@@ -102,11 +102,12 @@ def _read_in_child(tmp_path: Path, data: bytes) -> dict:
     ("bomb", "why"),
     [
         (shared_tuple_key_bomb, "pickle bomb"),
+        (lambda: shared_tuple_key_bomb(levels=21), "key or set member of more than 1,000 items"),  # within MAX_ITEMS
         (empty_set_bomb, "containers"),
         (long_error_line_bomb, "pickle bomb"),
         (lambda: long_error_line_bomb(levels=20), "'lower_case' is [["),  # within the bounds: quoted, briefly
     ],
-    ids=["6KB-shared-tuple-keys", "10MB-of-EMPTY_SET", "231B-100MB-error-line", "error-line-within-bounds"],
+    ids=["6KB-shared-tuple-keys", "6KB-shared-tuple-keys-21-levels", "10MB-of-EMPTY_SET", "231B-100MB-error-line", "error-line-within-bounds"],
 )
 def test_the_review_files_end_in_one_short_line_under_300_mb(tmp_path, bomb, why):
     got = _read_in_child(tmp_path, bomb())
