@@ -45,8 +45,9 @@ def empty_set_bomb(count: int = 10_000_000) -> bytes:
 
 
 def long_error_line_bomb(levels: int = 23) -> bytes:
-    """250 bytes (the review's file had 231): {'idx2sym': ['a'], 'lower_case': L} with L_0 = ['a', 'a'], L_i = [L_{i-1}, L_{i-1}] by
-    memo reference; quoting L with repr() writes 2**(levels + 1) strings (100 MB at 23 levels)."""
+    """250 bytes (the review's file had 231): {'idx2sym': ['a'], 'lower_case': L} with L_0 = ['a', 'a'] and
+    L_i = [L_{i-1}, L_{i-1}] by memo reference; quoting L with repr() writes 2**(levels + 1) strings (100 MB
+    at 23 levels)."""
     out = bytearray(b"\x80\x04}\x94(")  # EMPTY_DICT MEMOIZE(0) MARK
     out += b"\x8c\x07idx2sym(\x8c\x01al"  # 'idx2sym': ['a']
     out += b"\x8c\x0alower_case]\x94(\x8c\x01a\x8c\x01ae"  # 'lower_case': L_0 = ['a', 'a'] (memo 1)
