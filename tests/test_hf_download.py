@@ -225,3 +225,24 @@ def test_without_huggingface_hub_a_repo_id_names_the_extra(tmp_path, monkeypatch
     assert main(["import-hf", REPO, str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "pip install 'txl[hf]'" in err and err.count("\n") == 1, err
+
+
+def test_a_repository_whose_tokenizer_added_a_token_imports_with_its_added_tokens_json(hub_env, tmp_path):
+    """added_tokens.json is fetched with the rest (here it alone names `<formula>`: a tokenizer_config.json
+    without added_tokens_decoder, as transformers < 4.34 wrote it)."""
+    import json
+
+    hub, _tok = hub_env
+    folder = Path(__file__).parent / "data" / "hf_added_tokens"
+    files = {name: (folder / name).read_bytes() for name in ("config.json", "model.safetensors", "vocab.pkl",
+                                                            "added_tokens.json")}
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    del config["added_tokens_decoder"]
+    files["tokenizer_config.json"] = json.dumps(config).encode()
+    hub.repos["someone/added"] = {OTHER: files}
+    hub.main["someone/added"] = OTHER
+    assert main(["import-hf", "someone/added", str(tmp_path / "out")]) == 0
+    assert ("GET", "someone/added", "main", "added_tokens.json") in hub.requests
+    vocab = Vocab.load(tmp_path / "out" / "vocab.json")
+    expected = json.loads((folder / "expected.json").read_text(encoding="utf-8"))["ids"]
+    assert vocab.size == 68 and all(vocab.encode(s).tolist() == ids for s, ids in expected.items())
