@@ -253,7 +253,8 @@ def _embedding_shapes(config: TransformerXLConfig) -> dict[str, tuple[int, ...]]
     bounds, dims = cluster_bounds(config), cluster_dims(config)
     if config.div_val == 1:
         return {"transformer.word_emb.emb_layers.0.weight": (config.vocab_size, dims[0])}
-    return {f"transformer.word_emb.emb_layers.{i}.weight": (hi - lo, d) for i, ((lo, hi), d) in enumerate(zip(bounds, dims))}
+    return {f"transformer.word_emb.emb_layers.{i}.weight": (hi - lo, d)
+            for i, ((lo, hi), d) in enumerate(zip(bounds, dims))}
 
 
 def _weights_file(src: Path) -> Path:
@@ -311,8 +312,8 @@ def looks_like_repo_id(text: str) -> bool:
 
 def download_hf(repo_id: str, revision: str | None = None) -> Path:
     """Fetch config.json, the weights, vocab.pkl, tokenizer_config.json and added_tokens.json of `repo_id`
-    into the hub cache;
-    returns the snapshot directory. One-line `CheckpointError` for every failure (no network included)."""
+    into the hub cache; returns the snapshot directory. One-line `CheckpointError` for every failure (no
+    network included)."""
     try:
         import huggingface_hub
         from huggingface_hub.utils import EntryNotFoundError, HfHubHTTPError
