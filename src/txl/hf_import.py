@@ -411,9 +411,10 @@ def import_hf(src: str | Path, out: str | Path, *, revision: str | None = None) 
         config = convert_config(read_json(src / "config.json", "HF config"))
     except ConfigError as err:
         raise CheckpointError(f"{src / 'config.json'}: {err}") from None
+    # the vocabulary first: it costs least to refuse (checking the weights builds a model on the meta device)
+    vocab = read_source_vocab(src, config.vocab_size)  # before anything is written: a refused file leaves nothing
     table, tensors = read_hf_weight_table(src)
     check_hf_weights(config, table, src)  # before anything is built or allocated
-    vocab = read_source_vocab(src, config.vocab_size)  # before anything is written: a refused file leaves nothing
     tensors = convert_state_dict(tensors if tensors is not None else read_hf_weights(src), config)
     model = TransformerXL(config)
     expected = model.state_dict()

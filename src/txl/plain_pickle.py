@@ -174,9 +174,11 @@ class _Reader:
         self.stack: list[Any] = []
         self.marks: list[int] = []
         self.memo: dict[int, Any] = {}
-        # depth and expanded size of every container built so far (keyed by id; `keep` holds them alive)
+        # depth and expanded size of every container that has items (keyed by id; `keep` holds them alive,
+        # so that an id in `shape` stays theirs); an empty one is (1, 1) and costs no bookkeeping
         self.shape: dict[int, tuple[int, int]] = {}
         self.keep: list[Any] = []
+        self.containers = 0
         self.hashed = 0  # expanded items hashed as keys so far
 
     # ---- reading the stream ----------------------------------------------------------------
@@ -198,22 +200,23 @@ class _Reader:
 
     # ---- bookkeeping for the bounds -------------------------------------------------------------
     def new(self, obj: Any) -> Any:
-        self.count_container(obj)
-        self.shape[id(obj)] = (1, 1)
+        self.count_container()
         return obj
 
-    def count_container(self, obj: Any = None) -> None:
-        """Every container counts, empty ones and the shared empty tuple too (`keep` also holds them
-        alive, so that their ids in `shape` stay theirs)."""
-        if len(self.keep) >= MAX_CONTAINERS:
+    def count_container(self) -> None:
+        """Every container counts, empty ones and the shared empty tuple too."""
+        self.containers += 1
+        if self.containers > MAX_CONTAINERS:
             raise PickleRefused(f"it builds more than {MAX_CONTAINERS:,} containers (a pickle bomb?)")
-        self.keep.append(obj)
 
     def size_of(self, obj: Any) -> tuple[int, int]:
-        return self.shape.get(id(obj), (0, 1)) if isinstance(obj, _CONTAINERS) else (0, 1)
+        return self.shape.get(id(obj), (1, 1)) if isinstance(obj, _CONTAINERS) else (0, 1)
 
     def grow(self, parent: Any, children: list[Any]) -> None:
-        depth, size = self.shape.get(id(parent), (1, 1))
+        old = self.shape.get(id(parent))
+        if old is None:
+            self.keep.append(parent)
+        depth, size = old or (1, 1)
         for child in children:
             child_depth, child_size = self.size_of(child)
             depth = max(depth, child_depth + 1)
