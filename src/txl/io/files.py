@@ -323,7 +323,7 @@ def read_json(path: str | Path, *, what: str = "JSON file", limit: int = CONFIG_
     except DuplicateKeyError as err:
         raise error(f"{what} {path} is ambiguous: {err}; the file is damaged or was edited") from None
     except RecursionError:
-        raise error(f"{what} {path} nests too deeply to be a file txl wrote; the file is damaged") from None
+        raise error(f"{what} {path} nests too deeply to be a JSON file txl reads; the file is damaged") from None
     except ValueError as err:  # JSONDecodeError, a 5000-digit number
         raise error(f"{what} {path} is not valid JSON ({str(err)[:200]}); the file is damaged") from None
 
