@@ -254,17 +254,22 @@ function renderAttention(stream, result) {
   $("attn-info").textContent = `query at position ${a.query} predicting token ${a.token} ` +
     `(“${result.tokens[a.token]}”, NLL ${result.nll[a.token - 1].toFixed(3)}); scored in segments of ${result.tgt_len} ` +
     `with mem_len ${result.mem_len}: ${memory} memory keys, then the segment ${a.segment_start}…${a.segment_end - 1}`;
+  // Long views come downsampled (issue 50): a cell sums keys_per_cell keys, a matrix row averages
+  // queries_per_row queries; with 1 each, a cell is one key.
+  const per = a.keys_per_cell || 1;
+  if (per > 1) $("attn-info").textContent += ` (shown in cells of ${per} keys; the matrix rows average ${a.queries_per_row} queries)`;
   const strip = $("attn-strip");
   strip.replaceChildren();
   const top = Math.max(...row);
   row.forEach((w, j) => {
-    const pos = a.first_key + j;
-    if (pos === a.segment_start && j > 0) strip.append(el("span", { class: "boundary", title: "memory | segment" }));
-    else if (pos > 0 && pos % result.tgt_len === 0 && j > 0) strip.append(el("span", { class: "earlier", title: "an earlier segment starts here" }));
-    const span = el("span", { class: "key" + (pos < a.segment_start ? " mem" : "") + (pos === a.query ? " query" : ""),
-      text: pos >= 0 ? (result.tokens[pos] || "\u200b") : "·" });
+    const pos = a.first_key + j * per, last = Math.min(pos + per, a.segment_end) - 1;
+    if (pos <= a.segment_start && a.segment_start < pos + per && j > 0) strip.append(el("span", { class: "boundary", title: "memory | segment" }));
+    else if (pos > 0 && Math.floor(last / result.tgt_len) > Math.floor((pos - 1) / result.tgt_len) && j > 0) strip.append(el("span", { class: "earlier", title: "an earlier segment starts here" }));
+    const mine = pos <= a.query && a.query <= last;
+    const text = per === 1 ? (pos >= 0 ? (result.tokens[pos] || "\u200b") : "·") : result.tokens.slice(Math.max(pos, 0), last + 1).join("") || "·";
+    const span = el("span", { class: "key" + (last < a.segment_start ? " mem" : "") + (mine ? " query" : ""), text });
     span.style.background = heat(w / top);
-    span.title = `position ${pos}: ${(100 * w).toFixed(2)}%`;
+    span.title = per === 1 ? `position ${pos}: ${(100 * w).toFixed(2)}%` : `positions ${pos}…${last}: ${(100 * w).toFixed(2)}%`;
     strip.append(span);
   });
   drawMatrix($("attn-matrix"), a, memory, result.tgt_len);
@@ -284,15 +289,16 @@ function drawMatrix(canvas, a, memory, tgtLen) {
       ctx.fillRect(pad + j * cw, pad + i * ch, Math.ceil(cw), Math.ceil(ch));
     }
   }
+  const per = a.keys_per_cell || 1, perRow = a.queries_per_row || 1;  // keys per cell, queries per row
   ctx.strokeStyle = "#8a8f9c"; ctx.lineWidth = 1; ctx.setLineDash([3, 3]);  // earlier segments inside the memory
-  for (let j = 1; j < memory; j++) {
-    if ((a.first_key + j) % tgtLen === 0) { ctx.beginPath(); ctx.moveTo(pad + j * cw, pad); ctx.lineTo(pad + j * cw, H - 2); ctx.stroke(); }
+  for (let k = 1; k < memory; k++) {
+    if ((a.first_key + k) % tgtLen === 0) { const x = pad + (k / per) * cw; ctx.beginPath(); ctx.moveTo(x, pad); ctx.lineTo(x, H - 2); ctx.stroke(); }
   }
   ctx.setLineDash([]);
-  const boundary = pad + memory * cw;  // memory | segment
+  const boundary = pad + (memory / per) * cw;  // memory | segment
   ctx.strokeStyle = "#c0392b"; ctx.lineWidth = 2;
   ctx.beginPath(); ctx.moveTo(boundary, pad - 6); ctx.lineTo(boundary, H - 2); ctx.stroke();
-  const q = a.query - a.segment_start;
+  const q = Math.floor((a.query - a.segment_start) / perRow);
   ctx.strokeStyle = "#2f5fd0"; ctx.strokeRect(pad, pad + q * ch, W - pad - 4, Math.max(ch, 2));
   ctx.fillStyle = "#1d2330"; ctx.font = "11px sans-serif";
   ctx.fillText("memory", pad, pad - 10);
