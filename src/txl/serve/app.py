@@ -307,8 +307,8 @@ class Server:
         self.waiting = 0
         self.served_tokens = 0
         self.recent: deque[dict] = deque(maxlen=32)  # how the last generations ended (GET /health)
-        self.outcomes: deque[bool] = deque(maxlen=8)  # the last API requests: True = failed on our side (5xx)
-        self.failures = 0  # 5xx answers and generations ended by an internal error, since the start
+        self.outcomes: deque[bool] = deque(maxlen=8)  # the last API requests: True = failed on our side (500)
+        self.failures = 0  # 500 answers and generations ended by an internal error, since the start
         self.connections = None  # txl.serve.connections.Guard, when the server runs behind one
 
     def note(self, failed: bool) -> None:
@@ -712,7 +712,7 @@ class _Guard:
             if message["type"] == "http.response.start":
                 answered.append(message["status"])
                 if scope["path"].startswith("/api/"):
-                    self.server.note(message["status"] >= 500)
+                    self.server.note(message["status"] == 500)  # a 503 is the server full, not failing
             await send(message)
 
         try:
