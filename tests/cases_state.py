@@ -5,16 +5,15 @@ tests/test_resume_hostile.py checks more of each (the previous `last/` stays byt
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import signal
 import struct
 from pathlib import Path
 
 import torch
 
+from helpers import hang_guard
 from test_robustness import Ctx, Outcome, case, cli
 
 HOSTILE = "tests/test_resume_hostile.py::"
@@ -34,20 +33,6 @@ def _eval(run: Path) -> Outcome:
     return cli("eval", str(run), "--device", "cpu", "--max-tokens", "64")
 
 
-@contextlib.contextmanager
-def _hang_guard(seconds: int = 60):
-    """A FIFO read without txl.io's reader blocks for ever: fail instead."""
-
-    def alarm(signum, frame):
-        raise AssertionError(f"still blocked after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, alarm)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _fifo(path: Path) -> None:
@@ -188,7 +173,7 @@ def _(ctx):
 def _(ctx):
     run = _run(ctx)
     _fifo(run / "last" / "optimizer.json")
-    with _hang_guard():
+    with hang_guard():
         return _resume(run)
 
 
@@ -197,7 +182,7 @@ def _(ctx):
 def _(ctx):
     run = _run(ctx)
     _fifo(run / "run.json")
-    with _hang_guard():
+    with hang_guard():
         return _resume(run)
 
 
@@ -206,7 +191,7 @@ def _(ctx):
 def _(ctx):
     run = _run(ctx)
     _fifo(run / "last" / "trainer_state.json")
-    with _hang_guard():
+    with hang_guard():
         return _eval(run)
 
 

@@ -7,9 +7,11 @@ directory on sys.path); the fixtures here are used by importing them into a test
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -168,3 +170,19 @@ def stranger_bpe_vocab(change, *, vocab_size: int) -> dict:
     outer = json.loads(Vocab("bpe", bpe=tok.to_str()).to_json())
     outer["bpe"] = json.dumps(inner)
     return outer
+
+
+@contextlib.contextmanager
+def hang_guard(seconds: int = 60):
+    """Fail instead of hanging for ever (a FIFO opened for reading blocks until a writer comes)."""
+
+    def alarm(signum, frame):
+        raise AssertionError(f"still blocked after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

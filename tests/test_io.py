@@ -4,13 +4,12 @@ touches goes through them (issue 50: writes through links, unbounded readers, FI
 from __future__ import annotations
 
 import ast
-import contextlib
 import os
-import signal
 from pathlib import Path
 
 import pytest
 
+from helpers import hang_guard
 from txl.errors import CheckpointError, DataError, OutputError
 from txl.io import (
     CONFIG_LIMIT,
@@ -28,20 +27,6 @@ from txl.rundir import LOCK_NAME, RunLock
 SRC = Path(__file__).resolve().parent.parent / "src" / "txl"
 
 
-@contextlib.contextmanager
-def hang_guard(seconds: int = 20):
-    """Fail instead of hanging for ever (a FIFO opened for reading blocks until a writer comes)."""
-
-    def alarm(signum, frame):
-        raise AssertionError(f"still blocked after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, alarm)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 # ---------------------------------------------------------------------------------------------

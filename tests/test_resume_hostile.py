@@ -21,7 +21,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import pytest
 import torch
 
 import helpers
+from helpers import hang_guard
 from txl.checkpoint import load_tensors, save_tensors
 from txl.errors import TrainingError
 
@@ -62,20 +62,6 @@ def files(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
-@contextlib.contextmanager
-def hang_guard(seconds: int = 60):
-    """Fail instead of hanging for ever (a FIFO opened for reading blocks until a writer comes)."""
-
-    def alarm(signum, frame):
-        raise AssertionError(f"still blocked after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, alarm)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(scope="module")

@@ -182,17 +182,16 @@ def save_array(path: str | Path, array) -> None:
     write_bytes(path, buffer.getvalue())
 
 
-def open_append(path: str | Path, *, what: str = "file"):
-    """Open `path` for appending text (the metrics log of a run): created if absent; an existing entry must
-    be a regular file of this user with one link, never a symbolic link (`check_own_file`)."""
-    path = Path(path)
+def _open_own(path: Path, flags: int, mode: int, what: str) -> int:
+    """A descriptor of `path` opened with `flags` (plus O_NOFOLLOW | O_NONBLOCK, so neither a link nor a
+    FIFO can redirect or block it), checked to be a regular file of this user with one link."""
     refuse_link(path)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _CLOEXEC | _NONBLOCK, 0o666)
+        fd = os.open(path, flags | _NOFOLLOW | _CLOEXEC | _NONBLOCK, mode)
     except OSError as err:
         if err.errno == errno.ELOOP:
             raise OutputError(f"{path} is a symbolic link; txl never writes through a link: remove it") from None
-        if err.errno == errno.ENXIO:  # a FIFO nobody reads
+        if err.errno == errno.ENXIO:  # a FIFO nobody reads, opened for writing
             raise OutputError(f"{what} {path} is a FIFO, not a regular file; remove it or use another directory") from None
         raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
     try:
@@ -201,26 +200,19 @@ def open_append(path: str | Path, *, what: str = "file"):
     except BaseException:
         os.close(fd)
         raise
+    return fd
+
+
+def open_append(path: str | Path, *, what: str = "file"):
+    """Open `path` for appending text (the metrics log of a run): created if absent; an existing entry must
+    be a regular file of this user with one link, never a symbolic link (`check_own_file`)."""
+    fd = _open_own(Path(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666, what)
     return os.fdopen(fd, "a", encoding="utf-8")
 
 
 def open_update(path: str | Path, *, what: str = "file", create: bool = True) -> int:
     """A descriptor for reading and writing `path` in place (a lock file), with `open_append`'s checks."""
-    path = Path(path)
-    refuse_link(path)
-    try:
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0) | _NOFOLLOW | _CLOEXEC | _NONBLOCK, 0o644)
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise OutputError(f"{path} is a symbolic link; txl never writes through a link: remove it") from None
-        raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
-    try:
-        check_own_file(fd, path, what=what)
-        _set_blocking(fd)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return _open_own(Path(path), os.O_RDWR | (os.O_CREAT if create else 0), 0o644, what)
 
 
 TEMPORARY = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$")  # the names `atomic_file` gives its temporaries
