@@ -218,7 +218,7 @@ def build_hf(shape: Shape, *, mem_len: int | None = None, tgt_len: int | None = 
     crit = model.crit.forward
 
     def crit_fp32(hidden, labels=None, keep_order=False):
-        with torch.autocast("cpu", enabled=False):
+        with torch.autocast(hidden.device.type, enabled=False):  # on CUDA too (scripts/device_check.py)
             return crit(hidden.float(), labels, keep_order)
 
     model.crit.forward = crit_fp32
