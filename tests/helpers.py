@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import io
 import json
 import os
 import signal
@@ -186,3 +187,25 @@ def hang_guard(seconds: int = 60):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+# A tiny model for the hostile-input tests (a fraction of a second to train or load)
+TINY = ["--set", "model.n_layer=1", "--set", "model.d_model=16", "--set", "model.d_head=8",
+        "--set", "model.d_inner=32", "--set", "model.mem_len=8", "--set", "tgt_len=8"]
+
+
+def call(*argv: str) -> tuple[int, str]:
+    """`txl ARGV` in this process: (exit code, stderr)."""
+    from txl.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(list(argv))
+    return code, err.getvalue()
+
+
+def one_error_line(err: str) -> str:
+    assert "Traceback" not in err and "internal error" not in err, err
+    lines = [line for line in err.strip().splitlines() if ": error: " in line]
+    assert len(lines) == 1 and err.strip().splitlines()[-1] == lines[0], err
+    return lines[0]

@@ -15,8 +15,6 @@ read bounded and checked (items 1 and 6 for run directories). Each test here fai
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import math
 import os
@@ -30,32 +28,12 @@ import pytest
 import torch
 
 import helpers
-from helpers import hang_guard
+from helpers import TINY, call, hang_guard, one_error_line
 from txl.checkpoint import load_tensors, save_tensors
 from txl.errors import TrainingError
 
 corpus, cache_dir = helpers.corpus, helpers.cache_dir  # fixtures
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-TINY = ["--set", "model.n_layer=1", "--set", "model.d_model=16", "--set", "model.d_head=8",
-        "--set", "model.d_inner=32", "--set", "model.mem_len=8", "--set", "tgt_len=8"]
-
-
-def call(*argv: str) -> tuple[int, str]:
-    """`txl ARGV` in this process: (exit code, stderr)."""
-    from txl.cli import main
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = main(list(argv))
-    return code, err.getvalue()
-
-
-def one_error_line(err: str) -> str:
-    assert "Traceback" not in err and "internal error" not in err, err
-    lines = [line for line in err.strip().splitlines() if ": error: " in line]
-    assert len(lines) == 1 and err.strip().splitlines()[-1] == lines[0], err
-    return lines[0]
 
 
 def files(directory: Path) -> dict[str, bytes]:
