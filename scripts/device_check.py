@@ -549,8 +549,8 @@ def make_train_step(name: str, model, shape, check: Check):
     """One training step of contender `name` at `precision`: a callable step(precision) -> loss tensor."""
     import torch
 
-    from txl.memory import Memory
-    from txl.optim import build_optimizer
+    from txl.nn.memory import Memory
+    from txl.train.optim import build_optimizer
 
     batch, tgt = shape.batch, shape.tgt_len
     stream = token_stream(shape, batch, 16 * tgt + 1).to(check.device)
@@ -674,8 +674,8 @@ def stage_train(check: Check) -> None:
 def stage_eval(check: Check) -> None:
     import torch
 
-    from txl.evaluate import forward_segment
-    from txl.memory import Memory
+    from txl.eval.core import forward_segment
+    from txl.nn.memory import Memory
 
     shape = shapes()[check.args.eval_shape]
     batch, tgt = shape.eval_batch, shape.eval_tgt_len
@@ -732,7 +732,7 @@ def stage_generate(check: Check) -> None:
     import torch
 
     from txl.bench.common import build_ours
-    from txl.generate import generate_rerun, stream_tokens
+    from txl.generate.decoder import generate_rerun, stream_tokens
 
     shape = shapes()[check.args.eval_shape]
     context, new = check.args.context, check.args.new_tokens

@@ -66,7 +66,7 @@ def _(ctx):
       "txl train --resume RUN", "optimizer state does not fit", "float16",
       test=HOSTILE + "test_a_retyped_optimizer_tensor_with_a_valid_digest_is_refused")
 def _(ctx):
-    from txl.checkpoint import load_tensors, save_tensors
+    from txl.models.pretrained import load_tensors, save_tensors
 
     run = _run(ctx)
     path = run / "last" / "optimizer.safetensors"
@@ -81,7 +81,7 @@ def _(ctx):
       "txl train --resume RUN", "exp_avg_sq", "NaN",
       test=HOSTILE + "test_non_finite_or_negative_optimizer_moments_are_refused")
 def _(ctx):
-    from txl.checkpoint import load_tensors, save_tensors
+    from txl.models.pretrained import load_tensors, save_tensors
 
     run = _run(ctx)
     path = run / "last" / "optimizer.safetensors"
@@ -96,7 +96,7 @@ def _(ctx):
       "txl train --resume RUN", "not finite", "--init-from", "best",
       test=HOSTILE + "test_non_finite_weights_in_last_are_refused")
 def _(ctx):
-    from txl.checkpoint import load_tensors, save_tensors
+    from txl.models.pretrained import load_tensors, save_tensors
 
     run = _run(ctx)
     path = run / "last" / "model.safetensors"

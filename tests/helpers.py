@@ -196,7 +196,7 @@ TINY = ["--set", "model.n_layer=1", "--set", "model.d_model=16", "--set", "model
 
 def call(*argv: str) -> tuple[int, str]:
     """`txl ARGV` in this process: (exit code, stderr)."""
-    from txl.cli import main
+    from txl.cli.main import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):

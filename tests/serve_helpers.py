@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from helpers import make_corpus
-from txl.cli import main
+from txl.cli.main import main
 
 RUN_TOML = """
 [model]

@@ -8,11 +8,13 @@ import itertools
 import pytest
 import torch
 
-import txl.attention.performer as performer_module
+import txl.nn.attention.performer as performer_module
 from txl import ConfigError, TransformerXLConfig, UsageError
-from txl.attention.eager import eager_attention
-from txl.attention.masks import CAUSAL, AttentionMask
-from txl.attention.performer import (
+from txl.data.masking import mask_tokens
+from txl.models.transformer_xl.model import TransformerXL
+from txl.nn.attention.eager import eager_attention
+from txl.nn.attention.masks import CAUSAL, AttentionMask
+from txl.nn.attention.performer import (
     PerformerAttention,
     causal_linear_attention,
     feature_logits,
@@ -22,11 +24,9 @@ from txl.attention.performer import (
     query_features,
     redraw_features,
 )
-from txl.attention.sliding import banded_attention, sliding_reference
-from txl.masked_lm import mask_tokens
-from txl.memory import Memory
-from txl.model import TransformerXL
-from txl.positional import build_positional
+from txl.nn.attention.sliding import banded_attention, sliding_reference
+from txl.nn.memory import Memory
+from txl.nn.positional import build_positional
 
 POSITIONS = ["xl", "shaw", "rope", "alibi", "sinusoidal"]
 

@@ -1,4 +1,4 @@
-"""The attention interface (`txl.attention`): the registries, a kernel from outside the package, padding
+"""The attention interface (`txl.nn.attention`): the registries, a kernel from outside the package, padding
 masks, attention probabilities, cross-attention and per-call runtime settings."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from txl import ConfigError, TransformerXLConfig, UsageError
-from txl.attention import KERNELS, Attention, AttentionMask, register
-from txl.attention import registry as kernel_registry
-from txl.config import AttentionName, PositionalName
-from txl.model import TransformerXL
-from txl.positional import POSITIONAL_ENCODINGS
+from txl.models.transformer_xl.config import AttentionName, PositionalName
+from txl.models.transformer_xl.model import TransformerXL
+from txl.nn.attention import KERNELS, Attention, AttentionMask, register
+from txl.nn.attention import registry as kernel_registry
+from txl.nn.positional import POSITIONAL_ENCODINGS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

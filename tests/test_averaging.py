@@ -9,11 +9,11 @@ import torch
 
 import helpers
 from helpers import finish, txl, write_config
-from txl.checkpoint import load_tensors, save_tensors
 from txl.errors import CheckpointError, ConfigError
-from txl.run_config import build_run_config
+from txl.models.pretrained import load_tensors, save_tensors
 from txl.train import LAST, Trainer
 from txl.train.averaging import PREFIX, WeightAverage
+from txl.train.config import build_run_config
 from txl.train.finish import finish as finish_run
 
 corpus, cache_dir = helpers.corpus, helpers.cache_dir  # fixtures

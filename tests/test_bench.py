@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from txl.bench.cli import BENCHES
 from txl.bench.common import SHAPES, Shape, hf_available, shape_named
 from txl.bench.mfu import forward_flops, train_step_flops
 from txl.bench.recipes import SWEEPS, markdown
-from txl.cli import main
+from txl.cli.bench import BENCHES
+from txl.cli.main import main
 
 # A shape even smaller than `tiny`, so the smoke runs take seconds.
 SHAPES.setdefault("smoke", Shape("smoke", n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, tgt_len=16,
@@ -34,7 +34,7 @@ def run_cli(args, tmp_path, capsys):
 
 
 def test_bench_cli_imports_no_torch():
-    code = "import sys, txl.bench.cli; print(any(m == 'torch' or m.startswith('torch.') for m in sys.modules))"
+    code = "import sys, txl.cli.bench; print(any(m == 'torch' or m.startswith('torch.') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -60,7 +60,7 @@ def test_train_bench_profiles_where_a_step_goes(smoke_shape, tmp_path, capsys):
 def test_train_bench_times_a_presets_shape(preset, tmp_path, capsys, monkeypatch):
     import dataclasses
 
-    from txl.run_config import load_preset
+    from txl.train.config import load_preset
 
     values = load_preset(preset)
     shape = shape_named(preset)  # the preset's own model, segment, memory and batch
@@ -350,7 +350,7 @@ def test_recipe_report_carries_the_weight_average_curve(tmp_path):
 def test_the_preset_is_its_sweeps_named_recipe(sweep):
     """The hour preset trains exactly the candidate its sweep names (the preset's comment and
     docs/cpu_hour.md quote that candidate's confirmations), and no other candidate is the preset."""
-    from txl.run_config import build_run_config
+    from txl.train.config import build_run_config
 
     def config(*sets: str) -> tuple:
         cfg = build_run_config(preset=SWEEPS[sweep].preset, sets=list(sets))
@@ -365,7 +365,7 @@ def test_the_preset_is_its_sweeps_named_recipe(sweep):
 def test_every_recipe_candidate_is_a_valid_config(sweep):
     """Each candidate's keys on top of its sweep's centre and preset build a run config and a model
     (a typo in a key or an impossible shape fails here, not an hour into a sweep)."""
-    from txl.run_config import build_run_config, parse_value
+    from txl.train.config import build_run_config, parse_value
 
     for candidate in SWEEPS[sweep].candidates:
         cfg = build_run_config(preset=SWEEPS[sweep].preset, sets=[*SWEEPS[sweep].centre, *candidate.sets])

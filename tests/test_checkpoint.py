@@ -1,4 +1,4 @@
-"""Safe checkpoint save/load (`txl.checkpoint`): safetensors + JSON, validated against the config."""
+"""Safe checkpoint save/load (`txl.models.pretrained`): safetensors + JSON, validated against the config."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from txl import CheckpointError, TransformerXLConfig
-from txl.checkpoint import CONFIG_NAME, WEIGHTS_NAME
-from txl.model import TransformerXL
+from txl.models.pretrained import CONFIG_NAME, WEIGHTS_NAME
+from txl.models.transformer_xl.model import TransformerXL
 
 SMALL = dict(vocab_size=50, n_layer=2, d_model=16, n_head=2, d_head=8, d_inner=32, mem_len=8)
 
@@ -97,7 +97,7 @@ def test_a_file_txl_wrote_needs_its_digest_even_in_a_plain_directory(tmp_path):
 
 
 def test_the_other_checkpoint_of_a_run_is_named_only_when_it_exists(tmp_path):
-    from txl.checkpoint import other_checkpoint, use_another_checkpoint
+    from txl.models.pretrained import other_checkpoint, use_another_checkpoint
 
     model, _ = _saved(tmp_path)
     model.save_pretrained(tmp_path / "run" / "best")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from txl.cli import COMMANDS, main
+from txl.cli.main import COMMANDS, main
 
 
 def test_help_lists_every_subcommand(capsys):
@@ -70,7 +70,7 @@ def _actions(parser, path):
 
 
 def test_every_flag_of_every_command_has_help():
-    from txl.cli import build_parser
+    from txl.cli.main import build_parser
 
     actions = list(_actions(build_parser(), ["txl"]))
     assert len(actions) > 100
@@ -81,7 +81,7 @@ def test_every_flag_of_every_command_has_help():
 
 
 def test_bench_help_lists_every_benchmark_in_whole_sentences_and_each_shows_only_its_flags(capsys):
-    from txl.bench.cli import BENCHES
+    from txl.cli.bench import BENCHES
 
     with pytest.raises(SystemExit):
         main(["bench", "--help"])

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from txl.cli import build_parser, main
+from txl.cli.main import build_parser, main
 
 # The commands whose numbers this file pins (data, serve and import-hf check theirs in their own tests).
 COMMANDS = ("bench", "recl", "eval", "generate", "train")
@@ -50,7 +50,7 @@ def one_line(code: int, err: str) -> str:
 
 def _numeric_flags():
     """(command words, flag, action) for each numeric flag of COMMANDS: a plain int/float type or one
-    of txl.cli_types' (whose functions carry the names integer, real and integer list)."""
+    of txl.cli.arguments' (whose functions carry the names integer, real and integer list)."""
     def walk(parser, path):
         for action in parser._actions:
             if isinstance(action, argparse._SubParsersAction):
@@ -168,7 +168,7 @@ def test_nproc_past_this_machines_cpus_is_refused_before_launching(monkeypatch, 
     import os
     import subprocess
 
-    import txl.train.cli as train_cli
+    import txl.cli.train as train_cli
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
@@ -194,10 +194,10 @@ def test_seq2seq_generate_checks_its_sampling_numbers_before_reading_anything(tm
 def test_beam_search_refuses_sizes_and_penalties_it_cannot_use():
     import torch
 
-    from txl.config import TransformerXLConfig
     from txl.errors import UsageError
-    from txl.seq2seq.decode import MAX_BEAM, beam_search
-    from txl.seq2seq.model import EncoderDecoder
+    from txl.generate.seq2seq import MAX_BEAM, beam_search
+    from txl.models.seq2seq.model import EncoderDecoder
+    from txl.models.transformer_xl.config import TransformerXLConfig
 
     config = TransformerXLConfig(arch="encoder-decoder", n_layer=1, n_encoder_layer=1, d_model=16, n_head=2, d_head=8,
                                  d_inner=32, vocab_size=12, mem_len=0, pos_encoding="sinusoidal", dropout=0.0)
@@ -231,7 +231,7 @@ def test_plot_of_a_run_named_with_mathtext_draws_the_name_as_written(name, tmp_p
     import matplotlib
 
     matplotlib.use("Agg")
-    from txl.plot import draw_runs
+    from txl.cli.plot import draw_runs
 
     run = _metrics_run(tmp_path / name.replace("/", "_"))
     code, err = call(["plot", str(run), "--out", str(tmp_path / "curves.png")])
@@ -260,7 +260,7 @@ def drawn_as(text: str) -> str:
 def test_recl_plot_draws_checkpoint_names_as_written(tmp_path):
     import numpy as np
 
-    from txl.recl import compute_recl, plot_recl
+    from txl.eval.recl import compute_recl, plot_recl
 
     rng = np.random.default_rng(0)
     contexts = [4, 8, 16]
@@ -355,7 +355,7 @@ def test_recl_cache_reads_only_a_regular_file_of_the_expected_size(tmp_path):
     import numpy as np
 
     from txl.errors import DataError
-    from txl.recl import _read_cached
+    from txl.eval.recl import _read_cached
 
     np.save(tmp_path / "good.npy", np.arange(10, dtype=np.float64))
     assert _read_cached(tmp_path / "good.npy", 10).tolist() == list(range(10))

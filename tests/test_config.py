@@ -1,4 +1,4 @@
-"""Config validation and its JSON round-trip (`txl.config`)."""
+"""Config validation and its JSON round-trip (`txl.models.transformer_xl.config`)."""
 
 from __future__ import annotations
 

@@ -25,10 +25,10 @@ import torch
 import helpers
 from helpers import finish, train_losses, txl, write_config
 from txl import TransformerXLConfig
-from txl.generate import generate, generate_rerun
+from txl.generate.decoder import generate, generate_rerun
 from txl.io import open_append, read_json
-from txl.memory import Memory
-from txl.model import TransformerXL
+from txl.models.transformer_xl.model import TransformerXL
+from txl.nn.memory import Memory
 
 DEVICE = os.environ.get("TXL_CUDA_TEST_DEVICE", "cuda")
 

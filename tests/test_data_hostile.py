@@ -284,7 +284,7 @@ def prepared(tmp_path: Path, tokenizer: str = "bytes"):
 
 
 def run_cli(*argv: str, timeout: float = HANG_GUARD) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "txl.cli", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "txl.cli.main", *argv], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ})
 
 

@@ -12,9 +12,9 @@ import torch
 import helpers
 from helpers import write_config
 from txl.errors import ConfigError
-from txl.optim import dropout_at
-from txl.run_config import build_run_config
 from txl.train import Trainer
+from txl.train.config import build_run_config
+from txl.train.optim import dropout_at
 
 corpus, cache_dir = helpers.corpus, helpers.cache_dir  # fixtures
 

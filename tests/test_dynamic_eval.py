@@ -1,4 +1,4 @@
-"""Dynamic evaluation (txl.dynamic_eval, `txl eval --dynamic-lr`): pinned against static evaluation,
+"""Dynamic evaluation (txl.eval.dynamic, `txl eval --dynamic-lr`): pinned against static evaluation,
 causal in the text, adapting where text repeats, and leaving the model as it found it."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch
 
 from helpers import make_corpus
 from tiny_models import build
-from txl.cli import main
-from txl.dynamic_eval import evaluate_dynamic
+from txl.cli.main import main
 from txl.errors import UsageError
-from txl.evaluate import evaluate
+from txl.eval.core import evaluate
+from txl.eval.dynamic import evaluate_dynamic
 
 
 def static_per_token(model, tokens, **kwargs):

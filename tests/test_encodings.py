@@ -12,7 +12,7 @@ import torch
 
 from tiny_models import build
 from txl import ConfigError, UsageError
-from txl.positional import POSITIONAL_ENCODINGS, build_positional, t5_bucket
+from txl.nn.positional import POSITIONAL_ENCODINGS, build_positional, t5_bucket
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

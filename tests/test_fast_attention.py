@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from txl import TransformerXLConfig
-from txl.attention import KERNELS, resolve_kernel
-from txl.attention.xl_fast import fast_attention, rel_shift_fast
 from txl.fast import linear as fast_linear
 from txl.fast.dropout import cheap_dropout
 from txl.fast.memory import projection_key
-from txl.model import TransformerXL
-from txl.positional import POSITIONAL_ENCODINGS, rel_shift_pad
+from txl.models.transformer_xl.model import TransformerXL
+from txl.nn.attention import KERNELS, resolve_kernel
+from txl.nn.attention.xl_fast import fast_attention, rel_shift_fast
+from txl.nn.positional import POSITIONAL_ENCODINGS, rel_shift_pad
 
 ENCODINGS = list(POSITIONAL_ENCODINGS)  # every registered encoding: none escapes the parity test
 VARIANTS = {
@@ -107,7 +107,7 @@ def test_fast_matches_eager_with_every_linear_through_onednn(pos, overrides, mon
 def test_packed_kv_never_reads_a_base_that_autograd_does_not_track():
     """k and v as views of a tensor whose `_base` needs no gradient (a Function's view output): the
     packed tensor must still carry the gradient back to them."""
-    from txl.attention.xl_fast import packed_kv
+    from txl.nn.attention.xl_fast import packed_kv
 
     buffer = torch.randn(2 * 7, 2 * 4 * 8)  # (b·n, 2·h·d), as made inside a Function
     kv = buffer.view(2, 7, 64).requires_grad_()  # a requires-grad view whose _base needs no gradient
@@ -130,7 +130,7 @@ def test_fast_matches_eager_more_settings(overrides):
 
 
 def test_attention_dropout_path_matches_eager_given_the_same_random_stream(monkeypatch):
-    import txl.attention.xl_fast as fast_module
+    import txl.nn.attention.xl_fast as fast_module
 
     # the fast kernel draws its attention-dropout mask from the cheap CPU source; given F.dropout's
     # stream instead, its composed path must compute exactly what the eager reference does
@@ -146,7 +146,7 @@ def test_attention_dropout_path_matches_eager_given_the_same_random_stream(monke
 
 
 def test_chunked_evaluation_equals_one_chunk(monkeypatch):
-    import txl.attention.xl_fast as fast_module
+    import txl.nn.attention.xl_fast as fast_module
 
     eager, fast = pair(n_head=4, mem_len=20)
     x = torch.randint(0, 53, (3, 30))
@@ -233,8 +233,8 @@ def test_fused_relu_dropout_is_dropout_of_relu_with_the_same_random_numbers(dtyp
 
 
 def test_fast_kernel_drops_attention_from_the_cheap_source_unbiased(monkeypatch):
-    import txl.attention.xl_fast as fast_module
-    from txl.attention import Attention, AttentionMask
+    import txl.nn.attention.xl_fast as fast_module
+    from txl.nn.attention import Attention, AttentionMask
 
     calls = []
 
@@ -354,7 +354,7 @@ def test_position_table_memo_follows_mode_and_arguments():
 def test_query_blocks_in_training_match_eager(monkeypatch, blocks, variant):
     """Training splits the queries into blocks that skip the causally masked keys (blocks of 1-2
     queries here, so the 6-token test segments really are split); results must not change."""
-    import txl.attention.xl_fast as fast_module
+    import txl.nn.attention.xl_fast as fast_module
 
     monkeypatch.setattr(fast_module, "TRAIN_QUERY_BLOCKS", blocks)
     monkeypatch.setattr(fast_module, "TRAIN_MIN_BLOCK", 1)
@@ -395,7 +395,7 @@ def test_blocked_kernel_in_bf16_matches_fp32_on_the_same_inputs(edges):
     """The bf16 backward has its own layout (transposed key/value accumulators): pin it against the fp32
     kernel on bf16-representable inputs. A wrong slice or shift gives O(1) errors; bf16 rounding
     stays within a few percent of each gradient's scale."""
-    from txl.attention.xl_fast import _XLAttention
+    from txl.nn.attention.xl_fast import _XLAttention
 
     torch.manual_seed(0)
     b, h, i, n, d = 2, 3, 5, 9, 8
@@ -415,7 +415,7 @@ def test_blocked_kernel_in_bf16_matches_fp32_on_the_same_inputs(edges):
 def test_scratch_buffers_made_in_inference_mode_serve_training_afterwards():
     """The kernel's per-thread scratch buffers outlive a call: one first made under inference_mode must
     still be writable by a training step (an inference tensor would refuse in-place writes)."""
-    import txl.attention.xl_fast as fast_module
+    import txl.nn.attention.xl_fast as fast_module
 
     fast_module._workspaces.__dict__.clear()
     _, fast = pair(mem_len=8)

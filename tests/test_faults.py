@@ -9,7 +9,7 @@ event kills are injected by a small harness that wraps one library call and SIGK
 at the n-th call, so they land at the same place on every machine; txl itself has no test hooks.
 
 Every `txl train` session is a process of its own, forked from a server that imported torch and txl
-once (and ran no torch op, so forking is safe): the same `txl.cli.main` a user runs, without paying
+once (and ran no torch op, so forking is safe): the same `txl.cli.main.main` a user runs, without paying
 the interpreter start-up and torch import a dozen times.
 """
 
@@ -29,21 +29,21 @@ import torch
 
 import helpers
 from helpers import saved_step, train_losses, write_config
-from txl.checkpoint import load_tensors
+from txl.models.pretrained import load_tensors
 from txl.train import LAST, STATE_FILE
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (POSIX)")]
 corpus, cache_dir = helpers.corpus, helpers.cache_dir  # fixtures
 
 # A fork server: for each JSON command on stdin it forks a child that arranges for SIGKILL at the
-# n-th occurrence of one event, then runs `txl.cli.main(argv)`; it answers with the child's pid, then
+# n-th occurrence of one event, then runs `txl.cli.main.main(argv)`; it answers with the child's pid, then
 # with its exit status (negative: killed by that signal).
 SERVER = r'''
 import json, os, shutil, signal, sys
 
 import safetensors.torch
 import torch._dynamo  # imported by torch.optim on first use: once here rather than in every session
-import txl.cli
+import txl.cli.main
 import txl.io.files
 import txl.train
 
@@ -135,7 +135,7 @@ for line in sys.stdin:
         os.dup2(log, 2)
         arrange_kill(command["kind"], command["nth"])
         try:
-            code = txl.cli.main(command["argv"])
+            code = txl.cli.main.main(command["argv"])
         finally:
             sys.stdout.flush()
             sys.stderr.flush()

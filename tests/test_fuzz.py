@@ -161,7 +161,7 @@ SMALL = dict(vocab_size=40, n_layer=1, d_model=16, n_head=2, d_head=8, d_inner=3
                                  st.text(max_size=10)), json_value, max_size=8))
 @settings(FUZZ, max_examples=120)
 def test_config_from_random_dict(data):
-    from txl.config import TransformerXLConfig
+    from txl.models.transformer_xl.config import TransformerXLConfig
 
     expect_typed("config.from_dict random", TransformerXLConfig.from_dict, data)
 
@@ -169,7 +169,7 @@ def test_config_from_random_dict(data):
 @given(st.data())
 @settings(FUZZ, max_examples=150)
 def test_config_from_mutated_valid_dict(data):
-    from txl.config import TransformerXLConfig
+    from txl.models.transformer_xl.config import TransformerXLConfig
 
     valid = TransformerXLConfig(**SMALL, cutoffs=(10, 20), div_val=2).to_dict()
     expect_typed("config.from_dict mutated", TransformerXLConfig.from_dict, data.draw(mutated_json(valid)))
@@ -179,7 +179,7 @@ def test_config_from_mutated_valid_dict(data):
                  st.just("[" * 5000), st.just('{"vocab_size": ' + "9" * 5000 + "}")))
 @settings(FUZZ, max_examples=100)
 def test_config_from_json_text_and_paths(text):
-    from txl.config import TransformerXLConfig
+    from txl.models.transformer_xl.config import TransformerXLConfig
 
     expect_typed("config.from_json", TransformerXLConfig.from_json, text)
 
@@ -193,7 +193,7 @@ TOML_TEXT = (Path(__file__).resolve().parents[1] / "src" / "txl" / "presets" / "
 @given(st.data())
 @settings(FUZZ, max_examples=120)
 def test_run_config_from_mutated_toml(data):
-    from txl.run_config import build_run_config
+    from txl.train.config import build_run_config
 
     path = fresh_dir() / "run.toml"
     path.write_bytes(data.draw(st.one_of(mutated_bytes(TOML_TEXT), st.binary(max_size=300))))
@@ -209,7 +209,7 @@ def test_run_config_from_mutated_toml(data):
                                            max_size=3))))
 @settings(FUZZ, max_examples=120)
 def test_run_config_from_random_sections(data):
-    from txl.run_config import RunConfig
+    from txl.train.config import RunConfig
 
     expect_typed("run config sections", RunConfig.from_dict, data)
 
@@ -222,7 +222,7 @@ def test_run_config_from_random_sections(data):
     max_size=3))
 @settings(FUZZ, max_examples=120)
 def test_run_config_set_assignments(sets):
-    from txl.run_config import build_run_config
+    from txl.train.config import build_run_config
 
     expect_typed("run config --set", build_run_config, preset="tiny", sets=sets)
 
@@ -384,8 +384,8 @@ def test_corpus_readers_on_random_and_mutated_files(layout, data):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    from txl.config import TransformerXLConfig
-    from txl.model import TransformerXL
+    from txl.models.transformer_xl.config import TransformerXLConfig
+    from txl.models.transformer_xl.model import TransformerXL
 
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("fuzz-ckpt") / "ckpt"
@@ -394,7 +394,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 def _load(path: Path):
-    from txl.model import TransformerXL
+    from txl.models.transformer_xl.model import TransformerXL
 
     model = TransformerXL.from_pretrained(path)
     with torch.no_grad():
@@ -471,8 +471,8 @@ def test_checkpoint_from_a_stranger_without_digest(checkpoint, data):
 @pytest.fixture(scope="module")
 def trained_run():
     import helpers
-    from txl.run_config import build_run_config
     from txl.train import Trainer
+    from txl.train.config import build_run_config
 
     # A path of fixed length (pytest's numbered directories grow): the saved run config quotes it, and
     # the byte mutations of trainer_state.json should land on the same fields in every session.

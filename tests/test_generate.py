@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from txl import TransformerXLConfig
-from txl.cli import main
+from txl.cli.main import main
 from txl.data import Vocab
 from txl.errors import DataError, UsageError
-from txl.generate import (
+from txl.generate.decoder import (
     TextStream,
     generate,
     generate_rerun,
@@ -22,7 +22,7 @@ from txl.generate import (
     sample_text,
     stream_tokens,
 )
-from txl.model import TransformerXL
+from txl.models.transformer_xl.model import TransformerXL
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -371,7 +371,7 @@ def test_text_stream_decodes_in_bounded_windows_and_matches_whole_decoding():
 def test_generation_records_no_autograd_graph(entry):
     """Every generation entry point runs its forwards under no_grad: with autograd on, token-level
     inference would build a graph per token and skip the fast backend's projection cache (3x slower)."""
-    import txl.generate as gen
+    import txl.generate.decoder as gen
 
     model = tiny_model(mem_len=16)
     seen = []

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 import hf_fixtures as F
-from txl.cli import main
+from txl.cli.main import main
 from txl.data import Vocab
-from txl.hf_import import KNOWN_REVISIONS
+from txl.models.hf_import import KNOWN_REVISIONS
 
 pytest.importorskip("huggingface_hub", reason="download by repo id needs huggingface_hub (hf extra)")
 pytest.importorskip("transformers", reason="builds the served checkpoint with transformers==4.35.2 (dev extra)")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from txl.cli import main
+from txl.cli.main import main
 
 D, HEADS, D_HEAD, INNER, VOCAB = 48, 2, 24, 96, 40
 CONFIG = {"vocab_size": VOCAB, "cutoffs": [], "d_model": D, "d_embed": D, "n_head": HEADS, "d_head": D_HEAD,
@@ -84,7 +84,7 @@ def test_a_vocab_size_its_weights_lack_is_refused_under_300_mb(tmp_path, weights
 @pytest.fixture
 def nothing_built(monkeypatch):
     """Fails the test if a TransformerXL is built anywhere but on the meta device (no memory)."""
-    from txl.model import TransformerXL
+    from txl.models.transformer_xl.model import TransformerXL
 
     devices: list[str] = []
     real = TransformerXL.__init__

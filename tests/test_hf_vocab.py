@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import hf_fixtures as F
-from txl.cli import main
+from txl.cli.main import main
 from txl.data import Vocab
 from txl.errors import DataError
-from txl.plain_pickle import MAX_DEPTH, PickleRefused, read_plain_pickle
+from txl.io.plain_pickle import MAX_DEPTH, PickleRefused, read_plain_pickle
 
 # ---------------------------------------------------------------------------------------------
 # the restricted reader on its own
@@ -347,8 +347,8 @@ def test_lines_of_a_prompt_end_in_eos_and_decode_back(imported):
 
 @pytest.mark.hf
 def test_generate_on_the_imported_directory_prints_detokenised_text(imported, capsys):
-    from txl.generate import generate
-    from txl.model import TransformerXL
+    from txl.generate.decoder import generate
+    from txl.models.transformer_xl.model import TransformerXL
 
     _tok, out = imported
     prompt = "The year 1990 was 23,000 people's state"
@@ -365,7 +365,7 @@ def test_generate_on_the_imported_directory_prints_detokenised_text(imported, ca
 @pytest.mark.hf
 def test_streamed_text_equals_the_decoded_text(imported):
     """TextStream holds back joiners (@-@, @,@) until the next word: no half-joined text is written."""
-    from txl.generate import TextStream
+    from txl.generate.decoder import TextStream
 
     _tok, out = imported
     vocab = Vocab.load(out / "vocab.json")
@@ -383,7 +383,7 @@ def test_streamed_text_equals_the_decoded_text(imported):
 
 def test_streamed_text_of_a_long_generation_equals_the_decoded_text(imported):
     """Past the stream's bounded decoding window (hundreds of tokens) joiners are still held back."""
-    from txl.generate import TextStream
+    from txl.generate.decoder import TextStream
 
     _tok, out = imported
     vocab = Vocab.load(out / "vocab.json")
@@ -421,8 +421,8 @@ def test_paper_evaluation_command_on_a_wikitext103_format_directory(imported, tm
 
     import numpy as np
 
-    from txl.evaluate import evaluate
-    from txl.model import TransformerXL
+    from txl.eval.core import evaluate
+    from txl.models.transformer_xl.model import TransformerXL
 
     tok, out = imported
     data = tmp_path / "wikitext-103"

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from txl.cli import main as txl_main
-from txl.memory import Memory
-from txl.model import TransformerXL
+from txl.cli.main import main as txl_main
+from txl.models.transformer_xl.model import TransformerXL
+from txl.nn.memory import Memory
 
 transformers = pytest.importorskip("transformers", reason="parity needs transformers==4.35.2 (dev extra)")
 pytestmark = [pytest.mark.hf, pytest.mark.slow]

@@ -32,8 +32,8 @@ import torch
 
 import helpers
 from helpers import TINY, call, one_error_line
-from txl.checkpoint import load_tensors, save_tensors
 from txl.errors import CheckpointError, DataError, UsageError
+from txl.models.pretrained import load_tensors, save_tensors
 
 corpus, cache_dir = helpers.corpus, helpers.cache_dir  # fixtures
 
@@ -223,11 +223,11 @@ def test_two_trainings_on_one_out_ten_trials(tmp_path, corpus):
 
 
 def test_a_second_writer_is_refused_naming_the_holder_and_a_killed_holder_never_blocks(tmp_path):
-    from txl.rundir import RunLock
+    from txl.io.rundir import RunLock
 
     run = tmp_path / "run"
     run.mkdir()
-    hold = ("import sys, time; from txl.rundir import RunLock; RunLock.acquire(sys.argv[1]); "
+    hold = ("import sys, time; from txl.io.rundir import RunLock; RunLock.acquire(sys.argv[1]); "
             "print('held', flush=True); time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", hold, str(run)], stdout=subprocess.PIPE, text=True)
     try:
@@ -290,7 +290,7 @@ def test_a_config_bomb_fails_before_allocating(changes, trained, tmp_path):
 
 
 def test_duplicate_keys_in_config_json_are_an_error(trained, tmp_path):
-    from txl.model import TransformerXL
+    from txl.models.transformer_xl.model import TransformerXL
 
     ckpt = _checkpoint(trained, tmp_path)
     text = (ckpt / "config.json").read_text()
@@ -313,24 +313,24 @@ def test_duplicate_tensor_names_in_a_safetensors_header_are_an_error(tmp_path):
 
 
 def test_weights_header_is_compared_before_the_model_is_built(trained, tmp_path, monkeypatch):
-    import txl.model
+    import txl.models.transformer_xl.model
 
     ckpt = _checkpoint(trained, tmp_path, d_inner=64)
     built = []
-    real_init = txl.model.TransformerXL.__init__
+    real_init = txl.models.transformer_xl.model.TransformerXL.__init__
 
     def counting_init(self, config):
         built.append(str(torch.empty(0).device))  # the default device: meta while shapes are compared
         real_init(self, config)
 
-    monkeypatch.setattr(txl.model.TransformerXL, "__init__", counting_init)
+    monkeypatch.setattr(txl.models.transformer_xl.model.TransformerXL, "__init__", counting_init)
     with pytest.raises(CheckpointError, match="fc1|ff|shape"):
-        txl.model.TransformerXL.from_pretrained(ckpt)
+        txl.models.transformer_xl.model.TransformerXL.from_pretrained(ckpt)
     assert built == ["meta"]
 
 
 def test_the_out_of_memory_reporter_cannot_raise(capfd):
-    from txl.cli import _report_out_of_memory
+    from txl.cli.main import _report_out_of_memory
 
     class Exhausted(MemoryError):
         def __str__(self):

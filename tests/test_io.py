@@ -22,7 +22,7 @@ from txl.io import (
     write_json,
     write_text,
 )
-from txl.rundir import LOCK_NAME, RunLock
+from txl.io.rundir import LOCK_NAME, RunLock
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "txl"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from txl.cli import main
+from txl.cli.main import main
 
 SMALL = ["--set", "model.n_layer=1", "--set", "model.d_model=32", "--set", "model.n_head=2", "--set", "model.d_head=16",
          "--set", "model.d_inner=64", "--set", "model.mem_len=16", "--set", "tgt_len=16", "--set", "eval_tgt_len=16",
@@ -159,7 +159,7 @@ def test_a_preset_corpus_that_is_not_downloaded_names_the_fix_and_leaves_nothing
 
 
 def test_presets_name_corpora_not_paths():
-    from txl.run_config import load_preset, preset_names
+    from txl.train.config import load_preset, preset_names
 
     for name in preset_names():
         data = load_preset(name)["train"].get("data", "")
@@ -196,7 +196,7 @@ def test_a_text_folder_with_only_train_trains_without_validation(corpora, workdi
 
 def test_set_flags_are_applied_together_in_any_order():
     """Before: `--set attention=performer --set pos_encoding=rope` failed; the reverse order worked."""
-    from txl.run_config import build_run_config
+    from txl.train.config import build_run_config
 
     for sets in (["attention=performer", "pos_encoding=rope"], ["pos_encoding=rope", "attention=performer"]):
         run = build_run_config(preset="tiny", sets=sets)
@@ -288,7 +288,7 @@ def test_outputs_for_people_escape_control_bytes_and_keep_json_utf8():
     """Before: the end-of-run sample printed raw control bytes to the terminal and result.json held lone
     surrogates (`json.load(...)["sample"].encode()` failed)."""
     from txl.data import Vocab
-    from txl.display import json_text, terminal_text
+    from txl.data.display import json_text, terminal_text
 
     text = Vocab("bytes").decode(list(b"ok\x1b[2J\x07\xff\xfe\n\tend"))
     assert terminal_text(text) == "ok\\x1b[2J\\x07\\xff\\xfe\n\tend"
@@ -304,7 +304,7 @@ def test_plain_log_lines_without_carriage_returns(corpora, workdir, capsys):
 def test_plot_one_point_series_one_colour_per_run_and_bpc_ppl_panels(corpora, workdir, capsys):
     """Before: a one-point series was invisible, a ppl run next to a bpc run was dropped without notice,
     and one run had different colours in different panels."""
-    from txl.plot import draw_runs
+    from txl.cli.plot import draw_runs
 
     ok(capsys, "train", "--data", f"text:{corpora / 'plain.txt'}", "--out", "bpc", *SMALL)
     ok(capsys, "train", "--data", f"text:{corpora / 'plain.txt'}?tokenizer=words", "--out", "ppl", *SMALL)

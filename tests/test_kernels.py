@@ -12,21 +12,21 @@ import torch
 import torch.nn.functional as F
 
 from txl import ConfigError, TransformerXLConfig, UsageError
-from txl.attention.bigbird import BigBirdAttention, BigBirdReference
-from txl.attention.buckets import bucket_ranks
-from txl.attention.compressed import CompressedAttention
-from txl.attention.eager import eager_attention
-from txl.attention.inducing import InducingPointAttention
-from txl.attention.linear import LinearAttention
-from txl.attention.lsh import LSHAttention, LSHReference
-from txl.attention.masks import CAUSAL as CAUSAL_MASK
-from txl.attention.masks import AttentionMask
-from txl.attention.registry import KERNELS, SPECS, kernel_names
-from txl.attention.routing import RoutingAttention
-from txl.attention.sinkhorn import SinkhornAttention, SinkhornReference, sinkhorn
-from txl.attention.synthesizer import SynthesizerAttention
-from txl.model import TransformerXL
-from txl.positional import CONTENT_ONLY, rel_shift_pad
+from txl.models.transformer_xl.model import TransformerXL
+from txl.nn.attention.bigbird import BigBirdAttention, BigBirdReference
+from txl.nn.attention.buckets import bucket_ranks
+from txl.nn.attention.compressed import CompressedAttention
+from txl.nn.attention.eager import eager_attention
+from txl.nn.attention.inducing import InducingPointAttention
+from txl.nn.attention.linear import LinearAttention
+from txl.nn.attention.lsh import LSHAttention, LSHReference
+from txl.nn.attention.masks import CAUSAL as CAUSAL_MASK
+from txl.nn.attention.masks import AttentionMask
+from txl.nn.attention.registry import KERNELS, SPECS, kernel_names
+from txl.nn.attention.routing import RoutingAttention
+from txl.nn.attention.sinkhorn import SinkhornAttention, SinkhornReference, sinkhorn
+from txl.nn.attention.synthesizer import SynthesizerAttention
+from txl.nn.positional import CONTENT_ONLY, rel_shift_pad
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -247,7 +247,7 @@ def test_bigbird_with_a_window_covering_everything_is_full_attention(causal):
 
 
 def test_bigbird_random_blocks_are_earlier_fixed_and_length_independent():
-    from txl.attention.bigbird import random_blocks
+    from txl.nn.attention.bigbird import random_blocks
 
     short = random_blocks(torch.arange(10), 3, 10, causal=True)
     long = random_blocks(torch.arange(50), 3, 50, causal=True)
@@ -702,7 +702,7 @@ def test_compressed_query_chunks_change_nothing(monkeypatch):
 def test_every_causal_kernel_generates_with_memory_as_a_rerun_does(name):
     """Token-by-token decoding with memory (one query per forward) picks what re-running the whole
     context picks: the one-query path of every kernel agrees with its full-segment path."""
-    from txl.generate import generate_rerun, stream_tokens
+    from txl.generate.decoder import generate_rerun, stream_tokens
 
     model = build(config_for(name, mem_len=64))
     with torch.no_grad():
@@ -795,7 +795,7 @@ def test_memory_tokens_keep_causality_and_segment_invariance(name, impl, pos):
 def test_memory_tokens_generate_with_memory_as_a_rerun_does(name):
     """Decoding token by token (the fast backend's projection cache, one query per forward) with the
     tokens in front of the cached keys picks what re-running the whole context picks."""
-    from txl.generate import generate_rerun, stream_tokens
+    from txl.generate.decoder import generate_rerun, stream_tokens
 
     model = build(config_for(name, mem_len=64, memory_tokens=4))
     with torch.no_grad():
@@ -924,11 +924,11 @@ def test_sliding_with_everything_at_once_equals_its_dense_reference(window, dila
 
 @pytest.mark.parametrize("kind", ["elu", "relu"])
 def test_linear_feature_map_is_the_formula_with_its_gradient(kind):
-    """φ is shifted in place (one buffer: see txl/attention/linear.py); value and gradient are the formula's."""
+    """φ is shifted in place (one buffer: see txl/nn/attention/linear.py); value and gradient are the formula's."""
     import torch.nn.functional as F
 
-    from txl.attention.linear import feature_map
-    from txl.attention.performer import FEATURE_EPS
+    from txl.nn.attention.linear import feature_map
+    from txl.nn.attention.performer import FEATURE_EPS
 
     x = torch.randn(2, 3, 7, 4, dtype=torch.float64, requires_grad=True)
     formula = (F.elu(x) + 1.0 if kind == "elu" else F.relu(x)) + FEATURE_EPS

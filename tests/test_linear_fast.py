@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from txl.config import TransformerXLConfig
 from txl.fast import linear as linear_fast
 from txl.fast.linear import FastLinear, applies, linear
-from txl.model import TransformerXL
+from txl.models.transformer_xl.config import TransformerXLConfig
+from txl.models.transformer_xl.model import TransformerXL
 
 needs_onednn = pytest.mark.skipif(linear_fast._ONEDNN is None, reason="no oneDNN linear on this machine")
 

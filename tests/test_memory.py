@@ -1,4 +1,4 @@
-"""Segment-level recurrence state (`txl.memory`): what the memory keeps, its stop-gradient, its row
+"""Segment-level recurrence state (`txl.nn.memory`): what the memory keeps, its stop-gradient, its row
 groups, and the fast backend's in-place evaluation memory."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from tiny_models import build
-from txl.memory import Memory
+from txl.nn.memory import Memory
 
 
 def test_memory_starts_empty_keeps_latest_and_mem_len_per_call():

@@ -11,12 +11,12 @@ import torch
 import helpers
 from helpers import finish, train_losses, txl, write_config
 from tiny_models import build
-from txl.checkpoint import load_tensors
+from txl.data.masking import mask_tokens
 from txl.errors import ConfigError, UsageError
-from txl.evaluate import evaluate_mlm
-from txl.masked_lm import mask_tokens
-from txl.run_config import build_run_config
+from txl.eval.core import evaluate_mlm
+from txl.models.pretrained import load_tensors
 from txl.train import LAST
+from txl.train.config import build_run_config
 
 corpus, cache_dir = helpers.corpus, helpers.cache_dir  # fixtures
 

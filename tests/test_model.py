@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from tiny_models import build, tiny, two_segments_vs_one_pass
-from txl.attention.masks import causal_mask
-from txl.memory import Memory
-from txl.model import TransformerXL
-from txl.positional import POSITIONAL_ENCODINGS
+from txl.models.transformer_xl.model import TransformerXL
+from txl.nn.attention.masks import causal_mask
+from txl.nn.memory import Memory
+from txl.nn.positional import POSITIONAL_ENCODINGS
 
 # From the registry, so a new encoding cannot escape the invariance and causality tests.
 RELATIVE = [name for name, cls in POSITIONAL_ENCODINGS.items() if cls.relative]

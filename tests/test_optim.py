@@ -1,4 +1,4 @@
-"""train.optimizer = "muon": Muon on the hidden matrices, AdamW on the rest (txl.optim.MuonAdam)."""
+"""train.optimizer = "muon": Muon on the hidden matrices, AdamW on the rest (txl.train.optim.MuonAdam)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from torch import nn
 import helpers
 from helpers import finish, train_losses, txl, write_config
 from txl import TransformerXL, TransformerXLConfig
-from txl.checkpoint import load_tensors
-from txl.optim import (
+from txl.models.pretrained import load_tensors
+from txl.train import LAST
+from txl.train.optim import (
     MuonAdam,
     build_optimizer,
     hidden_matrices,
@@ -21,7 +22,6 @@ from txl.optim import (
     optimizer_state_split,
     set_lr,
 )
-from txl.train import LAST
 
 corpus, cache_dir = helpers.corpus, helpers.cache_dir  # fixtures
 

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-import txl.plain_pickle as P
+import txl.io.plain_pickle as P
+from txl.data.hf_vocab import read_hf_vocab
 from txl.errors import CheckpointError
-from txl.hf_vocab import read_hf_vocab
-from txl.plain_pickle import PickleRefused, read_plain_pickle
+from txl.io.plain_pickle import PickleRefused, read_plain_pickle
 
 MB = 1 << 20
 
@@ -75,7 +75,7 @@ CHILD = r"""
 import json, resource, sys, time, tracemalloc
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # a guard for the machine, not the assertion
 from txl.errors import TxlError
-from txl.hf_vocab import read_hf_vocab
+from txl.data.hf_vocab import read_hf_vocab
 path = sys.argv[1]
 tracemalloc.start()
 start = time.process_time()

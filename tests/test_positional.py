@@ -1,4 +1,4 @@
-"""Positional encodings (`txl.positional`): the registry, absolute encodings' temporal confusion, the
+"""Positional encodings (`txl.nn.positional`): the registry, absolute encodings' temporal confusion, the
 learned table's length limit. (Segment invariance of the relative encodings is in test_model.py.)"""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tiny_models import build, two_segments_vs_one_pass
-from txl.positional import CONTENT_ONLY, POSITIONAL_ENCODINGS, PositionalEncoding, register_encoding
+from txl.nn.positional import CONTENT_ONLY, POSITIONAL_ENCODINGS, PositionalEncoding, register_encoding
 
 ABSOLUTE = [name for name, cls in POSITIONAL_ENCODINGS.items() if not cls.relative]
 
@@ -39,7 +39,7 @@ def test_a_registered_encoding_is_usable_by_name(tiny):
             return x + torch.arange(x.shape[1], dtype=x.dtype)[:, None] * self.direction
 
     try:
-        from txl.model import TransformerXL
+        from txl.models.transformer_xl.model import TransformerXL
 
         model = TransformerXL(tiny(pos_encoding="toy-absolute"))
         assert isinstance(model.pos, ToyAbsolute) and "pos.direction" in model.state_dict()

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from txl import TransformerXLConfig
-from txl.cli import main
+from txl.cli.main import main
 from txl.data import Vocab
 from txl.errors import UsageError
-from txl.evaluate import context_nll, evaluate_vanilla
-from txl.model import TransformerXL
-from txl.recl import choose_positions, compute_recl, parse_contexts, recl_markdown, top_r
+from txl.eval.core import context_nll, evaluate_vanilla
+from txl.eval.recl import choose_positions, compute_recl, parse_contexts, recl_markdown, top_r
+from txl.models.transformer_xl.model import TransformerXL
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -193,7 +193,7 @@ def test_models_with_different_vocabularies_are_refused(group, tmp_path, capsys)
 def test_a_vanilla_transformer_reads_at_most_its_training_length(group):
     """Absolute positions + no memory: a fixed window (the paper's vanilla RECL = its training length);
     relative positions, memory or a recurrent model: no cap."""
-    from txl.recl import context_losses, fixed_context
+    from txl.eval.recl import context_losses, fixed_context
 
     vanilla = TransformerXLConfig(vocab_size=256, n_layer=1, d_model=16, n_head=2, d_head=8, d_inner=32, mem_len=0,
                                   pos_encoding="sinusoidal")

@@ -1,4 +1,4 @@
-"""Whole-word and locked (variational) dropout (txl/regularization.py) in the decoder: what they drop,
+"""Whole-word and locked (variational) dropout (txl/nn/regularization.py) in the decoder: what they drop,
 that they are the identity outside training, that the fast backend draws the same masks as the
 reference, and which architectures accept them."""
 
@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from tiny_models import build
 from txl import TransformerXLConfig
-from txl.config import ConfigError
-from txl.model import TransformerXL
-from txl.regularization import embedding_dropout, word_dropout
+from txl.models.transformer_xl.config import ConfigError
+from txl.models.transformer_xl.model import TransformerXL
+from txl.nn.regularization import embedding_dropout, word_dropout
 
 
 def test_word_dropout_draws_the_mask_of_embedding_dropout():

@@ -29,8 +29,8 @@ import torch
 
 import helpers
 from helpers import TINY, call, hang_guard, one_error_line
-from txl.checkpoint import load_tensors, save_tensors
 from txl.errors import TrainingError
+from txl.models.pretrained import load_tensors, save_tensors
 
 corpus, cache_dir = helpers.corpus, helpers.cache_dir  # fixtures
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -203,7 +203,7 @@ def test_a_strangers_plain_weights_without_digest_still_load(tmp_path, tiny):
     one); weights someone saved with safetensors themselves, in a plain directory, load as before."""
     from safetensors.torch import save_file
 
-    from txl.model import TransformerXL
+    from txl.models.transformer_xl.model import TransformerXL
 
     model = TransformerXL(tiny())
     model.save_pretrained(tmp_path / "ckpt")
@@ -352,7 +352,7 @@ def test_a_sparse_1_gb_config_json_is_refused_by_its_size_unread(run, tmp_path):
     path = run / "last" / "config.json"
     with open(path, "r+b") as f:
         f.truncate(2**30)
-    script = ("import sys\nfrom txl.checkpoint import load_model\nfrom txl.errors import CheckpointError\n"
+    script = ("import sys\nfrom txl.models.pretrained import load_model\nfrom txl.errors import CheckpointError\n"
               "try:\n    load_model(sys.argv[1])\nexcept CheckpointError as err:\n    print(err)\n"
               # VmHWM, not ru_maxrss: the latter keeps the forking pytest worker's high-water mark at exec
               "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')))\n")
@@ -390,7 +390,7 @@ def test_a_damaged_setting_in_the_runs_records_ends_eval_in_one_line(run, key, v
 def test_the_runs_largest_eval_mem_len_is_bounded_by_the_text(run):
     """eval_mem_len at its maximum (2**24, a valid run setting): memory never holds more than the text it read,
     so the evaluator works with that (65 tokens here), not with 16M-key segments one row at a time."""
-    from txl.evaluate import evaluate_checkpoint
+    from txl.eval.core import evaluate_checkpoint
 
     for path, section in ((run / "last" / "trainer_state.json", "run"), (run / "run.json", "config")):
         data = json.loads(path.read_text())

@@ -11,10 +11,16 @@ import torch
 
 from helpers import make_corpus, train_losses
 from txl import TransformerXLConfig
-from txl.checkpoint import build_model, load_model, load_tensors
-from txl.cli import main
+from txl.cli.main import main
 from txl.errors import CheckpointError, ConfigError, UsageError
-from txl.rnn import DropConnectLSTM, RecurrentLM, RecurrentMemory, embedding_dropout, locked_dropout
+from txl.models.pretrained import build_model, load_model, load_tensors
+from txl.models.rnn.model import (
+    DropConnectLSTM,
+    RecurrentLM,
+    RecurrentMemory,
+    embedding_dropout,
+    locked_dropout,
+)
 
 ARCHS = ["lstm", "sha-rnn"]
 
@@ -81,7 +87,7 @@ def test_evaluation_in_row_groups_keeps_the_state(arch, monkeypatch):
     """`evaluate` runs wide batches in row groups and joins their memories: the recurrent kind survives."""
     import numpy as np
 
-    from txl import evaluate as ev
+    from txl.eval import core as ev
 
     model = build(arch)
     tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, 400)
@@ -303,7 +309,7 @@ def test_rnn_fields_are_checked(field):
 def test_switching_a_preset_to_an_rnn_arch():
     """--set model.arch=lstm over a Transformer preset drops the preset's heads etc.; the same --set
     group asking for heads is refused by name."""
-    from txl.run_config import build_run_config
+    from txl.train.config import build_run_config
 
     run = build_run_config(preset="tiny", sets=["model.arch=lstm"])
     config = run.model_config(vocab_size=50)
@@ -326,7 +332,7 @@ def test_transformer_runtime_options_end_in_one_line(arch):
     with pytest.raises(UsageError, match="padding"):
         model(x, attention_mask=padded)
     with pytest.raises(UsageError, match="RecurrentMemory"):
-        from txl.memory import Memory
+        from txl.nn.memory import Memory
 
         model(x, memory=Memory((torch.zeros(2, 3, 16),)))
     other = build(arch, n_layer=2)(x).memory

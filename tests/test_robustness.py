@@ -156,7 +156,7 @@ def env(**values: str) -> Iterator[None]:
 
 def call_cli(*argv: str) -> tuple[int, str]:
     """`txl ARGV` in this process: (exit code, stderr)."""
-    from txl.cli import main
+    from txl.cli.main import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -494,7 +494,7 @@ def _(ctx):
 
 
 def _load(path: Path):
-    from txl.model import TransformerXL
+    from txl.models.transformer_xl.model import TransformerXL
 
     return TransformerXL.from_pretrained(path)
 
@@ -623,7 +623,7 @@ def _(ctx):
 def _(ctx):
     from safetensors.torch import load_file
 
-    from txl.checkpoint import save_tensors
+    from txl.models.pretrained import save_tensors
 
     run = ctx.run_copy()
     tensors = load_file(str(run / "last" / "optimizer.safetensors"))
@@ -1108,7 +1108,7 @@ def _(ctx):
 
 def _hold_lock(directory: Path):
     """Another process holding the run's lock (pid shown as PID)."""
-    code = ("import sys, time; from txl.rundir import RunLock; RunLock.acquire(sys.argv[1]); print('held', "
+    code = ("import sys, time; from txl.io.rundir import RunLock; RunLock.acquire(sys.argv[1]); print('held', "
             "flush=True); time.sleep(120)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(directory)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "held"
@@ -1322,7 +1322,7 @@ def _(ctx):
 
 
 def _poisoned(ctx: Ctx, value: float) -> Path:
-    from txl.checkpoint import load_tensors, save_tensors
+    from txl.models.pretrained import load_tensors, save_tensors
 
     ckpt = ctx.checkpoint_copy()
     tensors, meta = load_tensors(ckpt / "model.safetensors")
@@ -1678,7 +1678,7 @@ def test_cases_are_many_and_distinct():
 
 
 def test_debug_shows_the_traceback():
-    from txl.cli import main
+    from txl.cli.main import main
     from txl.errors import ConfigError
 
     for argv in (["--debug", "train", "--preset", "gigantic"], ["train", "--preset", "gigantic", "--debug"]):
@@ -1687,10 +1687,10 @@ def test_debug_shows_the_traceback():
 
 
 def test_an_unexpected_exception_keeps_its_traceback_and_asks_for_a_report(monkeypatch, capsys):
-    import txl.plot
-    from txl.cli import main
+    import txl.cli.plot
+    from txl.cli.main import main
 
-    monkeypatch.setattr(txl.plot, "run_cli", lambda args: 1 / 0)  # stands for any bug
+    monkeypatch.setattr(txl.cli.plot, "run_cli", lambda args: 1 / 0)  # stands for any bug
     code = main(["plot", "RUN"])
     err = capsys.readouterr().err
     assert code == 1 and "Traceback" in err and "ZeroDivisionError" in err
@@ -1701,13 +1701,13 @@ def test_an_unexpected_exception_keeps_its_traceback_and_asks_for_a_report(monke
 
 
 def test_a_closed_stdout_is_not_an_error(monkeypatch, capsys):
-    import txl.data.cli
-    from txl.cli import main
+    import txl.cli.data
+    from txl.cli.main import main
 
     def closed(args):
         raise BrokenPipeError(32, "Broken pipe")  # `txl data list | head -1`
 
-    monkeypatch.setattr(txl.data.cli, "run", closed)
+    monkeypatch.setattr(txl.cli.data, "run", closed)
     assert main(["data", "list"]) == 141
     assert capsys.readouterr().err == ""
 

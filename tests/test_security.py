@@ -164,7 +164,7 @@ def _hf_dir(tmp_path: Path, name: str) -> Path:
 
 @pytest.mark.parametrize("container", ["torch-zip", "raw-pickle"])
 def test_malicious_pytorch_model_bin_is_refused_by_import_hf(tmp_path, container, capsys):
-    from txl.cli import main
+    from txl.cli.main import main
 
     marker = tmp_path / "pwned"
     src = _hf_dir(tmp_path, "hf")
@@ -215,7 +215,7 @@ def test_pickles_next_to_a_checkpoint_are_never_read(tmp_path):
     """vocab.pkl (the reference's and HF's vocabulary), training_args.bin, optimizer.pt: txl's loaders
     name the files they read (config.json, model.safetensors, vocab.json) and ignore every other one."""
     from txl import TransformerXLConfig
-    from txl.model import TransformerXL
+    from txl.models.transformer_xl.model import TransformerXL
 
     model = TransformerXL(TransformerXLConfig(vocab_size=40, n_layer=1, d_model=16, n_head=2, d_head=8,
                                               d_inner=32, mem_len=8))
@@ -231,7 +231,7 @@ def test_hf_import_prefers_safetensors_over_a_pickle(tmp_path):
     """With both files present the pickle is not even opened (a damaged .bin would fail otherwise)."""
     from safetensors.torch import save_file
 
-    from txl.hf_import import read_hf_weights
+    from txl.models.hf_import import read_hf_weights
 
     src = _hf_dir(tmp_path, "hf")
     save_file({"w": torch.zeros(2)}, str(src / "model.safetensors"))
@@ -240,7 +240,7 @@ def test_hf_import_prefers_safetensors_over_a_pickle(tmp_path):
 
 
 def test_a_checkpoint_that_is_not_safetensors_is_refused(tmp_path):
-    from txl.model import TransformerXL
+    from txl.models.transformer_xl.model import TransformerXL
 
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps({"vocab_size": 40, "n_layer": 1, "d_model": 16,
@@ -253,7 +253,7 @@ def test_a_checkpoint_that_is_not_safetensors_is_refused(tmp_path):
 
 def test_pytorch_model_bin_needs_a_torch_without_the_weights_only_bypass(tmp_path, monkeypatch):
     """torch < 2.6 let a crafted file run code even with weights_only=True (CVE-2025-32434)."""
-    from txl.hf_import import read_hf_weights
+    from txl.models.hf_import import read_hf_weights
 
     src = _hf_dir(tmp_path, "hf")
     torch.save({"w": torch.zeros(2)}, src / "pytorch_model.bin")

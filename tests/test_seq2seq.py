@@ -1,4 +1,4 @@
-"""The encoder-decoder (txl.seq2seq): padding invariance, cached = uncached decoding, beam search
+"""The encoder-decoder (txl.models.seq2seq): padding invariance, cached = uncached decoding, beam search
 against greedy, and the errors a user can cause."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from txl import ConfigError, TransformerXLConfig, UsageError
-from txl.seq2seq import EncoderDecoder
-from txl.seq2seq.decode import beam_search, greedy, length_penalty, sample
+from txl.generate.seq2seq import beam_search, greedy, length_penalty, sample
+from txl.models.seq2seq import EncoderDecoder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -93,7 +93,7 @@ def test_cached_logits_equal_the_full_pass():
     target = torch.tensor([[BOS, 4, 5, 6, 7], [BOS, 8, 9, 10, 11]])
     with torch.no_grad():
         full = model(src, mask, target).logits
-        cache = __import__("txl.seq2seq.model", fromlist=["DecoderCache"]).DecoderCache.empty(model.config.n_layer)
+        cache = __import__("txl.models.seq2seq.model", fromlist=["DecoderCache"]).DecoderCache.empty(model.config.n_layer)
         encoded = model.encode(src, mask)
         steps = [model(src, mask, target[:, t: t + 1], encoded=encoded, cache=cache).logits for t in range(5)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)

@@ -1,4 +1,4 @@
-"""Pair corpora, vocabularies and batches (txl.seq2seq.data), and the sequence-to-sequence journey
+"""Pair corpora, vocabularies and batches (txl.data.seq2seq), and the sequence-to-sequence journey
 through the trainer and the CLI: train, resume exactly, eval, generate --input."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from txl.cli import main
+from txl.cli.main import main
+from txl.data.seq2seq import PairBatches, PairVocab, collate, open_pair_corpus, read_pairs
 from txl.errors import DataError
-from txl.seq2seq.data import PairBatches, PairVocab, collate, open_pair_corpus, read_pairs
-from txl.seq2seq.metrics import exact_match, split_identifier
+from txl.eval.seq2seq_metrics import exact_match, split_identifier
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

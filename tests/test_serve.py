@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from serve_helpers import request, running, train_run
-from txl.cli import build_parser, main
+from txl.cli.main import build_parser, main
 from txl.serve.app import Limits, create_app
 from txl.serve.engine import open_run
 from txl.serve.load import run_load, sse_events, stream_generation
@@ -301,7 +301,7 @@ def test_bad_flags_end_in_one_line(run_dir, capsys, argv, words):
 
 
 def test_a_run_without_vocab_is_refused(tmp_path, capsys, tiny):
-    from txl.model import TransformerXL
+    from txl.models.transformer_xl.model import TransformerXL
 
     torch.manual_seed(0)
     TransformerXL(tiny()).save_pretrained(tmp_path / "novocab")
@@ -381,7 +381,7 @@ def test_txl_serve_binds_loopback_and_stops_on_ctrl_c(run_dir):
 
 def test_a_bidirectional_model_is_refused(tmp_path, capsys, tiny):
     from txl.data import Vocab
-    from txl.model import TransformerXL
+    from txl.models.transformer_xl.model import TransformerXL
 
     torch.manual_seed(0)
     TransformerXL(tiny(vocab_size=256, causal=False, mem_len=0, pos_encoding="rope")).save_pretrained(tmp_path / "mlm")

@@ -15,11 +15,11 @@ import torch
 
 import helpers
 from helpers import finish, saved_step, train_losses, txl, write_config
-from txl.checkpoint import load_tensors
 from txl.errors import ConfigError, TrainingError, UsageError
-from txl.optim import lr_at
-from txl.run_config import RunConfig, build_run_config, load_preset, preset_names
+from txl.models.pretrained import load_tensors
 from txl.train import LAST, Trainer
+from txl.train.config import RunConfig, build_run_config, load_preset, preset_names
+from txl.train.optim import lr_at
 
 pytestmark = pytest.mark.slow
 corpus, cache_dir = helpers.corpus, helpers.cache_dir  # fixtures
@@ -112,7 +112,7 @@ def test_the_all_reduced_clock_decides_the_stop_and_the_schedule(tmp_path, corpu
 
 
 def test_resuming_with_a_new_time_budget_states_the_schedule_or_refuses_a_spent_one(tmp_path, corpus):
-    from txl.train.cli import schedule_note
+    from txl.cli.train import schedule_note
 
     before = build_run_config(config_file=write_config(tmp_path, corpus), sets=[
         "max_minutes=10", "schedule_clock=minutes", "max_steps=100000", "warmup_steps=0"]).train
@@ -276,7 +276,7 @@ def test_a_run_cut_by_its_minutes_ends_its_cosine_at_eta_min(tmp_path, corpus, m
 
 @pytest.mark.parametrize("fast", [True, False])
 def test_precision_auto_is_bf16_only_where_the_device_has_fast_bf16(fast, tmp_path, corpus, monkeypatch):
-    import txl.evaluate as evaluate
+    import txl.eval.core as evaluate
 
     monkeypatch.setattr(evaluate, "fast_bf16", lambda device: fast)
     cpu = torch.device("cpu")
@@ -294,7 +294,7 @@ def test_precision_auto_is_bf16_only_where_the_device_has_fast_bf16(fast, tmp_pa
 def test_cpu_bf16_is_chosen_only_when_the_probe_finds_it_faster(fp32_seconds, bf16_seconds, chosen, monkeypatch):
     """bf16 instructions are not enough on a CPU (AVX512-BF16 without AMX ran bf16 products at 0.5x fp32
     here): `auto` times both once per process and takes bf16 only when it is >= 1.25x faster."""
-    import txl.evaluate as evaluate
+    import txl.eval.core as evaluate
 
     calls = []
     monkeypatch.setattr(evaluate, "bf16_instructions", lambda device: True)
@@ -323,7 +323,7 @@ def test_auto_precision_is_one_decision_across_ranks():
 
 
 def test_matmul_probe_times_each_dtype_and_restores_the_threads():
-    import txl.evaluate as evaluate
+    import txl.eval.core as evaluate
 
     threads = torch.get_num_threads()
     seconds = evaluate.matmul_seconds((torch.float32, torch.bfloat16), size=64, repeats=2)
@@ -346,7 +346,7 @@ def test_final_splits_are_scored_whole_with_final_max_tokens_zero(tmp_path, corp
 
 
 def test_plot_writes_png(tmp_path, corpus):
-    from txl.plot import plot_runs
+    from txl.cli.plot import plot_runs
 
     config = write_config(tmp_path, corpus, steps=4, eval_interval=2)
     Trainer(build_run_config(config_file=config), tmp_path / "r", quiet=True).fit()

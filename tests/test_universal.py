@@ -8,7 +8,7 @@ import torch
 
 from tiny_models import build, two_segments_vs_one_pass
 from txl import ConfigError
-from txl.model import TransformerXL
+from txl.models.transformer_xl.model import TransformerXL
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,7 +52,7 @@ def test_act_weights_sum_to_one_and_ponder_counts_steps_plus_remainder():
     model = build(universal=True, n_layer=3)
     block, depth = model.blocks[0], model.universal
     h = torch.randn(2, 5, 32)
-    from txl.attention.masks import CAUSAL
+    from txl.nn.attention.masks import CAUSAL
 
     def run():
         with torch.no_grad():

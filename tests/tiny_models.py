@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from txl import TransformerXLConfig
-from txl.model import TransformerXL
+from txl.models.transformer_xl.model import TransformerXL
 
 
 def tiny(**overrides) -> TransformerXLConfig:

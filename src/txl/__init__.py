@@ -8,19 +8,19 @@ start without it.
 
 from typing import TYPE_CHECKING, Any
 
-from txl.config import TransformerXLConfig
 from txl.errors import CheckpointError, ConfigError, DataError, TxlError, UsageError
+from txl.models.transformer_xl.config import TransformerXLConfig
 
 if TYPE_CHECKING:
-    from txl.memory import Memory
-    from txl.model import TransformerXL, TransformerXLOutput
-    from txl.rnn import RecurrentLM
-    from txl.seq2seq.model import EncoderDecoder
+    from txl.models.rnn.model import RecurrentLM
+    from txl.models.seq2seq.model import EncoderDecoder
+    from txl.models.transformer_xl.model import TransformerXL, TransformerXLOutput
+    from txl.nn.memory import Memory
 
 __version__ = "0.1.0"
 
-_LAZY = {"TransformerXL": "txl.model", "TransformerXLOutput": "txl.model", "Memory": "txl.memory",
-         "EncoderDecoder": "txl.seq2seq.model", "RecurrentLM": "txl.rnn"}
+_LAZY = {"TransformerXL": "txl.models.transformer_xl.model", "TransformerXLOutput": "txl.models.transformer_xl.model", "Memory": "txl.nn.memory",
+         "EncoderDecoder": "txl.models.seq2seq.model", "RecurrentLM": "txl.models.rnn.model"}
 
 __all__ = [
     "TransformerXLConfig",

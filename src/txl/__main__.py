@@ -1,3 +1,3 @@
-from txl.cli import main
+from txl.cli.main import main
 
 raise SystemExit(main())

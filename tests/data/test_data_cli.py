@@ -10,7 +10,7 @@ import sys
 import pytest
 from txl_data_fixtures import make_ptb
 
-from txl.cli import main
+from txl.cli.main import main
 from txl.data import Vocab
 
 
@@ -86,6 +86,6 @@ def test_subprocess_exit_code_and_fast_import(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr and "path not found" in proc.stderr
-    check = "import sys, txl.data.cli, txl.data; print('torch' in sys.modules)"
+    check = "import sys, txl.cli.data, txl.data; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False"

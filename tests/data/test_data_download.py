@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from txl_data_fixtures import enwik8_bytes, make_ptb, tgz_bytes, zip_bytes
 
-from txl.cli import main
+from txl.cli.main import main
 from txl.data import download, open_corpus
 from txl.data.fetch import SOURCES
 from txl.errors import DataError

@@ -9,7 +9,7 @@ import sys
 import pytest
 from txl_data_fixtures import SHARED
 
-from txl.cli import main
+from txl.cli.main import main
 from txl.data.cache import sha256_file
 from txl.data.fetch import SOURCES
 

@@ -157,7 +157,7 @@ def test_parse_spec_forms(tmp_path):
         "lm1b",
         "text",
         "builtin",
-        "pairs",  # sequence-to-sequence pair corpora (txl.seq2seq)
+        "pairs",  # sequence-to-sequence pair corpora (txl.data.seq2seq)
         "reverse",
         "pydoc-summaries",
     }

@@ -1,6 +1,6 @@
 """`txl bench`: reproducible speed and memory measurements (issue 6).
 
-Each benchmark is a module named in `txl.bench.cli.BENCHES` that provides
+Each benchmark is a module named in `txl.cli.bench.BENCHES` that provides
 
     TITLE: str
     run(options: txl.bench.common.BenchOptions) -> dict   # JSON-ready, with a "rows" list

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from txl.cli_types import integer, real, threads
+from txl.cli.arguments import integer, real, threads
 from txl.errors import TxlError, UsageError
 from txl.io import METRICS_LIMIT, create_log, read_bytes, read_json, read_text, save_figure, write_text
 
@@ -146,8 +146,8 @@ def parameter_count(sets: list[str], vocab_size: int) -> int:
     """Parameters of the preset with `sets` (model.* and train.* keys; masked LM adds the mask token)."""
     import torch
 
-    from txl.model import TransformerXL
-    from txl.run_config import build_run_config
+    from txl.models.transformer_xl.model import TransformerXL
+    from txl.train.config import build_run_config
 
     run = build_run_config(preset=PRESET, sets=sets)
     with torch.device("meta"):
@@ -487,7 +487,7 @@ def plot(report: dict, path: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     from txl.bench.common import machine
     from txl.data import open_corpus
-    from txl.run_config import build_run_config
+    from txl.train.config import build_run_config
 
     out = Path(args.out)
     if args.render:

@@ -1,7 +1,7 @@
 """`txl bench attention-scaling`: time and peak memory of ONE attention layer against sequence length
 (512 … 32k) for every attention variant of the arena (issue 8; README "The arena").
 
-The layer is `txl.attention.Attention` (q/kv/output projections + the kernel) on one sequence of n
+The layer is `txl.nn.attention.Attention` (q/kv/output projections + the kernel) on one sequence of n
 tokens with no memory (queries = keys = n), the same shape for every variant (default 4 heads × 64,
 d_model 256, RoPE: the one positional encoding every variant supports). Two modes: forward without
 gradients (evaluation) and forward + backward (training).
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from txl.cli_types import integer, integer_list, real, threads
+from txl.cli.arguments import integer, integer_list, real, threads
 from txl.errors import UsageError
 from txl.io import save_figure, write_text
 
@@ -88,9 +88,9 @@ def build_layer(name: str, n: int, args: argparse.Namespace):
     """(step, describe) for one variant at length n: step() runs the layer once."""
     import torch
 
-    from txl.attention import Attention, AttentionMask
-    from txl.config import TransformerXLConfig
-    from txl.positional import build_positional
+    from txl.models.transformer_xl.config import TransformerXLConfig
+    from txl.nn.attention import Attention, AttentionMask
+    from txl.nn.positional import build_positional
 
     torch.manual_seed(args.seed)
     overrides = variant_config(name, n, args)
@@ -119,9 +119,9 @@ def build_layer(name: str, n: int, args: argparse.Namespace):
 
 def unsupported(name: str, args: argparse.Namespace) -> str | None:
     """Why the variant cannot run with these settings (e.g. performer with --pos xl), or None."""
-    from txl.attention import KERNELS
-    from txl.config import TransformerXLConfig
     from txl.errors import ConfigError
+    from txl.models.transformer_xl.config import TransformerXLConfig
+    from txl.nn.attention import KERNELS
 
     if name == "full-fast" and ("full", "fast") not in KERNELS:
         return "no ('full', 'fast') kernel registered"
@@ -168,8 +168,8 @@ PROBE_KEYS = ("heads", "d_head", "batch", "pos", "window", "stride", "features",
 def probe_main(payload: dict) -> int:
     import torch
 
-    from txl.allocator import keep_freed_memory
     from txl.bench.common import peak_rss_mb, rss_mb
+    from txl.fast.allocator import keep_freed_memory
 
     keep_freed_memory()  # as every `txl` command does
     args = argparse.Namespace(**payload)

@@ -34,10 +34,10 @@ from pathlib import Path
 import numpy as np
 
 from txl.bench.arena import log_tail, planned_run, read_record, train_variants
-from txl.cli_types import MAX_COUNT, MAX_LENGTH, integer, integer_list, threads
+from txl.cli.arguments import MAX_COUNT, MAX_LENGTH, integer, integer_list, threads
 from txl.errors import TxlError, UsageError
 from txl.io import create_log, read_json
-from txl.rundir import save_array, write_text
+from txl.io.rundir import save_array, write_text
 
 PRESET = "claims-char"
 LN2 = math.log(2.0)
@@ -125,8 +125,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def parameter_count(sets: list[str], vocab_size: int) -> int:
     import torch
 
-    from txl.checkpoint import build_model
-    from txl.run_config import build_run_config
+    from txl.models.pretrained import build_model
+    from txl.train.config import build_run_config
 
     run = build_run_config(preset=PRESET, sets=sets)
     with torch.device("meta"):
@@ -135,7 +135,7 @@ def parameter_count(sets: list[str], vocab_size: int) -> int:
 
 
 def trained_mem(sets: list[str], vocab_size: int) -> int:
-    from txl.run_config import build_run_config
+    from txl.train.config import build_run_config
 
     return build_run_config(preset=PRESET, sets=sets).model_config(vocab_size=vocab_size).mem_len
 
@@ -196,8 +196,8 @@ def _eval_key(item: dict, args: argparse.Namespace, mode: str, mem: int | None) 
 
 def evaluate_run(item: dict, args: argparse.Namespace) -> dict:
     """{"mems": {m: bpc}, "window": bpc or None}; per-token NLL arrays saved beside the run."""
-    from txl.checkpoint import load_checkpoint
-    from txl.evaluate import evaluate_checkpoint
+    from txl.eval.core import evaluate_checkpoint
+    from txl.models.pretrained import load_checkpoint
 
     run_dir = Path(item["run_dir"])
     cache_path = run_dir / "claims_eval.json"
@@ -433,7 +433,7 @@ def plot(report: dict, corpus: str, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from txl.rundir import save_figure
+    from txl.io.rundir import save_figure
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     by_variant: dict[str, list[dict]] = {}

@@ -49,7 +49,7 @@ class Shape:
     extra: tuple[tuple[str, Any], ...] = ()  # further model keys (a preset's cutoffs, div_val, dropatt...)
 
     def model_config(self, **overrides):
-        from txl.config import TransformerXLConfig
+        from txl.models.transformer_xl.config import TransformerXLConfig
 
         values = dict(
             vocab_size=self.vocab, n_layer=self.n_layer, d_model=self.d_model, n_head=self.n_head,
@@ -69,7 +69,7 @@ def preset_shape(preset: str, vocab: int) -> Shape:
     """A training preset's model, segment, memory and batch as a benchmark shape (random tokens from a
     vocabulary of its corpus's size), so `txl bench train/mfu --config PRESET` times the shape that
     preset trains. Every value comes from the preset as `txl train` resolves it (defaults included)."""
-    from txl.run_config import build_run_config
+    from txl.train.config import build_run_config
 
     run = build_run_config(preset=preset)
     config = run.model_config(vocab_size=vocab)
@@ -184,7 +184,7 @@ def require_hf() -> str:
 def build_ours(shape: Shape, impl: str, *, mem_len: int | None = None, train: bool = True):
     import torch
 
-    from txl.model import TransformerXL
+    from txl.models.transformer_xl.model import TransformerXL
 
     torch.manual_seed(0)
     config = shape.model_config(attention_impl=impl, backend="reference" if impl == "eager" else "auto",
@@ -323,9 +323,9 @@ def machine() -> dict[str, Any]:
     version = hf_available()
     if version:
         info["transformers"] = version
-    from txl.allocator import freed_memory_kept
+    from txl.fast.allocator import freed_memory_kept
 
-    info["allocator"] = ("glibc, freed memory kept (txl's default, txl/allocator.py)" if freed_memory_kept()
+    info["allocator"] = ("glibc, freed memory kept (txl's default, txl/fast/allocator.py)" if freed_memory_kept()
                          else "the C library's defaults")
     return info
 

@@ -48,7 +48,7 @@ def byte_stream(n_bytes: int):
 def run(options: BenchOptions) -> dict:
     import torch
 
-    from txl.memory import Memory
+    from txl.nn.memory import Memory
 
     setup_torch(options)
     shape = options.shape

@@ -11,7 +11,7 @@ What is timed, in one process, the two sides alternating (median of `steps` roun
   exactly L keys (itself included) — the vanilla window's attention length. The memory is filled
   before timing, so every timed segment is the steady state. Time per token = segment time / T.
 - vanilla: one forward over B windows of L tokens (mem_len 0), each scoring only its last token,
-  exactly `txl.evaluate.context_nll`. Time per token = forward time / B.
+  exactly `txl.eval.core.context_nll`. Time per token = forward time / B.
 
 Both score real next-token NLL (labels given, logits not kept) on the same random token stream, with
 the same model and attention kernel. Weights are random (timing does not depend on them) unless
@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from txl.cli_types import integer, integer_list, threads
+from txl.cli.arguments import integer, integer_list, threads
 from txl.io import read_proc
 
 TITLE = "Evaluation speed-up of Transformer-XL over the vanilla Transformer (per scored token)"
@@ -63,11 +63,11 @@ SHAPES = {
 def _build_model(config: str, ckpt: str | None, impl: str):
     import torch
 
-    from txl.config import TransformerXLConfig
-    from txl.model import TransformerXL
+    from txl.models.transformer_xl.config import TransformerXLConfig
+    from txl.models.transformer_xl.model import TransformerXL
 
     if ckpt:
-        from txl.checkpoint import load_checkpoint
+        from txl.models.pretrained import load_checkpoint
 
         model = load_checkpoint(ckpt).model
     else:
@@ -90,7 +90,7 @@ def measure(model, attn_len: int, *, tgt_len: int, windows: int = 0, warmup: int
     import numpy as np
     import torch
 
-    from txl.evaluate import _window_nll, default_window_batch
+    from txl.eval.core import _window_nll, default_window_batch
 
     device = next(model.parameters()).device
     windows = windows or default_window_batch(attn_len)
@@ -177,7 +177,7 @@ def benchmark(attn_lens, *, config: str = "base", ckpt: str | None = None, tgt_l
     c = model.config
     rows = [measure(model, a, tgt_len=tgt_len or min(a, DEFAULT_TGT_LEN), windows=windows, warmup=warmup,
                     steps=steps, seed=seed) for a in attn_lens]
-    from txl.attention import resolve_kernel
+    from txl.nn.attention import resolve_kernel
 
     kernel = resolve_kernel(c.attention, c.attention_impl).__name__
     return {

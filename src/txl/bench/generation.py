@@ -1,8 +1,8 @@
 """`txl bench generate`: greedy generation at a 1k-token context, memory reuse against a full re-run.
 
-Memory reuse (`txl.generate.stream_tokens`, mem_len 1024): the prompt fills the memory once, then
+Memory reuse (`txl.generate.decoder.stream_tokens`, mem_len 1024): the prompt fills the memory once, then
 every new token is one forward pass over that single token attending to the cached states. Full
-re-run (`txl.generate.generate_rerun`): every new token re-runs the whole context, as a model
+re-run (`txl.generate.decoder.generate_rerun`): every new token re-runs the whole context, as a model
 without recurrence must. Both use the same model; the two modes alternate round by round (128
 consecutive reuse tokens, then one re-run).
 """
@@ -30,7 +30,7 @@ def run(options: BenchOptions) -> dict:
     import torch
 
     from txl.bench.common import autocast
-    from txl.generate import generate_rerun, stream_tokens
+    from txl.generate.decoder import generate_rerun, stream_tokens
 
     check_precision(options.precision)
     setup_torch(options)

@@ -4,7 +4,7 @@ One layer's relative attention core (`pos_encoding="xl"`: content and position s
 causal mask, softmax, probabilities · values) on the shapes of the `tiny` and `base` training steps
 and of `base` evaluation at mem_len 3800, forward + backward (training) and forward without
 gradients (evaluation). Projections, dropout and the rest of the block are left out, so the ratio
-isolates what `src/txl/attention/xl_fast.py` changes. The two kernels alternate call by call.
+isolates what `src/txl/nn/attention/xl_fast.py` changes. The two kernels alternate call by call.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ def cases(options: BenchOptions) -> list[tuple[str, int, int, int, str]]:
 def make_call(impl: str, shape, batch: int, q_len: int, mem_len: int, mode: str, precision: str):
     import torch
 
-    from txl.attention import KERNELS
-    from txl.attention.layer import split_kv
-    from txl.attention.masks import CAUSAL
-    from txl.positional import XLRelative
+    from txl.nn.attention import KERNELS
+    from txl.nn.attention.layer import split_kv
+    from txl.nn.attention.masks import CAUSAL
+    from txl.nn.positional import XLRelative
 
     kernel = KERNELS[("full", impl)]
     config = shape.model_config(dropout=0.0)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from txl.bench.arena import planned_run, read_record, read_records, train_variants
-from txl.cli_types import integer, real, threads
+from txl.cli.arguments import integer, real, threads
 from txl.errors import UsageError
 from txl.io import save_figure, write_text
 
@@ -237,7 +237,7 @@ SWEEPS: dict[str, Sweep] = {
             Candidate("batch-16", ("train.batch_size=16",), "batch 16"),
             Candidate("wd-0.1", ("train.optimizer=adamw", "train.weight_decay=0.1"), "AdamW, weight decay 0.1"),
             Candidate("muon", ("train.optimizer=muon",), "Muon on the hidden matrices, AdamW on the rest"),
-            # AWD-LSTM's word-level regularisers in the decoder (txl/regularization.py); the paper trains
+            # AWD-LSTM's word-level regularisers in the decoder (txl/nn/regularization.py); the paper trains
             # its PTB model with variational dropout
             Candidate("embed-0.1", ("model.dropout_embed=0.1",), "whole-word dropout 0.1"),
             Candidate("input-0.4", ("model.dropout_input=0.4",), "locked (variational) dropout 0.4 on the embeddings"),
@@ -473,7 +473,7 @@ def plot(report: dict, path: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from txl.bench.common import machine
-    from txl.run_config import build_run_config
+    from txl.train.config import build_run_config
 
     sweep = SWEEPS[args.sweep]
     if args.steps is not None and args.minutes is not None:

@@ -48,7 +48,7 @@ def plan(options: BenchOptions) -> list[tuple[str, BenchOptions]]:
 
 
 def run_all(options: BenchOptions, *, out_dir: str | Path = "docs") -> dict:
-    from txl.bench.cli import BENCHES, available, has_own_cli, load
+    from txl.cli.bench import BENCHES, available, has_own_cli, load
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -225,7 +225,7 @@ MEASUREMENTS = [
     "token (1, 128) x (128, 512) takes 7 us in MKL, 16 in oneDNN, hence `MIN_MACS`; a large weight read "
     "once per token streams faster through oneDNN (weights not in cache: (1, 512) x (512, 2048) 276 -> "
     "126 us, (1, 512) x (512, 512) 47 -> 29 us), hence `MIN_WEIGHT`.",
-    "- Fresh large CPU tensors (`_workspace` in `src/txl/attention/xl_fast.py`): a fresh 32 MiB buffer cost "
+    "- Fresh large CPU tensors (`_workspace` in `src/txl/nn/attention/xl_fast.py`): a fresh 32 MiB buffer cost "
     "35 ms against 1 ms to refill a reused one (first-touch page faults, KVM guest).",
     "- Autograd's own `as_strided` backward for the rel-shift: 1.2x slower than the reference pad-and-copy "
     "(`_RelShift` writes it out).",
@@ -242,7 +242,7 @@ MEASUREMENTS = [
     "- Generation: the float64 position table cost 1.4 ms of a 3.7 ms tiny step at a 1k context before it "
     "was memoised (`src/txl/fast/positions.py`); copying the whole memory per layer per token was a third "
     "of a token's time before `append_rows` (tiny shape, mem_len 1024).",
-    "- Sliding window blocks (`src/txl/attention/sliding.py`): B = w/4 best at w = 512, n = 4k-16k "
+    "- Sliding window blocks (`src/txl/nn/attention/sliding.py`): B = w/4 best at w = 512, n = 4k-16k "
     "(B = 128: 0.33 s, B = 256: 0.38-0.44 s per 16k layer). Performer's chunk groups: one giant "
     "(nc, c, c) product made 32k tokens cost 2.8x 16k.",
     "",
@@ -250,8 +250,8 @@ MEASUREMENTS = [
 
 
 def render(report: dict, plots: list[str], out: Path | None = None) -> str:
-    from txl.bench.cli import load
     from txl.bench.common import markdown_table
+    from txl.cli.bench import load
 
     lines = [
         "# Benchmarks",
@@ -270,7 +270,7 @@ def render(report: dict, plots: list[str], out: Path | None = None) -> str:
         "- Contenders run in one process and alternate step by step (so a busy neighbour slows them alike); "
         "numbers are medians over timed steps after warm-up; ratios come from the same run.",
         "- `txl-eager` is the reference einsum attention (`attention_impl=\"eager\"`), `txl-fast` the fast path "
-        "(`src/txl/attention/xl_fast.py` and the fast backend `src/txl/fast/`, the default), `hf` Hugging Face TransfoXL "
+        "(`src/txl/nn/attention/xl_fast.py` and the fast backend `src/txl/fast/`, the default), `hf` Hugging Face TransfoXL "
         f"(transformers {report['machine'].get('transformers', 'not installed')}) on the same shape, "
         "relative positions, no clamp, full softmax.",
         "- Everyone starts from a full memory of zeros, so every timed step has the same shapes.",
@@ -282,7 +282,7 @@ def render(report: dict, plots: list[str], out: Path | None = None) -> str:
     lines += [
         "## What the fast path does",
         "",
-        "`attention_impl=\"fast\"` (the default through `\"auto\"`; `src/txl/attention/xl_fast.py` and the fast backend `src/txl/fast/`) computes what the "
+        "`attention_impl=\"fast\"` (the default through `\"auto\"`; `src/txl/nn/attention/xl_fast.py` and the fast backend `src/txl/fast/`) computes what the "
         "eager reference computes (tests/test_fast_attention.py: logits within 1e-5, gradients within 1e-4 "
         "relative, every positional encoding). What it changes, each kept because it measured faster side by "
         "side (the kernel table below isolates the attention core):",

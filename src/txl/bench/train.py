@@ -33,8 +33,8 @@ def make_step(name: str, shape: Shape, precision: str, *, seed: int = 0) -> Call
     """A closure that runs one training step of contender `name` ("txl-<impl>" or "hf")."""
     import torch
 
-    from txl.memory import Memory
-    from txl.optim import build_optimizer
+    from txl.nn.memory import Memory
+    from txl.train.optim import build_optimizer
 
     generator = torch.Generator().manual_seed(seed)
     batch, tgt = shape.batch, shape.tgt_len

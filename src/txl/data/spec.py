@@ -123,7 +123,7 @@ KNOWN: dict[str, CorpusInfo] = {
         CorpusInfo(
             "pairs",
             "your own sequence-to-sequence pairs: FILE (.tsv, .jsonl or the Inshorts .csv; split 90/5/5) or DIR "
-            "with train.* [valid.* test.*] (txl.seq2seq)",
+            "with train.* [valid.* test.*] (txl.models.seq2seq)",
             "ppl",
             options=_PAIR_OPTIONS,
         ),

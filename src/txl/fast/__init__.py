@@ -25,7 +25,7 @@ from txl.fast.linear import FastLinear
 from txl.fast.linear import linear as fast_linear  # (the name `linear` stays the submodule)
 from txl.fast.memory import open_memory
 from txl.fast.positions import memoise_tables
-from txl.positional import PositionalEncoding
+from txl.nn.positional import PositionalEncoding
 
 
 def apply(model: nn.Module) -> nn.Module:

@@ -1,4 +1,4 @@
-"""The fast backend's memory kinds (`txl.memory.MemoryUpdate` subclasses), chosen per forward pass by
+"""The fast backend's memory kinds (`txl.nn.memory.MemoryUpdate` subclasses), chosen per forward pass by
 `open_memory`:
 
 - training and any segment with autograd: post-LN blocks project [constant memory ; segment] without
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from txl.compressive import CompressiveUpdate
 from txl.fast.projection import project_context
-from txl.memory import Memory, MemoryUpdate, update_memory
+from txl.models.transformer_xl.compressive import CompressiveUpdate
+from txl.nn.memory import Memory, MemoryUpdate, update_memory
 
 # Inference with at most this many new tokens per call (generation) caches the memory's key/value
 # projections; longer segments (evaluation) re-project, so memory stays at the hidden states' size

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from txl.positional import PositionalEncoding
+from txl.nn.positional import PositionalEncoding
 
 
 class _MemoisedPrepare:

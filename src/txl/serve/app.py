@@ -40,9 +40,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from txl.display import json_text
+from txl.data.display import json_text
 from txl.errors import TxlError
-from txl.generate import encode_prompt
+from txl.generate.decoder import encode_prompt
 from txl.serve.engine import (
     VIEW_MAX_ROWS,
     Cancelled,
@@ -490,7 +490,7 @@ def create_app(runs: list[ServedRun], limits: Limits | None = None, *, allowed_h
         if (args["text"] is None) == (args["ids"] is None):
             raise ApiError(422, "give exactly one of \"text\" and \"ids\"")
         if args["text"] is not None:
-            from txl.evaluate import encode_text
+            from txl.eval.core import encode_text
 
             try:
                 ids = [int(i) for i in encode_text(run.vocab, args["text"])]

@@ -1,7 +1,7 @@
 """The model side of `txl serve`: loaded runs, per-client decoding state, scoring with attention.
 
 Nothing here knows about HTTP. `Decoder` is one stream's state (memory and the next-token logits) and
-makes exactly the forward calls and random draws of `txl.generate.sample` for one row, so a page
+makes exactly the forward calls and random draws of `txl.generate.decoder.sample` for one row, so a page
 generation with a seed equals `txl generate --seed` (tests/test_serve.py checks it). `score` runs the
 text through the model in segments with memory the way `txl eval` does with one stream, and on
 request returns the attention probabilities of one query over [memory ; segment], downsampled to a
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from txl.checkpoint import LoadedCheckpoint, load_checkpoint
-from txl.display import json_text
+from txl.data.display import json_text
 from txl.errors import CheckpointError, UsageError
-from txl.generate import TextStream, check_sampling, pick_tokens
-from txl.memory import Memory
+from txl.generate.decoder import TextStream, check_sampling, pick_tokens
+from txl.models.pretrained import LoadedCheckpoint, load_checkpoint
+from txl.nn.memory import Memory
 
 CURVE_POINTS = 400  # training-curve points sent to the page per split (evenly thinned)
 CURVE_LINE_BYTES = 64 * 1024  # a metrics.jsonl line longer than this is damaged: skipped, never held whole
@@ -96,7 +96,7 @@ def open_run(path: str | Path, *, device: str = "cpu") -> ServedRun:
 def _setting(ckpt: LoadedCheckpoint, key: str, *, low: int) -> int | None:
     """A [train] length recorded with the run (run.json, trainer_state.json), checked: an integer in
     low…MAX_LENGTH, or None when it is not recorded. Anything else ends the start in one line."""
-    from txl.config import MAX_LENGTH
+    from txl.models.transformer_xl.config import MAX_LENGTH
 
     value = ckpt.train_setting(key)
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and low <= value <= MAX_LENGTH):
@@ -108,7 +108,7 @@ def _setting(ckpt: LoadedCheckpoint, key: str, *, low: int) -> int | None:
 def model_card(ckpt: LoadedCheckpoint, *, name: str, run_dir: Path) -> dict:
     """What the page shows about a run: config, parameter count, corpus, training curve. Read once at
     start-up from files the server was pointed at; no request can name another file."""
-    from txl.evaluate import checkpoint_metric
+    from txl.eval.core import checkpoint_metric
 
     model = ckpt.model
     train = {}
@@ -231,7 +231,7 @@ def tensor_bytes(*tensors: torch.Tensor | None) -> int:
 class Decoder:
     """One stream's decoding state for one run: memory and the logits of the next token.
 
-    Mirrors `txl.generate.sample` for a single row: the prompt is fed in chunks of
+    Mirrors `txl.generate.decoder.sample` for a single row: the prompt is fed in chunks of
     max(mem_len, 128) tokens; each new token is one forward with the memory; with mem_len 0 every
     step re-runs a window of the last `window` tokens instead. Continuing a session feeds more text
     on top of the same memory. Between two requests it holds no more than `ServedRun.session_bytes`:

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from txl.checkpoint import load_model, read_json, write_json
-from txl.display import for_stream, json_text
+from txl.data.display import for_stream, json_text
 from txl.errors import ConfigError, DataError
-from txl.evaluate import metric_value
+from txl.eval.core import metric_value
 from txl.io import write_text
+from txl.models.pretrained import load_model, read_json, write_json
 from txl.train.state import BEST, LAST, STATE_FILE
 
 if TYPE_CHECKING:
@@ -125,7 +125,7 @@ def finish(trainer: Trainer, summary: dict) -> dict:
 
 def decode_final(trainer: Trainer, split: str) -> list[dict]:
     """A sequence-to-sequence run's final splits, decoded greedily and with beam search (train.beam_size)."""
-    from txl.seq2seq.evaluate import decode_split
+    from txl.eval.seq2seq import decode_split
 
     cfg = trainer.cfg
     out = []
@@ -138,7 +138,7 @@ def decode_final(trainer: Trainer, split: str) -> list[dict]:
 
 def write_sample(trainer: Trainer) -> tuple[str, list[int]]:
     """Continue the checked prompt; write the exact text to sample.txt. Returns (text, token ids)."""
-    from txl.generate import stream_tokens
+    from txl.generate.decoder import stream_tokens
 
     vocab = trainer.corpus.vocab
     prompt = trainer.sample_prompt

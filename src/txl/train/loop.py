@@ -7,7 +7,7 @@ What a step does (the reference's train.py, batch-first and without its global s
   skip the update if the loss is not finite; unscale (fp16), clip, optimiser step, lr for the step.
 
 The run's directory and checkpoints live in `txl.train.state`, its records in `txl.train.progress`,
-the end of a run in `txl.train.finish` and the command line in `txl.train.cli`.
+the end of a run in `txl.train.finish` and the command line in `txl.cli.train`.
 """
 
 from __future__ import annotations
@@ -22,17 +22,17 @@ from pathlib import Path
 
 import torch
 
-from txl.checkpoint import build_model
-from txl.config import RNN_ARCHS
+from txl.data.masking import mask_tokens
 from txl.errors import ConfigError, DataError, TrainingError
-from txl.evaluate import EvalResult, autocast, evaluate, evaluate_mlm, metric_value, resolve_precision
-from txl.masked_lm import mask_tokens
-from txl.memory import Memory
-from txl.optim import build_optimizer, dropout_at, lr_at, set_lr
-from txl.run_config import RunConfig
+from txl.eval.core import EvalResult, autocast, evaluate, evaluate_mlm, metric_value, resolve_precision
+from txl.models.pretrained import build_model
+from txl.models.transformer_xl.config import RNN_ARCHS
+from txl.nn.memory import Memory
 from txl.train.averaging import WeightAverage
+from txl.train.config import RunConfig
 from txl.train.distributed import init_distributed
 from txl.train.finish import sample_prompt_ids
+from txl.train.optim import build_optimizer, dropout_at, lr_at, set_lr
 from txl.train.progress import MetricsLog, Progress
 from txl.train.state import (
     LAST,
@@ -51,7 +51,7 @@ from txl.train.state import (
 
 def shared_precision(chosen: str, dist) -> str:
     """What `auto` became on this rank -> what every rank uses: on a CPU it comes from a timed probe
-    (`txl.evaluate.fast_bf16`) that may differ between processes, so bf16 only if every rank chose it."""
+    (`txl.eval.core.fast_bf16`) that may differ between processes, so bf16 only if every rank chose it."""
     if dist.world == 1:
         return chosen
     votes = dist.all_sum([float(chosen == "bf16")])[0]
@@ -92,10 +92,10 @@ class Trainer:
 
         self.data_as_typed = self.cfg.data
         self.cfg.data = resolve_data(self.cfg.data)  # absolute: the run works from any directory
-        # a pair corpus trains an encoder-decoder (txl.seq2seq) through this same loop
+        # a pair corpus trains an encoder-decoder (txl.models.seq2seq) through this same loop
         self.seq2seq = parse_spec(self.cfg.data).name in SEQ2SEQ_CORPORA
         if self.seq2seq:
-            from txl.seq2seq.data import open_pair_corpus
+            from txl.data.seq2seq import open_pair_corpus
 
             self.corpus = open_pair_corpus(self.cfg.data)
         else:
@@ -151,7 +151,7 @@ class Trainer:
         self.scheduled_dropouts = [] if self.cfg.dropout_start is None else [
             m for m in self.model.modules() if isinstance(m, torch.nn.Dropout) and m.p == self.model_config.dropout]
         if self.seq2seq:  # batch_size pairs per step, bucketed by length
-            from txl.seq2seq.data import PairBatches
+            from txl.data.seq2seq import PairBatches
 
             self.train_iter = PairBatches(self.corpus.pairs("train"), self.corpus.vocab,
                                           batch_size=self.cfg.batch_size, seed=self.cfg.seed)
@@ -425,7 +425,7 @@ class Trainer:
     def evaluate_split(self, split: str, *, max_tokens: int = 0, progress: bool = False) -> EvalResult:
         cfg = self.cfg
         if self.seq2seq:  # teacher-forced NLL and token accuracy (decoding scores come at the end)
-            from txl.seq2seq.evaluate import teacher_forced
+            from txl.eval.seq2seq import teacher_forced
 
             return teacher_forced(self.model, self.corpus, split, batch_size=cfg.eval_batch_size,
                                   device=self.dist.device, precision=self.precision)

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 from txl.errors import OutputError, describe_os_error
-from txl.evaluate import metric_value
+from txl.eval.core import metric_value
 from txl.io import METRICS_LIMIT, open_append, write_text
-from txl.rundir import read_text_nofollow
+from txl.io.rundir import read_text_nofollow
 
 
 class MetricsLog:
@@ -21,7 +21,7 @@ class MetricsLog:
         self.tb = None
         if not enabled:
             return
-        # never through a link: the run directory may come from someone else (txl.rundir)
+        # never through a link: the run directory may come from someone else (txl.io.rundir)
         try:
             text = read_text_nofollow(self.path, METRICS_LIMIT)  # a damaged line is dropped below
         except OSError as err:

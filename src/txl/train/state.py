@@ -2,7 +2,7 @@
 
 `last` holds everything an exact resume needs (weights, optimiser, scaler, RNG states, data position and
 every rank's memory); `best` holds the weights with the best validation loss. Saving is atomic
-(`txl.checkpoint.atomic_directory`); restoring checks every value before it is used, so a damaged
+(`txl.models.pretrained.atomic_directory`); restoring checks every value before it is used, so a damaged
 checkpoint or one from another run is one `CheckpointError`, never a crash at the next step.
 """
 
@@ -20,7 +20,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from txl.checkpoint import (
+from txl.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    OutputError,
+    UsageError,
+    describe_os_error,
+    parse_json,
+)
+from txl.io import CONFIG_LIMIT, STATE_LIMIT
+from txl.io.rundir import LOCK_NAME, RunLock, check_utf8_path, refuse_link, remove_stale_temporaries
+from txl.models.pretrained import (
     WEIGHTS_NAME,
     atomic_directory,
     check_state_dict,
@@ -34,29 +45,18 @@ from txl.checkpoint import (
     write_json,
     write_model_files,
 )
-from txl.config import RNN_ARCHS
-from txl.errors import (
-    CheckpointError,
-    ConfigError,
-    DataError,
-    OutputError,
-    UsageError,
-    describe_os_error,
-    parse_json,
-)
-from txl.io import CONFIG_LIMIT, STATE_LIMIT
-from txl.memory import Memory
-from txl.optim import Lamb, optimizer_state_join, optimizer_state_split
-from txl.run_config import RunConfig, merge
-from txl.rundir import LOCK_NAME, RunLock, check_utf8_path, refuse_link, remove_stale_temporaries
+from txl.models.transformer_xl.config import RNN_ARCHS
+from txl.nn.memory import Memory
+from txl.train.config import RunConfig, merge
+from txl.train.optim import Lamb, optimizer_state_join, optimizer_state_split
 
 if TYPE_CHECKING:
-    from txl.evaluate import EvalResult
+    from txl.eval.core import EvalResult
     from txl.train.loop import Trainer
 
 LAST, BEST = "last", "best"
 OPTIMIZER_STATE_KEYS = {"step", "exp_avg", "exp_avg_sq"}  # per parameter, for adam, adamw and lamb alike
-MUON_STATE_KEYS = {"momentum_buffer"}  # per matrix of a group that runs Muon (txl.optim.MuonAdam)
+MUON_STATE_KEYS = {"momentum_buffer"}  # per matrix of a group that runs Muon (txl.train.optim.MuonAdam)
 STATE_FILE = "trainer_state.json"
 # trainer_state.json's progress (what an exact resume continues from), covered by a SHA-256 that
 # trainer.safetensors holds as a tensor, so the digest is itself covered by that file's required digest:
@@ -200,7 +200,7 @@ def resolve_data(spec_text: str) -> str:
 def load_initial_weights(model, source: str | Path, vocab) -> Path:
     """Fine-tuning (`--init-from`): copy trained weights into a new run's model. The vocabulary must be
     the same one (ids mean the same symbols); the error says how the two differ."""
-    from txl.checkpoint import load_checkpoint
+    from txl.models.pretrained import load_checkpoint
 
     ckpt = load_checkpoint(source)
     if ckpt.vocab is not None and ckpt.vocab.fingerprint != vocab.fingerprint:
@@ -295,7 +295,7 @@ def save_checkpoint(trainer: Trainer, path: Path) -> None:
         for layer, hidden in enumerate(memory.hidden):
             for rank, part in enumerate(trainer.dist.gather(hidden)):
                 extra[f"memory.rank{rank}.chunk{j}.layer{layer}"] = part
-        for k, state in enumerate(getattr(memory, "states", ())):  # a recurrent LM's LSTM states (txl.rnn)
+        for k, state in enumerate(getattr(memory, "states", ())):  # a recurrent LM's LSTM states (txl.models.rnn.model)
             for rank, part in enumerate(trainer.dist.gather(state)):
                 extra[f"memory.rank{rank}.chunk{j}.state{k}"] = part
     for rank, part in enumerate(trainer.dist.gather(torch.get_rng_state())):
@@ -542,9 +542,9 @@ def _check_optimizer_tensors(trainer: Trainer, tensors: dict[str, torch.Tensor],
 
 
 def _load_recurrent_memory(trainer: Trainer, extra: dict[str, torch.Tensor], path: Path, rows: int) -> None:
-    """The carried state of a recurrent LM (txl.rnn.RecurrentMemory): per layer h and c (rows, hidden
+    """The carried state of a recurrent LM (txl.models.rnn.model.RecurrentMemory): per layer h and c (rows, hidden
     size), and per attention layer its memory (rows, <= mem_len, d_model); checked against the model."""
-    from txl.rnn import RecurrentMemory
+    from txl.models.rnn.model import RecurrentMemory
 
     model, rank = trainer.model, trainer.dist.rank
     sizes = [layer.hidden_size if hasattr(layer, "hidden_size") else layer.rnn.hidden_size for layer in model.layers]

@@ -1,0 +1,1 @@
+"""The `txl` command line: one module per command, shared argument types in `arguments`."""

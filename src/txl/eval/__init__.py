@@ -1,0 +1,1 @@
+"""Evaluation: scoring with memory, dynamic evaluation, RECL, sequence-to-sequence metrics."""

@@ -1,0 +1,1 @@
+"""Generation: the decoder loop, token pickers and sequence-to-sequence decoding."""

@@ -1,0 +1,1 @@
+"""Model families: each architecture's config, model and registry entry."""

@@ -1,0 +1,1 @@
+"""The recurrent LMs: AWD-LSTM and SHA-RNN."""

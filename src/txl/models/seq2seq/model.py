@@ -1,0 +1,329 @@
+"""Encoder–decoder Transformer (Vaswani et al. 2017, arXiv 1706.03762), on txl's blocks.
+
+Reads top to bottom: source embedding -> encoder blocks (bidirectional self-attention, the LM's
+`Block` with a padding mask) -> decoder blocks (causal self-attention, cross-attention over the
+encoder output with the source padding mask, feed-forward) -> (final LayerNorm when pre-LN) -> output
+layer (tied to the target embedding by default). Post-LN by default, as the paper and the seed's
+summarisation walkthrough; pre-LN with `pre_lnorm`. Positions come from the registry
+(`pos_encoding`: sinusoidal as the paper, or learned / rope), attention kernels from theirs.
+
+Padding is on the right: `attention_mask` marks real source tokens (1) and padding (0); target rows are
+padded after their end, so the causal mask alone keeps a real target token from seeing padding (the
+seed's "look-ahead mask combined with the target padding mask" is the same set of visible keys), and
+padded labels are -100 (not scored). Decoding reuses two caches (`DecoderCache`): the decoder's
+self-attention keys/values, which grow by one token per step, and the cross-attention projections of
+the encoder output, computed once per source.
+
+Dimension names: b batch, s source length, t target length, d d_model, V target vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from txl import fast
+from txl.errors import ConfigError, UsageError
+from txl.models.transformer_xl.config import TransformerXLConfig
+from txl.models.transformer_xl.model import Block, FeedForward
+from txl.nn.attention.layer import Attention
+from txl.nn.attention.masks import AttentionMask
+from txl.nn.positional import LayerPositions, PositionalEncoding, build_positional
+
+CAUSAL = AttentionMask(causal=True)
+
+
+class KeyValueCache:
+    """Per decoder layer, the projected keys and values (b, n, 2·h·d) of every token decoded so far.
+
+    A memory kind for `Attention(memory=...)` (`keys_values(layer, fresh, project)`, as
+    `txl.nn.memory.MemoryUpdate`): it projects only the new rows and appends them."""
+
+    def __init__(self, n_layer: int):
+        self.kv: list[Tensor | None] = [None] * n_layer
+
+    @property
+    def length(self) -> int:
+        return 0 if self.kv[0] is None else self.kv[0].shape[1]
+
+    def keys_values(self, layer: int, fresh: Tensor, project: Callable[[Tensor], Tensor]) -> Tensor:
+        new = project(fresh)
+        past = self.kv[layer]
+        self.kv[layer] = new if past is None else torch.cat([past, new], dim=1)
+        return self.kv[layer]
+
+    def reorder(self, index: Tensor) -> None:
+        self.kv = [None if kv is None else kv.index_select(0, index) for kv in self.kv]
+
+
+class CrossCache(KeyValueCache):
+    """Per decoder layer, the cross-attention projection of the encoder output: computed at the first
+    step, reused by every later one."""
+
+    def keys_values(self, layer: int, fresh: Tensor, project: Callable[[Tensor], Tensor]) -> Tensor:
+        if self.kv[layer] is None:
+            self.kv[layer] = project(fresh)
+        return self.kv[layer]
+
+
+@dataclass
+class DecoderCache:
+    """What incremental decoding carries from step to step (pass it back as `cache=`)."""
+
+    self_attention: KeyValueCache
+    cross_attention: CrossCache
+
+    @classmethod
+    def empty(cls, n_layer: int) -> DecoderCache:
+        return cls(KeyValueCache(n_layer), CrossCache(n_layer))
+
+    @property
+    def length(self) -> int:
+        return self.self_attention.length
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep rows `index` of the batch (beam search), in that order."""
+        self.self_attention.reorder(index)
+        self.cross_attention.reorder(index)
+
+
+class DecoderBlock(nn.Module):
+    """Causal self-attention, cross-attention over the encoder output, feed-forward; each a residual
+    sub-layer with its LayerNorm (post-LN: after the sum; pre-LN: on the sub-layer's input)."""
+
+    def __init__(self, config: TransformerXLConfig, *, layer_idx: int):
+        super().__init__()
+        self.pre_lnorm = config.pre_lnorm
+        self.self_attn = Attention(config, layer_idx=layer_idx)
+        self.self_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.cross_attn = Attention(config, layer_idx=layer_idx)
+        self.cross_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.ff = FeedForward(config)
+        self.ff_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+
+    def forward(self, h: Tensor, encoded: Tensor, *, positions: LayerPositions, cross_mask: AttentionMask,
+                cache: DecoderCache | None = None) -> Tensor:
+        """h (b, t, d), encoded (b, s, d) -> (b, t, d)."""
+        self_cache = None if cache is None else cache.self_attention
+        cross_cache = None if cache is None else cache.cross_attention
+        if self.pre_lnorm:
+            x = self.self_norm(h)
+            h = h + self.self_attn(x, positions=positions, mask=CAUSAL, memory=self_cache)[0]
+            h = h + self.cross_attn(self.cross_norm(h), encoded, mask=cross_mask, memory=cross_cache)[0]
+            return h + self.ff(self.ff_norm(h))
+        h = self.self_norm(h + self.self_attn(h, positions=positions, mask=CAUSAL, memory=self_cache)[0])
+        h = self.cross_norm(h + self.cross_attn(h, encoded, mask=cross_mask, memory=cross_cache)[0])
+        return self.ff_norm(h + self.ff(h))
+
+
+@dataclass
+class Seq2SeqOutput:
+    """logits (b, t, V); loss: mean over scored target tokens (label-smoothed when asked); nll (b, t)
+    per-token NLL (never smoothed, 0 where the label is -100); encoded (b, s, d) the encoder output
+    (pass it back as `encoded=` to skip the encoder); cache: the decoder cache when one was given."""
+
+    logits: Tensor
+    loss: Tensor | None
+    nll: Tensor | None
+    encoded: Tensor
+    cache: DecoderCache | None = None
+
+
+class EncoderDecoder(nn.Module):
+    """`out = model(input_ids, attention_mask=, decoder_input_ids=, labels=)`.
+
+    input_ids (b, s) the source; attention_mask (b, s) 1 for a token, 0 for padding (None = no
+    padding); decoder_input_ids (b, t) the target shifted right (start symbol first: teacher
+    forcing); labels (b, t) the next target token at each position, -100 = not scored.
+    """
+
+    def __init__(self, config: TransformerXLConfig):
+        super().__init__()
+        if config.arch != "encoder-decoder":
+            raise ConfigError(f"EncoderDecoder needs config.arch='encoder-decoder', got {config.arch!r}")
+        self.config = config
+        d = config.d_model
+        n_encoder = config.n_encoder_layer or config.n_layer
+        # The encoder's blocks are the LM's own blocks, bidirectional and without memory.
+        encoder_view = dataclasses.replace(config, arch="decoder", causal=False, n_layer=n_encoder,
+                                           n_encoder_layer=0, source_vocab_size=0)
+        self.target_embed = nn.Embedding(config.vocab_size, d)
+        shared = config.share_embeddings and config.source_vocab_size in (0, config.vocab_size)
+        self.source_embed = None if shared else nn.Embedding(config.source_vocab_size or config.vocab_size, d)
+        self.drop = nn.Dropout(config.dropout)
+        self.encoder_pos = build_positional(encoder_view)
+        self.encoder = nn.ModuleList(Block(encoder_view, layer_idx=i) for i in range(n_encoder))
+        self.decoder_pos = build_positional(config)
+        self.decoder = nn.ModuleList(DecoderBlock(config, layer_idx=i) for i in range(config.n_layer))
+        # pre-LN sums residuals without a norm: both stacks end in one (post-LN output is normalised)
+        final = config.pre_lnorm and config.final_norm
+        self.encoder_norm = nn.LayerNorm(d, eps=config.layer_norm_eps) if final else nn.Identity()
+        self.decoder_norm = nn.LayerNorm(d, eps=config.layer_norm_eps) if final else nn.Identity()
+        # Tied (Press & Wolf 2017, as Vaswani et al. §3.4): the output layer reads the target embedding
+        # table itself, so a checkpoint holds it once.
+        self.head = None if config.tie_weight else nn.Linear(d, config.vocab_size, bias=False)
+        self.head_bias = nn.Parameter(torch.zeros(config.vocab_size))
+        self.reset_parameters()
+        if config.backend == "auto":
+            fast.apply(self)  # the CPU speed-ups of the LM (txl/fast), same results
+
+    @property
+    def source_embedding(self) -> nn.Embedding:
+        return self.target_embed if self.source_embed is None else self.source_embed
+
+    def reset_parameters(self) -> None:
+        """The init of the reference Transformer implementations (tensor2tensor, fairseq): Xavier-uniform
+        linear layers, embedding tables N(0, d_model^-0.5) (scaled by sqrt(d_model) they have unit
+        variance, as the sinusoids), LayerNorm (1, 0), biases 0. The LM's N(0, 0.02) suits its width of
+        hundreds; on small models it leaves attention uniform for long (a copy task barely moves in 300
+        steps)."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+        for name, param in self.named_parameters():
+            if name.startswith(("encoder_pos.", "decoder_pos.")):
+                nn.init.normal_(param, 0.0, self.config.init_std)
+        for table in (self.target_embed, self.source_embed):
+            if table is not None:
+                nn.init.normal_(table.weight, 0.0, self.config.d_model**-0.5)
+        nn.init.zeros_(self.head_bias)
+
+    def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
+        params = {id(p): p for p in self.parameters()}
+        if exclude_embeddings:
+            for module in (self.target_embed, self.source_embed):
+                for p in module.parameters() if module is not None else ():
+                    params.pop(id(p), None)
+        return sum(p.numel() for p in params.values())
+
+    # ------------------------------------------------------------------------------------------
+    def _embed(self, table: nn.Embedding, ids: Tensor, pos: PositionalEncoding, *, offset: int = 0) -> Tensor:
+        """Token embeddings scaled by sqrt(d_model) (Vaswani et al. §3.4), plus absolute positions
+        offset..offset+t-1 when the encoding adds them to the input."""
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= table.num_embeddings):
+            raise UsageError(f"token id {int(ids.max()) if int(ids.max()) >= 0 else int(ids.min())} is outside "
+                             f"the vocabulary of {table.num_embeddings} ids")
+        x = table(ids) * self.config.d_model**0.5
+        if offset:  # positions offset.. (cached decoding): the encoding's rows for the whole prefix
+            zeros = x.new_zeros(1, offset + ids.shape[1], x.shape[-1])
+            return self.drop(x + pos.embed(zeros)[:, offset:])
+        return self.drop(pos.embed(x))
+
+    def encode(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """(b, s) source ids -> (b, s, d) encoder output. Rows of padding carry values no query reads."""
+        if input_ids.dim() != 2:
+            raise UsageError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
+        key_padding = self.source_padding(input_ids, attention_mask)
+        h = self._embed(self.source_embedding, input_ids, self.encoder_pos)
+        state = self.encoder_pos.prepare(k_len=input_ids.shape[1], clamp_len=self.config.clamp_len,
+                                         device=h.device, dtype=h.dtype)
+        mask = AttentionMask(causal=False, key_padding=key_padding)
+        for i, block in enumerate(self.encoder):
+            h, _ = block(h, memory=None, positions=self.encoder_pos.layer(i, state), mask=mask)
+        return self.encoder_norm(h)
+
+    @staticmethod
+    def source_padding(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor | None:
+        """The (b, s) bool mask of real source tokens, checked: a row without any real token would leave
+        cross-attention nothing to attend to (the seed's -1e9 fill then averages padding silently)."""
+        if input_ids.shape[1] == 0:
+            raise UsageError("the source is empty (length 0): cross-attention needs at least one source token")
+        if attention_mask is None:
+            return None
+        if attention_mask.shape != input_ids.shape:
+            raise UsageError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
+                             f"got {tuple(attention_mask.shape)}")
+        real = attention_mask.to(device=input_ids.device) != 0
+        empty = (~real.any(dim=1)).nonzero()
+        if len(empty):
+            raise UsageError(f"source row {int(empty[0])} is all padding (attention_mask all 0): cross-attention "
+                             "would have no key to attend to; drop empty sources from the batch")
+        return None if bool(real.all()) else real
+
+    def decode(self, decoder_input_ids: Tensor, encoded: Tensor, *, attention_mask: Tensor | None = None,
+               cache: DecoderCache | None = None) -> Tensor:
+        """(b, t) target ids (the continuation of `cache`, if given) -> (b, t, d) final hidden states."""
+        if decoder_input_ids.dim() != 2:
+            raise UsageError(f"decoder_input_ids must be (batch, length), got shape {tuple(decoder_input_ids.shape)}")
+        if encoded.shape[0] != decoder_input_ids.shape[0]:
+            raise UsageError(f"the encoder output holds batch {encoded.shape[0]} but decoder_input_ids has batch "
+                             f"{decoder_input_ids.shape[0]}")
+        past = 0 if cache is None else cache.length
+        key_padding = None if attention_mask is None else attention_mask.to(device=encoded.device) != 0
+        if key_padding is not None and bool(key_padding.all()):
+            key_padding = None
+        h = self._embed(self.target_embed, decoder_input_ids, self.decoder_pos, offset=past)
+        state = self.decoder_pos.prepare(k_len=past + decoder_input_ids.shape[1], clamp_len=self.config.clamp_len,
+                                         device=h.device, dtype=h.dtype)
+        cross_mask = AttentionMask(causal=False, key_padding=key_padding)
+        for i, block in enumerate(self.decoder):
+            h = block(h, encoded, positions=self.decoder_pos.layer(i, state), cross_mask=cross_mask, cache=cache)
+        return self.decoder_norm(h)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        decoder_input_ids: Tensor | None = None,
+        labels: Tensor | None = None,
+        *,
+        encoded: Tensor | None = None,
+        cache: DecoderCache | None = None,
+        label_smoothing: float = 0.0,
+    ) -> Seq2SeqOutput:
+        """`encoded`: the encoder output of these sources (skips the encoder; `attention_mask` still
+        masks cross-attention). `cache`: decode `decoder_input_ids` after the tokens it holds."""
+        if decoder_input_ids is None:
+            raise UsageError("decoder_input_ids is required (the target shifted right, start symbol first)")
+        if encoded is None:
+            encoded = self.encode(input_ids, attention_mask)
+        else:
+            self.source_padding(input_ids, attention_mask)
+        hidden = self.decode(decoder_input_ids, encoded, attention_mask=attention_mask, cache=cache)
+        logits = self.output_logits(self.drop(hidden))  # (b, t, V)
+        loss = nll = None
+        if labels is not None:
+            if labels.shape != decoder_input_ids.shape:
+                raise UsageError(f"labels must have the shape of decoder_input_ids {tuple(decoder_input_ids.shape)}, "
+                                 f"got {tuple(labels.shape)}")
+            flat = logits.float().reshape(-1, logits.shape[-1])
+            nll = F.cross_entropy(flat, labels.reshape(-1), ignore_index=-100, reduction="none").view(labels.shape)
+            count = (labels != -100).sum().clamp(min=1)
+            if label_smoothing:
+                smoothed = F.cross_entropy(flat, labels.reshape(-1), ignore_index=-100, reduction="sum",
+                                           label_smoothing=label_smoothing)
+                loss = smoothed / count
+            else:
+                loss = nll.sum() / count
+        return Seq2SeqOutput(logits=logits, loss=loss, nll=nll, encoded=encoded, cache=cache)
+
+    def output_logits(self, hidden: Tensor) -> Tensor:
+        """(.., d) final hidden states -> (.., V) logits."""
+        weight = self.target_embed.weight if self.head is None else self.head.weight
+        return F.linear(hidden, weight, self.head_bias)
+
+    # ------------------------------------------------------------------------------------------
+    def save_pretrained(self, directory) -> None:
+        from txl.models.pretrained import save_model
+
+        save_model(self, directory)
+
+    @classmethod
+    def from_pretrained(cls, directory, *, map_location="cpu", **overrides) -> EncoderDecoder:
+        from txl.models.pretrained import load_model
+
+        model = load_model(directory, map_location=map_location, **overrides)
+        if not isinstance(model, cls):
+            raise UsageError(f"{directory} holds a decoder-only model (arch='decoder'); load it with TransformerXL")
+        return model
+

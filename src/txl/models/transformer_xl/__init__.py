@@ -1,0 +1,1 @@
+"""The Transformer-XL decoder (and its bidirectional encoder): config, model, adaptive softmax, compressive memory, universal depth."""

@@ -1,0 +1,331 @@
+"""Transformer-XL language model (Dai et al. 2019, arXiv 1901.02860).
+
+Reads top to bottom: adaptive embedding (-> whole-word dropout) -> dropout (or locked dropout) ->
+blocks over [memory ; segment] -> (final LayerNorm when pre-LN) -> dropout -> adaptive softmax.
+Tensors are batch-first; memory is explicit state passed in and returned (`Memory`).
+
+Two arena options change the data flow (README "The arena"): compressive memory (`cmem_len > 0`,
+Rae et al. 2020) attends over [compressed ; memory ; segment] and returns `aux_loss`; `causal=False`
+makes the same blocks a bidirectional encoder for a masked-LM objective (no memory, no causal mask).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from txl import fast
+from txl.errors import UsageError
+from txl.models.transformer_xl.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
+from txl.models.transformer_xl.compressive import CompressiveUpdate, MemoryCompressor
+from txl.models.transformer_xl.config import TransformerXLConfig
+from txl.models.transformer_xl.universal import UniversalDepth
+from txl.nn.attention.layer import Attention
+from txl.nn.attention.masks import AttentionMask
+from txl.nn.memory import Memory, MemoryUpdate
+from txl.nn.positional import LayerPositions, build_positional
+from txl.nn.regularization import locked_dropout, word_dropout
+
+
+class FeedForward(nn.Module):
+    """Position-wise FFN as the reference: Linear, ReLU, Dropout, Linear, Dropout."""
+
+    def __init__(self, config: TransformerXLConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(config.d_model, config.d_inner)
+        self.activation = nn.Sequential(nn.ReLU(), nn.Dropout(config.dropout))
+        self.fc2 = nn.Linear(config.d_inner, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.fc2(self.activation(self.fc1(x))))
+
+
+class Block(nn.Module):
+    """One decoder layer. Post-LN by default (the paper); pre-LN with `pre_lnorm`."""
+
+    def __init__(self, config: TransformerXLConfig, *, layer_idx: int = 0):
+        super().__init__()
+        self.pre_lnorm = config.pre_lnorm
+        self.attn = Attention(config, layer_idx=layer_idx)
+        self.attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.ff = FeedForward(config)
+        self.ff_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+
+    def forward(
+        self, h: Tensor, *, memory: MemoryUpdate | None, positions: LayerPositions, mask: AttentionMask,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """h (b, t, d_model) -> (b, t, d_model), and the attention probabilities with `need_weights`.
+        `memory` gives the attention [memory ; h] and keeps h (this layer's input) for the next segment."""
+        if self.pre_lnorm:  # the context [memory ; h] is normalised too
+            attended, probs = self.attn(self.attn_norm(h), h, positions=positions, mask=mask, memory=memory,
+                                        source_norm=self.attn_norm, need_weights=need_weights)
+            h = h + attended
+            return h + self.ff(self.ff_norm(h)), probs
+        attended, probs = self.attn(h, positions=positions, mask=mask, memory=memory, need_weights=need_weights)
+        h = self.attn_norm(h + attended)
+        return self.ff_norm(h + self.ff(h)), probs
+
+
+def reference_memory(model: TransformerXL, memory: Memory | None, *, mem_len: int, q_len: int) -> MemoryUpdate:
+    """The memory kind of one forward pass: plain, or compressive with `cmem_len` (the fast backend
+    has its own kinds: txl/fast/memory.py)."""
+    if model.compressor is None:
+        return MemoryUpdate(memory, mem_len=mem_len)
+    learn = model.training and torch.is_grad_enabled()  # the reconstruction loss trains f_c
+    return CompressiveUpdate(memory, mem_len=mem_len, compressor=model.compressor, q_len=q_len,
+                             blocks=model.blocks if learn else None)
+
+
+@dataclass
+class TransformerXLOutput:
+    """What one forward pass returns.
+
+    logits: (b, t, V) raw logits for a full softmax; *log-probabilities* when the adaptive softmax is
+        on (cutoffs set). None when labels were given to an adaptive model and `return_logits` was not
+        asked for (computing every cluster for every token is the expensive part of a large vocab).
+    loss: mean NLL (nats) over tokens whose label is not -100; None without labels.
+    nll: (b, t) float32 per-token NLL in input order, 0 where the label is -100.
+    memory: pass it back as `memory=` with the next segment (None when mem_len is 0).
+    hidden: (b, t, d_model) final hidden states fed to the softmax.
+    aux_loss: compressive memory's attention-reconstruction loss (Rae et al. 2020), in training mode
+        when the learned compression ran this step; add it to `loss` for the backward pass (it only
+        reaches the compression weights). Not part of `loss`, so loss/bpc stay the LM's. Else None.
+    attentions: with `output_attentions`, per layer the attention probabilities (b, h, t, keys) over
+        [memory ; segment] (before attention dropout; [memory tokens ; memory ; segment] with
+        `memory_tokens`), else None.
+    hidden_states: with `output_hidden_states`, every layer's input (b, t, d_model), then the last
+        layer's output (n_layer + 1 tensors), else None.
+    """
+
+    logits: Tensor | None
+    loss: Tensor | None
+    nll: Tensor | None
+    memory: Memory | None
+    hidden: Tensor
+    aux_loss: Tensor | None = None
+    attentions: tuple[Tensor, ...] | None = None
+    hidden_states: tuple[Tensor, ...] | None = None
+    ponder_depth: Tensor | None = None  # universal: mean steps + remainder over the positions (ACT)
+
+
+class TransformerXL(nn.Module):
+    """Transformer-XL LM. `out = model(input_ids, memory=None, labels=None)`.
+
+    `labels[b, t]` is the token that should follow `input_ids[b, t]` (already shifted, as the
+    reference's data iterator gives it; -100 = not scored). With `causal=False` (bidirectional
+    encoder) it is the original token at position t for a masked-LM objective (see
+    `txl.data.masking.mask_tokens`), -100 elsewhere. Runtime settings that do not change the
+    parameters can differ from training, per call (`mem_len=`, `clamp_len=`, `same_length=`) or as
+    the model's defaults (`model.mem_len`, `model.clamp_len`, `model.same_length`).
+    """
+
+    def __init__(self, config: TransformerXLConfig):
+        super().__init__()
+        self.config = config
+        self.mem_len = config.mem_len
+        self.clamp_len = config.clamp_len
+        self.same_length = config.same_length
+        self.embed = AdaptiveEmbedding(config)
+        self.drop = nn.Dropout(config.dropout)
+        self.pos = build_positional(config)
+        # universal: one block shared by every step (txl.models.transformer_xl.universal), else one block per layer
+        self.universal = UniversalDepth(config) if config.universal else None
+        self.blocks = nn.ModuleList(Block(config, layer_idx=i) for i in range(1 if config.universal else config.n_layer))
+        final_norm = config.pre_lnorm and config.final_norm  # post-LN output is already normalised
+        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if final_norm else nn.Identity()
+        self.head = AdaptiveLogSoftmax(config, self.embed)
+        self.compressor = MemoryCompressor(config) if config.cmem_len else None
+        self.memory_kind = reference_memory  # how a forward pass reads and writes the memory
+        self.reset_parameters()
+        if config.backend == "auto":
+            fast.apply(self)  # CPU speed-ups, same results (txl/fast/__init__.py)
+
+    # ------------------------------------------------------------------------------------------
+    def reset_parameters(self) -> None:
+        """The reference's normal init: weights N(0, init_std), projections N(0, proj_init_std),
+        LayerNorm weights N(1, init_std), biases 0."""
+        std, proj_std = self.config.init_std, self.config.proj_init_std
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, 0.0, std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, std)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.normal_(module.weight, 1.0, std)
+                nn.init.zeros_(module.bias)
+        for name, param in self.named_parameters():
+            if ".projs." in f".{name}":
+                nn.init.normal_(param, 0.0, proj_std)
+            elif name.startswith("pos.") and not name.startswith("pos.r_proj"):
+                nn.init.normal_(param, 0.0, std)  # u, v, Shaw tables, learned absolute table
+            elif name in ("head.cluster_weight",) or name.startswith("head.weights."):
+                nn.init.normal_(param, 0.0, std)
+            elif name in ("head.bias", "head.cluster_bias"):
+                nn.init.zeros_(param)
+            elif name.endswith(".attn.memory_tokens"):  # learned keys and values (config.memory_tokens)
+                nn.init.normal_(param, 0.0, std)
+        if hasattr(self.pos, "reset_parameters"):  # an encoding's own init (learned concat: [I | I])
+            self.pos.reset_parameters()
+        if self.universal is not None:
+            self.universal.reset_parameters()
+
+    def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
+        params = {id(p): p for p in self.parameters()}
+        if exclude_embeddings:
+            for p in self.embed.parameters():
+                params.pop(id(p), None)
+        return sum(p.numel() for p in params.values())
+
+    # ------------------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: Tensor,
+        memory: Memory | None = None,
+        labels: Tensor | None = None,
+        *,
+        attention_mask: Tensor | None = None,
+        mem_len: int | None = None,
+        clamp_len: int | None = None,
+        same_length: bool | None = None,
+        return_logits: bool | None = None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+        global_mask: Tensor | None = None,
+    ) -> TransformerXLOutput:
+        """attention_mask: (b, t), 1 for a token and 0 for padding (the Hugging Face convention), for
+        the bidirectional encoder and for causal models run without memory; padded positions are
+        never attended to and never scored. mem_len / clamp_len / same_length: this call's settings
+        (default: the model's attributes). global_mask: (b, t), nonzero for global tokens (chosen
+        positions that see and are seen by all, e.g. a [CLS]); for kernels that take it (bigbird, sliding)."""
+        if input_ids.dim() != 2:
+            raise UsageError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
+        mem_len = self.mem_len if mem_len is None else mem_len
+        clamp_len = self.clamp_len if clamp_len is None else clamp_len
+        same_length = self.same_length if same_length is None else same_length
+        if mem_len < 0:
+            raise UsageError(f"mem_len must be >= 0, got {mem_len}")
+        if clamp_len < 0:
+            raise UsageError(f"clamp_len must be >= 0 (0 = no clamp), got {clamp_len}")
+        batch, q_len = input_ids.shape
+        if memory is not None and memory.length and memory.batch_size != batch:
+            raise UsageError(f"memory holds batch {memory.batch_size} but input_ids has batch {batch}")
+        if not self.config.causal and (mem_len or memory is not None):
+            raise UsageError("a bidirectional model (causal=false) takes no memory: pass mem_len=0 and memory=None")
+        if same_length and mem_len < 1:
+            raise UsageError("same_length needs mem_len >= 1 (each query sees exactly mem_len keys)")
+        key_padding = None
+        if attention_mask is not None:
+            key_padding = self._key_padding(attention_mask, input_ids, memory=memory, mem_len=mem_len)
+            if labels is not None:
+                labels = labels.masked_fill(~key_padding, -100)  # padding is never scored
+        if global_mask is not None:
+            global_mask = self._global_mask(global_mask, input_ids)
+        mask = AttentionMask(causal=self.config.causal, window=mem_len if same_length else None,
+                             key_padding=key_padding, global_mask=global_mask)
+
+        memory_update = self.memory_kind(self, memory, mem_len=mem_len, q_len=q_len)
+        h = self.pos.embed(self._embed(input_ids))  # (b, t, d_model)
+        # dropout_input: one mask per sequence (variational) instead of the per-position dropout
+        h = locked_dropout(h, self.config.dropout_input, self.training) if self.config.dropout_input else self.drop(h)
+        k_len = memory_update.past_length + q_len
+        pos_state = self.pos.prepare(k_len=k_len, clamp_len=clamp_len, device=h.device, dtype=h.dtype)
+        hidden_states, attentions = [], []
+        ponder = None
+        if self.universal is not None:
+            h, ponder, hidden_states, attentions = self.universal(
+                self.blocks[0], h, memory=memory_update, positions=lambda i: self.pos.layer(i, pos_state), mask=mask,
+                need_weights=output_attentions)
+        else:
+            for i, block in enumerate(self.blocks):
+                hidden_states.append(h)
+                h, probs = block(h, memory=memory_update, positions=self.pos.layer(i, pos_state), mask=mask,
+                                 need_weights=output_attentions)
+                attentions.append(probs)
+        hidden_states.append(h)
+        h = self.drop(self.norm(h))
+        new_memory, aux_loss = memory_update.finish()
+        ponder_depth = None
+        if ponder is not None:
+            real = torch.ones_like(ponder, dtype=torch.bool) if key_padding is None else key_padding
+            ponder_depth = ponder[real].mean()
+            if self.training and self.config.ponder_cost:  # τ · mean ρ joins the training loss
+                cost = self.config.ponder_cost * ponder_depth
+                aux_loss = cost if aux_loss is None else aux_loss + cost
+
+        if return_logits is None:
+            return_logits = labels is None or not self.config.adaptive
+        flat_labels = None if labels is None else labels.reshape(-1)
+        scores, nll = self.head(h.reshape(batch * q_len, -1), flat_labels, want_scores=return_logits)
+        logits = None if scores is None else scores.view(batch, q_len, -1)
+        loss = None
+        if nll is not None:
+            nll = nll.view(batch, q_len)
+            count = (labels != -100).sum()
+            loss = nll.sum() / count.clamp(min=1)
+        return TransformerXLOutput(
+            logits=logits, loss=loss, nll=nll, memory=new_memory, hidden=h, aux_loss=aux_loss,
+            attentions=tuple(attentions) if output_attentions else None,
+            hidden_states=tuple(hidden_states) if output_hidden_states else None,
+            ponder_depth=ponder_depth,
+        )
+
+    def _embed(self, input_ids: Tensor) -> Tensor:
+        """The (scaled) embeddings of input_ids; in training with dropout_embed, every occurrence of a
+        dropped word in the batch is zero (whole-word dropout)."""
+        x = self.embed(input_ids)
+        return word_dropout(x, input_ids, self.config.vocab_size, self.config.dropout_embed, self.training)
+
+    def _global_mask(self, global_mask: Tensor, input_ids: Tensor) -> Tensor:
+        from txl.nn.attention.registry import SPECS
+
+        if not SPECS[self.config.attention].global_mask:
+            able = ", ".join(sorted(name for name, spec in SPECS.items() if spec.global_mask))
+            raise UsageError(f"global_mask is not available with attention={self.config.attention!r} "
+                             f"(kernels that take it: {able})")
+        if global_mask.shape != input_ids.shape:
+            raise UsageError(f"global_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
+                             f"got {tuple(global_mask.shape)}")
+        return global_mask.to(device=input_ids.device) != 0
+
+    def _key_padding(self, attention_mask: Tensor, input_ids: Tensor, *, memory: Memory | None, mem_len: int) -> Tensor:
+        """The (b, t) bool padding mask of `attention_mask`, checked against the call."""
+        if attention_mask.shape != input_ids.shape:
+            raise UsageError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
+                             f"got {tuple(attention_mask.shape)}")
+        if mem_len or (memory is not None and memory.length):
+            raise UsageError("attention_mask works without memory: pass mem_len=0 (a memory cannot hold padding)")
+        return attention_mask.to(device=input_ids.device) != 0
+
+    def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
+        """`input_ids` (b, t) followed by up to `max_new_tokens` sampled tokens, (b, t + n), reusing
+        the memory token by token (`txl.generate.decoder.sample`). Keyword arguments: temperature (0 =
+        greedy), top_k, top_p, eos_token_id, pad_token_id, mem_len, segment_len, generator."""
+        from txl.generate.decoder import generate_tokens  # generation sits above the model
+
+        return generate_tokens(self, input_ids, max_new_tokens, **kwargs)
+
+    # ------------------------------------------------------------------------------------------
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write `config.json` + `model.safetensors` (atomically; nothing pickled)."""
+        from txl.models.pretrained import save_model
+
+        save_model(self, directory)
+
+    @classmethod
+    def from_pretrained(
+        cls, directory: str | Path, *, map_location: str | torch.device = "cpu", **overrides
+    ) -> TransformerXL:
+        """Load a directory written by `save_pretrained`, a checkpoint of the trainer, or a run folder
+        (its `best`, else `last`). Validates every tensor against config.json and fails with one clear
+        `CheckpointError` otherwise."""
+        from txl.models.pretrained import load_model
+
+        return load_model(directory, map_location=map_location, **overrides)
+

@@ -1,0 +1,104 @@
+"""Multi-head attention: projections, then one kernel call (`txl.nn.attention.registry`).
+
+Self-attention of the Transformer-XL LM: queries from the current segment only, keys and values from
+[SG(memory) ; segment] (Dai et al. 2019, §3.2). The memory object gives the layer its keys and values
+(`MemoryUpdate.keys_values`) and keeps what the next segment needs; the layer never learns which
+kind of memory it runs on. Cross-attention (an encoder–decoder) takes keys and values from a separate
+`source` instead. Projections have no biases, as the reference.
+
+Memory tokens (`config.memory_tokens = m`; Sukhbaatar et al. 2019, "Augmenting Self-attention with
+Persistent Memory", arXiv 1907.01470; ETC's global memory): m learned key and value vectors per head,
+owned by the layer and put before [memory ; segment] after the projections (they are never projected,
+never stored in the segment memory, and the same for every segment). Every query attends to them.
+They have no position: a token's score is the plain content score q·k/sqrt(d), with no position term
+and no xl content bias u. We chose this over placing the tokens at distance 0 because a token is not
+in the sequence: distance 0 would add each encoding's own-position term to every token (xl's
+(q+v)·W_R R_0, Shaw's a_0, T5's bucket 0), a per-query offset that differs from encoding to encoding.
+The plain score is the same under every encoding and leaves segment invariance and causality as they
+are. Under RoPE, xPos and ALiBi it is exactly distance 0 (equal rotations cancel, the decay and the
+bias are neutral at 0). The kernel learns of them through `AttentionMask.memory_tokens`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from txl.nn.attention.masks import AttentionMask
+from txl.nn.attention.registry import resolve_kernel
+from txl.nn.positional import CONTENT_ONLY, LayerPositions
+
+if TYPE_CHECKING:  # annotations only: the config module imports the registries
+    from txl.models.transformer_xl.config import TransformerXLConfig
+
+
+class Attention(nn.Module):
+    """`out, probs = attn(x, source, positions=, mask=, memory=)`: x (b, i, d_model) makes the queries;
+    `source` (b, n, d_model, default x) makes the keys and values. probs (b, h, i, n) only with
+    `need_weights`, else None."""
+
+    def __init__(self, config: TransformerXLConfig, *, layer_idx: int = 0):
+        super().__init__()
+        self.layer_idx = layer_idx  # which layer's memory `memory.keys_values` reads and writes
+        self.n_head, self.d_head = config.n_head, config.d_head
+        inner = config.n_head * config.d_head
+        self.q_proj = nn.Linear(config.d_model, inner, bias=False)
+        self.kv_proj = nn.Linear(config.d_model, 2 * inner, bias=False)
+        self.o_proj = nn.Linear(inner, config.d_model, bias=False)
+        self.drop = nn.Dropout(config.dropout)
+        self.dropatt = config.dropatt
+        m = config.memory_tokens  # learned keys (index 0) and values (1), per head
+        self.memory_tokens = nn.Parameter(torch.zeros(2, config.n_head, m, config.d_head)) if m else None
+        # Kernels that own parameters or buffers (Linformer projections, Performer features) are
+        # modules built per layer.
+        kernel = resolve_kernel(config.attention, config.attention_impl)
+        self.kernel = kernel(config) if isinstance(kernel, type) else kernel
+
+    def forward(
+        self,
+        x: Tensor,
+        source: Tensor | None = None,
+        *,
+        positions: LayerPositions = CONTENT_ONLY,
+        mask: AttentionMask,
+        memory=None,
+        source_norm: Callable[[Tensor], Tensor] | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """`memory`: a `txl.nn.memory.MemoryUpdate`; keys and values then run over [memory ; source] and
+        the memory keeps `source` (this layer's input) for the next segment. `source_norm` is applied
+        to the source rows before their projection (pre-LN blocks normalise [memory ; segment])."""
+        b, i, _ = x.shape
+        source = x if source is None else source
+        project = self.kv_proj if source_norm is None else _Normed(source_norm, self.kv_proj)
+        kv = project(source) if memory is None else memory.keys_values(self.layer_idx, source, project)
+        q = self.q_proj(x).view(b, i, self.n_head, self.d_head).transpose(1, 2)  # (b, h, i, d)
+        k, v = split_kv(kv, self.n_head)  # (b, h, n, d) each
+        if self.memory_tokens is not None:  # keys and values over [tokens ; memory ; segment]
+            tokens = self.memory_tokens.to(k.dtype)[:, None].expand(-1, b, -1, -1, -1)  # (2, b, h, m, d)
+            k, v = torch.cat([tokens[0], k], dim=2), torch.cat([tokens[1], v], dim=2)
+            mask = dataclasses.replace(mask, memory_tokens=tokens.shape[3])
+        out, probs = self.kernel(q, k, v, positions=positions, mask=mask, dropatt=self.dropatt,
+                                 training=self.training, need_weights=need_weights)
+        out = out.transpose(1, 2).reshape(b, i, self.n_head * self.d_head)  # (b, i, h*d)
+        return self.drop(self.o_proj(out)), probs
+
+
+def split_kv(kv: Tensor, n_head: int) -> tuple[Tensor, Tensor]:
+    """The key/value projection (b, n, 2·h·d) as k and v (b, h, n, d): views of its two halves."""
+    b, n, width = kv.shape
+    return kv.view(b, n, 2, n_head, width // (2 * n_head)).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+class _Normed:
+    """rows -> projection(norm(rows)): row-wise, so a memory may project some rows now and some later."""
+
+    def __init__(self, norm: Callable[[Tensor], Tensor], projection: Callable[[Tensor], Tensor]):
+        self.norm, self.projection = norm, projection
+
+    def __call__(self, rows: Tensor) -> Tensor:
+        return self.projection(self.norm(rows))

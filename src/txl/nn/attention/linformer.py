@@ -1,0 +1,79 @@
+"""Linformer (Wang et al. 2020, "Linformer: Self-Attention with Linear Complexity", arXiv 2006.04768),
+for the bidirectional encoder (`causal=False`): no causal mask, no memory. The plain bidirectional
+attention it is measured against is `attention="full"` with `causal=False`.
+
+Linformer projects the n keys and values *along the sequence axis* to k rows (`linformer_k`) with
+learned matrices E, F (k × n), then attends over those k rows:
+
+    head = softmax(q (E K)ᵀ / sqrt(d)) (F V)          O(n·k) instead of O(n²)
+
+It cannot be causal: every projected row mixes all n positions, future ones included, and masking the
+projection per query would bring back an n×n cost. The config therefore rejects
+`attention="linformer"` with `causal=True` (one error naming the reason).
+
+E and F are per layer and shared by the heads (the paper's "headwise sharing"), one for keys and one
+for values. They are built for `linformer_max_len` positions; a shorter input uses their first n
+columns (the same as zero-padding the sequence), a longer one is an error. Initialised N(0, 1/n_max) so
+a projected row starts at the scale of a single key. Positional encodings: `rope` (rotation applied
+before the projection), `sinusoidal`, `learned`; score terms (xl, shaw, alibi) cannot survive the
+projection and are rejected by the config.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from txl.errors import ConfigError, UsageError
+from txl.nn.attention.masks import AttentionMask
+from txl.nn.attention.registry import refuse, register
+from txl.nn.positional import LayerPositions
+
+if TYPE_CHECKING:  # annotations only: the config module imports the registries
+    from txl.models.transformer_xl.config import TransformerXLConfig
+
+
+def check_linformer(config: TransformerXLConfig) -> None:
+    if config.causal:
+        raise ConfigError(
+            "config.attention='linformer' cannot be causal: projecting keys along the sequence mixes "
+            "future positions into every projected row (Wang et al. 2020); set causal=false for the "
+            "bidirectional encoder, or use sliding/sparse/performer for a causal LM"
+        )
+
+
+@register("linformer", "eager", causal=False, bidirectional=True, score_terms=False, check=check_linformer)
+class LinformerAttention(nn.Module):
+    """`attention="linformer"` (bidirectional only): keys/values projected to `linformer_k` rows."""
+
+    def __init__(self, config: TransformerXLConfig):
+        super().__init__()
+        rows, max_len = config.linformer_k, config.linformer_max_len
+        self.key_projection = nn.Parameter(torch.randn(rows, max_len) * max_len**-0.5)  # E
+        self.value_projection = nn.Parameter(torch.randn(rows, max_len) * max_len**-0.5)  # F
+
+    def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
+                need_weights: bool = False):
+        n, max_len = k.shape[-2], self.key_projection.shape[1]
+        if n > max_len:
+            raise UsageError(
+                f"attention='linformer' was built for {max_len} positions but the input has {n}; "
+                "shorten the input or raise linformer_max_len"
+            )
+        refuse("linformer", mask, need_weights=need_weights, weights="it attends over projected rows, not keys")
+        q_content, k_content = positions.content(q, k)
+        if mask.key_padding is not None:  # padding keys and values out of every projected row
+            real = mask.key_padding[:, None, :, None].to(v.dtype)  # (b, 1, n, 1)
+            k_content, v = k_content * real, v * real
+        keys = torch.einsum("rj,bhjd->bhrd", self.key_projection[:, :n].to(k.dtype), k_content)  # (b, h, k, d)
+        values = torch.einsum("rj,bhjd->bhrd", self.value_projection[:, :n].to(v.dtype), v)
+        scores = torch.einsum("bhid,bhrd->bhir", q_content, keys) * q.shape[-1] ** -0.5
+        probs = F.dropout(scores.float().softmax(dim=-1).to(v.dtype), p=dropatt, training=training)
+        return torch.einsum("bhir,bhrd->bhid", probs, values), None
+
+    def extra_repr(self) -> str:
+        rows, max_len = self.key_projection.shape
+        return f"k={rows}, max_len={max_len}"

@@ -1,0 +1,188 @@
+"""Attention kernels by name: `KERNELS[(attention, impl)]`, filled by the `register` decorator.
+
+A kernel computes attention from projected queries, keys and values; the layer (`txl.nn.attention.layer`)
+owns the projections. Every kernel has this one signature:
+
+    kernel(q, k, v, *, positions, mask, dropatt, training, need_weights=False) -> (out, probs)
+
+- q (b, h, i, d) for the queries, k and v (b, h, n, d) for the keys (the queries are the last i of
+  the n keys for self-attention over [memory ; segment]; see `txl.nn.attention.masks`);
+- positions: a `txl.nn.positional.LayerPositions` (the encoding's terms for this layer);
+- mask: a `txl.nn.attention.masks.AttentionMask` (causal or not, a `same_length` window, key padding);
+- dropatt / training: dropout on the attention probabilities;
+- need_weights: also return the probabilities (b, h, i, n) over every key (else None).
+
+out is (b, h, i, d). A kernel that cannot honour part of the request (a padding mask, the
+probabilities, a window) raises `UsageError` naming itself. `impl` is "eager" for the reference (plain
+PyTorch, readable top to bottom) and "fast" for a faster kernel tested against it; a kernel class
+(an `nn.Module`, for kernels with parameters or buffers) is built once per layer with the config.
+
+`register` also says what a kernel can take (causal, bidirectional, score terms) and can add a check
+of the config options it reads (`check=fn`, `fn(config)` raising `ConfigError`); `TransformerXLConfig`
+runs them when it is built (`check_config`).
+
+This module imports nothing from txl, so kernels (which import it) never form an import cycle; the
+built-in kernels are imported on first use by `load_builtin_kernels`. A kernel registered from
+anywhere, e.g. a user's script or a test file, is usable as `TransformerXLConfig(attention=name)`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+Kernel = Callable[..., Any]
+
+KERNELS: dict[tuple[str, str], Kernel] = {}
+IMPLS = ("eager", "fast")
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """What an attention kernel (both of its impls) can take, checked when a config is built."""
+
+    causal: bool = True  # runs as a causal LM (with memory)
+    bidirectional: bool = False  # runs without a causal mask (encoder, `causal=False`)
+    score_terms: bool = True  # forms a score matrix, so encodings that add to it (xl, shaw, alibi) apply
+    check: Callable[[Any], None] | None = None  # more checks of the config options it reads
+    global_mask: bool = False  # takes a per-token global mask (`AttentionMask.global_mask`)
+    memory_tokens: bool = False  # takes learned memory tokens before the keys (`AttentionMask.memory_tokens`)
+    cross_attention: bool = True  # bidirectional over a separate source too (queries not the last keys)
+
+
+SPECS: dict[str, KernelSpec] = {}
+
+# The kernels that ship with txl (each module registers its own).
+BUILTIN_MODULES = (
+    "eager", "xl_fast", "sliding", "sparse", "performer", "linformer", "linear", "bigbird", "lsh", "routing",
+    "sinkhorn", "compressed", "synthesizer", "inducing",
+)
+
+
+def register(
+    name: str,
+    impl: str,
+    *,
+    causal: bool = True,
+    bidirectional: bool = False,
+    score_terms: bool = True,
+    check: Callable[[Any], None] | None = None,
+    global_mask: bool = False,
+    memory_tokens: bool = False,
+    cross_attention: bool = True,
+) -> Callable[[Kernel], Kernel]:
+    """Decorator: make `kernel` the `impl` ("eager" or "fast") of attention `name`. The keyword
+    arguments describe what the kernel can take (`KernelSpec`); the last registration of a name sets them."""
+    if impl not in IMPLS:
+        raise ValueError(f"kernel impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+
+    def add(kernel: Kernel) -> Kernel:
+        KERNELS[(name, impl)] = kernel
+        SPECS[name] = KernelSpec(causal=causal, bidirectional=bidirectional, score_terms=score_terms, check=check,
+                                 global_mask=global_mask, memory_tokens=memory_tokens,
+                                 cross_attention=cross_attention)
+        return kernel
+
+    return add
+
+
+def load_builtin_kernels() -> None:
+    for module in BUILTIN_MODULES:
+        importlib.import_module(f"txl.nn.attention.{module}")
+
+
+def kernel_names() -> list[str]:
+    load_builtin_kernels()
+    return sorted({name for name, _ in KERNELS})
+
+
+def resolve_kernel(attention: str, impl: str) -> Kernel:
+    """The kernel for `attention` and `impl`; "auto" takes "fast" when there is one, else "eager"."""
+    from txl.errors import ConfigError, did_you_mean
+
+    load_builtin_kernels()
+    if impl == "auto":
+        impl = "fast" if (attention, "fast") in KERNELS else "eager"
+    if (attention, impl) in KERNELS:
+        return KERNELS[(attention, impl)]
+    names = kernel_names()
+    if attention not in names:
+        hint = did_you_mean(attention, names) or f" (registered: {', '.join(names)})"
+        raise ConfigError(f"config.attention={attention!r} is not a registered attention kernel{hint}")
+    available = sorted(i for a, i in KERNELS if a == attention)
+    raise ConfigError(
+        f"config.attention_impl={impl!r} is not available for attention={attention!r} "
+        f"(available: {', '.join(available)})"
+    )
+
+
+def refuse(
+    name: str,
+    mask: Any,
+    *,
+    need_weights: bool = False,
+    padding: bool = False,
+    same_length: str | None = None,
+    weights: str | None = None,
+) -> None:
+    """The one home of a kernel's refusals of what it cannot honour in a call, each one line naming
+    the kernel (`UsageError`): `padding=True` refuses a padding mask; `same_length` (a reason, "" for
+    none) refuses a `same_length` window; `weights` (why) refuses `output_attentions`."""
+    from txl.errors import UsageError
+
+    if padding and mask.key_padding is not None:
+        raise UsageError(f"attention={name!r} does not take a padding mask (attention_mask); use attention='full'")
+    if same_length is not None and mask.window is not None:
+        reason = f" ({same_length})" if same_length else ""
+        raise UsageError(f"same_length is not available with attention={name!r}{reason}")
+    if weights is not None and need_weights:
+        raise UsageError(f"output_attentions is not available with attention={name!r}: {weights}")
+
+
+def no_padding(name: str, mask: Any) -> None:
+    refuse(name, mask, padding=True)
+
+
+def check_no_probabilities(config: Any) -> None:
+    """Config checks of a kernel that never forms a score matrix (linear, performer): no same_length
+    window, no dropout on probabilities."""
+    from txl.errors import ConfigError
+
+    if config.same_length:
+        raise ConfigError(f"config.same_length needs a windowed score matrix; attention={config.attention!r} has none")
+    if config.dropatt > 0:
+        raise ConfigError(f"config.dropatt must be 0 with attention={config.attention!r}: it never forms the "
+                          "attention probabilities that dropatt would drop")
+
+
+def check_config(config: Any) -> None:
+    """Whether the config's attention kernel exists and can run it: causal or bidirectional, its
+    positional encoding, and the kernel's own option checks. Raises `ConfigError` naming the field."""
+    from txl.errors import ConfigError
+    from txl.nn.positional import POSITIONAL_ENCODINGS
+
+    resolve_kernel(config.attention, config.attention_impl)
+    spec = SPECS[config.attention]
+    if spec.check is not None:  # first: a kernel's own message says most
+        spec.check(config)
+    if not config.causal and not spec.bidirectional:
+        able = ", ".join(name for name in kernel_names() if SPECS[name].bidirectional)
+        raise ConfigError(
+            f"config.causal=false (bidirectional) supports attention {able}, not {config.attention!r}"
+        )
+    if getattr(config, "memory_tokens", 0) and not spec.memory_tokens:
+        able = ", ".join(name for name in kernel_names() if SPECS[name].memory_tokens)
+        raise ConfigError(
+            f"config.memory_tokens needs an attention kernel that takes them ({able}), not {config.attention!r}; "
+            f"set memory_tokens=0 or change attention"
+        )
+    if config.causal and not spec.causal:
+        raise ConfigError(f"config.attention={config.attention!r} cannot be causal; set causal=false")
+    if not spec.score_terms and POSITIONAL_ENCODINGS[config.pos_encoding].score_terms:
+        allowed = ", ".join(name for name, cls in POSITIONAL_ENCODINGS.items() if not cls.score_terms)
+        raise ConfigError(
+            f"config.pos_encoding={config.pos_encoding!r} adds a term to the attention scores, which "
+            f"attention={config.attention!r} never forms; use one of {allowed}"
+        )

@@ -1,0 +1,590 @@
+"""Sliding-window attention (Longformer: Beltagy, Peters & Cohan 2020, arXiv 2004.05150), causal
+(combinable with Transformer-XL memory) or bidirectional (`causal=false`, the masked-LM encoder), with
+optional dilation per head and global tokens.
+
+Positions count over [memory ; segment]; queries are the last i of the n key positions (the kernel
+convention of `txl.nn.attention`).
+
+- **Local window** (`sliding_window` = w, `sliding_dilation` = s per head): the query at position p
+  sees the keys p, p-s, p-2s, …, p-(w-1)s. Dilation widens a head's reach to w·s at the same cost
+  (Longformer §3.1 uses it on a few heads of the upper layers). L layers reach L·w·s positions, and
+  the memory extends that further across segments, as in Transformer-XL.
+- **Global tokens** (`global_tokens` = g): the first g positions of the current segment. Causal form
+  of Longformer's global attention: a global token attends to every earlier key (memory included),
+  and every later query of the segment attends to it whatever its window. A pair joined only by
+  global attention (outside the query's local window, query not global) gets the content score
+  alone: xl/shaw/alibi terms exist only where the positional API computes them (the band, and the
+  contiguous rows of the global queries); RoPE applies everywhere since it rotates q and k. Longformer
+  also gives global attention its own projections; we share them. Global tokens of earlier segments
+  (now in the memory) are ordinary keys.
+- **Chosen global tokens** (`model(..., global_mask=)`, `AttentionMask.global_mask`; Longformer's
+  global attention on task tokens such as a [CLS] or the question, ETC's global tokens): a chosen
+  token sees every key it may see (causal: every earlier one, memory included) and every query sees
+  it (causal: every later one). As for `global_tokens`, a chosen query's row has every position term
+  (causal with xl/shaw/alibi/t5: one eager block over the span from the first to the last chosen
+  query, cheap when they are close, as a [CLS] and a question, dense at worst; otherwise gathered rows,
+  O(R·n)), and a pair joined only through a chosen key gets the content score alone (its distance is
+  not on the band the positional API computes). With every token chosen the kernel is full attention.
+  Not combinable with `global_tokens` (put the first tokens in the mask).
+- **Bidirectional** (`causal=false`): each query sees `sliding_window` keys on each side, itself
+  counted once (2w-1 keys; dilated like the causal window). The blocks' keys then run past their last
+  query, where xl/shaw/alibi/t5 terms are not defined by the positional API: the bidirectional
+  window takes encodings without score terms (rope, learned, sinusoidal), checked with the config.
+  `global_tokens` are chosen tokens there (the first g of the sequence).
+- **Memory tokens** (`config.memory_tokens`, in front of the keys: `AttentionMask.memory_tokens`): seen
+  by every query with the content score q·k only (see `txl.nn.attention.layer`), merged with the band by
+  log-sum-exp in the fast kernel, O(n·m).
+- `same_length` (the kernel's `window` argument) caps everything at the `window` most recent keys.
+
+The `fast` kernel (the default) costs O(n·w) time and memory and never builds an n×n matrix:
+
+1. heads with dilation s are regrouped by residue class (positions ≡ r mod s), which turns a dilated
+   window into a plain window over every class (the position terms use `stride=s`);
+2. the queries of each class are cut into blocks of B; block t attends to the B + w - 1 keys ending
+   at its last query (an `unfold` view), so each block is a small eager attention whose queries are
+   the last rows of its keys, and `LayerPositions.score_bias` gives the xl/shaw/alibi terms of the
+   band only: e.g. xl's (q+v)·W_R R is computed for B + w - 1 distances per block, not n;
+3. global columns and rows are computed separately and merged by their log-sum-exp; chosen tokens
+   (`global_mask`) are gathered per sequence: O(i·G) for their columns; their rows as above.
+
+The 1/sqrt(d) scale is applied to q (n·d values) rather than to the blocks' scores (n·(B+w)), and
+the mask is one additive tensor shared by the batch and the heads (cheaper than a masked_fill).
+
+`SlidingWindowReference` (`attention_impl="eager"`) builds the same pattern as a dense mask, O(n²),
+and is the ground truth the fast kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from txl.errors import ConfigError, UsageError
+from txl.nn.attention.eager import eager_attention
+from txl.nn.attention.masks import AttentionMask, additive_mask, distances
+from txl.nn.attention.pattern import gathered_attention, merge_by_lse
+from txl.nn.attention.registry import no_padding, register
+from txl.nn.positional import LayerPositions
+
+if TYPE_CHECKING:  # annotations only: the config module imports the registries
+    from txl.models.transformer_xl.config import TransformerXLConfig
+
+UNBOUNDED = 2**31  # a window longer than any sequence (strided heads of the sparse kernel)
+
+
+def head_dilations(config: TransformerXLConfig) -> tuple[int, ...]:
+    dilation = config.sliding_dilation or (1,)
+    return dilation * config.n_head if len(dilation) == 1 else dilation
+
+
+def effective_window(window: int, dilation: int, horizon: int | None) -> int:
+    """Window in dilated steps once `same_length` caps reach at `horizon` keys (distance < horizon)."""
+    return window if horizon is None else min(window, math.ceil(horizon / dilation))
+
+
+def local_pattern(dist: Tensor, window: int, dilation: int, *, causal: bool = True) -> Tensor:
+    """True where a key at distance `dist` is in the (dilated) local window: the `window` most recent
+    keys (causal), or `window` on each side, the query counted once (bidirectional)."""
+    if not causal:
+        dist = dist.abs()
+    return (dist >= 0) & (dist % dilation == 0) & (dist < window * dilation)
+
+
+def reachable(dist: Tensor, *, causal: bool, horizon: int | None) -> Tensor:
+    """True where a key at distance `dist` may be seen at all (causality and `same_length`)."""
+    if not causal:
+        return torch.ones_like(dist, dtype=torch.bool)
+    return (dist >= 0) if horizon is None else (dist >= 0) & (dist < horizon)
+
+
+def default_block_size(window: int) -> int:
+    """Queries per block. Each block computes B + w - 1 keys for w useful ones, so smaller blocks
+    waste less; larger blocks make fewer, bigger matmuls. w/4 (within 16..256) measured best on a
+    2-core CPU (docs/benchmarks.md, "Measurements behind the code")."""
+    return max(16, min(256, window // 4))
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference: one dense mask, O(n²).
+
+
+def sliding_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    positions: LayerPositions,
+    head_windows: list[tuple[int, int]],
+    global_tokens: int,
+    horizon: int | None,
+    dropatt: float,
+    training: bool,
+    return_probs: bool = False,
+    causal: bool = True,
+    chosen: Tensor | None = None,
+    tokens: tuple[Tensor, Tensor] | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The sliding pattern as a dense masked softmax: `(window, dilation)` per head, global tokens,
+    chosen global tokens (`chosen`, (b, i) bool over the queries: `AttentionMask.global_mask`), learned
+    memory tokens (`tokens`: their keys and values (b, h, m, d), seen by all, content score only).
+    `return_probs`: also return the probabilities (b, h, i, m + n)."""
+    i, n, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    dist = distances(i, n, q.device)  # (i, n)
+    local = torch.stack([local_pattern(dist, effective_window(w, s, horizon), s, causal=causal)
+                         for w, s in head_windows])
+    memory_len, g = n - i, min(global_tokens, i)
+    key_pos, query_pos = torch.arange(n, device=q.device), torch.arange(i, device=q.device)
+    global_key = (key_pos >= memory_len) & (key_pos < memory_len + g)  # (n,)
+    global_query = query_pos < g  # (i,)
+    seen = reachable(dist, causal=causal, horizon=horizon)
+    # Position terms where the positional API computes them: the band, and the global rows.
+    positioned = local | (global_query[:, None] & seen)  # (h, i, n)
+    visible = positioned | (global_key[None, :] & seen)
+    if chosen is not None:  # chosen tokens' rows (positioned) and columns (content score only outside the band)
+        chosen_key = F.pad(chosen.to(q.device), (memory_len, 0))  # (b, n)
+        positioned = positioned | (chosen.to(q.device)[:, :, None] & seen)[:, None]  # (b, h, i, n)
+        visible = visible | positioned | (chosen_key[:, None, :] & seen)[:, None]
+
+    q_content, k_content = positions.content(q, k)
+    scores = torch.einsum("bhid,bhjd->bhij", q_content, k_content)
+    bias = positions.score_bias(q, k_len=n)
+    if bias is not None:
+        scores = scores + torch.where(positioned, bias, torch.zeros((), dtype=bias.dtype, device=bias.device))
+    m = 0
+    if tokens is not None:  # learned memory tokens first: always visible, never positioned
+        m = tokens[0].shape[-2]
+        scores = torch.cat([torch.einsum("bhid,bhjd->bhij", q, tokens[0]), scores], dim=-1)
+        visible = F.pad(visible, (m, 0), value=True)
+        v = torch.cat([tokens[1], v], dim=2)
+    scores = (scores * d**-0.5).float().masked_fill(~visible, float("-inf"))
+    weights = scores.softmax(dim=-1).to(v.dtype)
+    probs = F.dropout(weights, p=dropatt, training=training)
+    out = torch.einsum("bhij,bhjd->bhid", probs, v)
+    value_term = positions.value_term(probs[..., m:] * positioned)
+    out = out if value_term is None else out + value_term
+    return (out, weights) if return_probs else out
+
+
+# ---------------------------------------------------------------------------------------------
+# The fast kernel: blocks of a band, O(n·w).
+
+
+def _attend(
+    scores: Tensor,
+    bias: Tensor | None,
+    mask: Tensor,
+    v: Tensor,
+    *,
+    batch: int,
+    positions: LayerPositions,
+    stride: int,
+    want_lse: bool,
+    dropatt: float,
+    training: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """Masked softmax attention of a batch of blocks, as `eager_attention` does it.
+
+    `scores` (batch·G, h, rows, cols) are content scores already scaled by 1/sqrt(d) (through q);
+    `bias` is the unscaled position term; `mask` an `additive_mask` (G, 1 or h, rows, cols) shared
+    by the batch.
+    """
+    if bias is not None:
+        scores = scores.add_(bias, alpha=v.shape[-1] ** -0.5)
+    scores = scores.float()
+    scores.view(batch, -1, *scores.shape[1:]).add_(mask)
+    lse = scores.logsumexp(dim=-1) if want_lse else None
+    probs = F.dropout(scores.softmax(dim=-1).to(v.dtype), p=dropatt, training=training)
+    out = torch.einsum("bhij,bhjd->bhid", probs, v)
+    value_term = positions.value_term(probs, stride=stride)
+    return (out if value_term is None else out + value_term), lse
+
+
+def _band(
+    q_content: Tensor,
+    q_raw: Tensor,
+    k_content: Tensor,
+    v: Tensor,
+    key_valid: Tensor,
+    *,
+    positions: LayerPositions,
+    heads: list[int] | None,
+    window: int,
+    stride: int,
+    batch: int,
+    block_size: int | None,
+    want_lse: bool,
+    dropatt: float,
+    training: bool,
+    after: int = 0,
+) -> tuple[Tensor, Tensor | None]:
+    """Window attention over X independent sequences, queries = the last I of N keys: each query sees
+    its `window` most recent keys and, bidirectional, its `after` next ones (no score terms then:
+    the positional API gives terms for queries that are the last rows of their keys).
+
+    q_content (X, hh, I, d) and k_content, v (X, hh, N, d) hold the heads being computed; q_raw
+    (X, h, I, d) holds all heads (the positional API returns terms for all of them). X = batch·c
+    with c classes innermost; key_valid (c, N) marks real keys (False = padding of a dilated layout).
+    """
+    X, _, I, _ = q_content.shape
+    N = k_content.shape[-2]
+    window, after = min(window, N), min(after, N)
+    B = min(block_size or default_block_size(window + after), I)
+
+    def pick(bias: Tensor | None) -> Tensor | None:
+        return bias if bias is None or heads is None else bias[:, heads]
+
+    if B + window + after - 1 >= N:  # the band covers (almost) everything: one dense block is cheaper
+        scores = torch.einsum("bhid,bhjd->bhij", q_content, k_content)
+        bias = pick(positions.score_bias(q_raw, k_len=N, stride=stride))
+        dist = distances(I, N, q_content.device)
+        band = (dist >= -after) & (dist < window)  # (I, N)
+        mask = additive_mask(band & key_valid[:, None, :])[:, None]  # (c, 1, I, N)
+        return _attend(scores, bias, mask, v, batch=batch, positions=positions, stride=stride,
+                       want_lse=want_lse, dropatt=dropatt, training=training)
+
+    n_blocks = math.ceil(I / B)
+    K = B + window - 1 + after  # keys per block: the window of its first query through its last query's
+    query_pad = n_blocks * B - I
+    first_key = N - n_blocks * B - window + 1  # position of block 0's first key (< 0: padding)
+    key_pad = max(0, -first_key)
+
+    def query_blocks(x: Tensor) -> Tensor:  # (X, h, I, d) -> (X·nb, h, B, d)
+        x = F.pad(x, (0, 0, query_pad, 0))
+        X_, h_, _, d_ = x.shape
+        return x.view(X_, h_, n_blocks, B, d_).transpose(1, 2).reshape(X_ * n_blocks, h_, B, d_)
+
+    def key_blocks(x: Tensor) -> Tensor:  # (X, h, N, d) -> (X·nb, h, K, d), overlapping windows
+        x = F.pad(x, (0, 0, key_pad, after))[:, :, first_key + key_pad :]
+        x = x.unfold(2, K, B)  # (X, h, nb, d, K): a view
+        X_, h_, _, d_, _ = x.shape
+        return x.permute(0, 2, 1, 4, 3).reshape(X_ * n_blocks, h_, K, d_)
+
+    scores = torch.einsum("bhid,bhjd->bhij", query_blocks(q_content), key_blocks(k_content))
+    bias = None if after else pick(positions.score_bias(query_blocks(q_raw), k_len=K, stride=stride))
+    rows, cols = torch.arange(B, device=q_content.device), torch.arange(K, device=q_content.device)
+    dist = rows[:, None] + (K - B - after) - cols[None, :]  # causal: queries are the last B rows of the keys
+    band = (dist >= -after) & (dist < window)  # (B, K)
+    valid = F.pad(key_valid, (key_pad, after), value=False)[:, first_key + key_pad :].unfold(1, K, B)  # (c, nb, K)
+    mask = additive_mask(band & valid[:, :, None, :]).view(-1, 1, B, K)  # (c·nb, 1, B, K)
+    out, lse = _attend(scores, bias, mask, key_blocks(v), batch=batch, positions=positions, stride=stride,
+                       want_lse=want_lse, dropatt=dropatt, training=training)
+    d = out.shape[-1]
+    out = out.view(X, n_blocks, -1, B, d).transpose(1, 2).reshape(X, -1, n_blocks * B, d)[:, :, query_pad:]
+    if lse is not None:
+        lse = lse.view(X, n_blocks, -1, B).transpose(1, 2).reshape(X, -1, n_blocks * B)[:, :, query_pad:]
+    return out, lse
+
+
+def _dilated_band(
+    q_content: Tensor,
+    q_raw: Tensor,
+    k_content: Tensor,
+    v: Tensor,
+    *,
+    heads: list[int] | None,
+    window: int,
+    dilation: int,
+    **kwargs,
+) -> tuple[Tensor, Tensor | None]:
+    """Regroup positions by residue class mod `dilation`, run `_band` on each class, undo."""
+    b, _, i, _ = q_content.shape
+    n = k_content.shape[-2]
+    if heads is not None:
+        q_content, k_content, v = q_content[:, heads], k_content[:, heads], v[:, heads]
+    s = dilation
+    if s == 1:
+        key_valid = torch.ones(1, n, dtype=torch.bool, device=q_content.device)
+        return _band(q_content, q_raw, k_content, v, key_valid, heads=heads, window=window, stride=1,
+                     batch=b, **kwargs)
+    # Pad keys on the left so n + key_pad is a multiple of s, and queries likewise: then position p
+    # (after padding) sits in class p % s at index p // s, and each class's queries are still the
+    # last rows of its keys.
+    key_pad, query_pad = (-n) % s, (-i) % s
+
+    def to_classes(x: Tensor, pad: int) -> Tensor:  # (b, h, L, d) -> (b·s, h, (L+pad)/s, d)
+        x = F.pad(x, (0, 0, pad, 0))
+        b_, h_, L, d_ = x.shape
+        return x.view(b_, h_, L // s, s, d_).permute(0, 3, 1, 2, 4).reshape(b_ * s, h_, L // s, d_)
+
+    key_valid = (torch.arange(n + key_pad, device=q_content.device) >= key_pad).view(-1, s).T  # (s, N)
+    out, lse = _band(to_classes(q_content, query_pad), to_classes(q_raw, query_pad),
+                     to_classes(k_content, key_pad), to_classes(v, key_pad), key_valid,
+                     heads=heads, window=window, stride=s, batch=b, **kwargs)
+
+    def from_classes(x: Tensor) -> Tensor:  # (b·s, h, I, ...) -> (b, h, I·s, ...)[last i]
+        x = x.view(b, s, *x.shape[1:]).transpose(1, 2)  # (b, h, s, I, ...)
+        x = x.transpose(2, 3).reshape(b, x.shape[1], -1, *x.shape[4:])  # (b, h, I·s, ...)
+        return x[:, :, query_pad:]
+
+    return from_classes(out), (None if lse is None else from_classes(lse[..., None])[..., 0])
+
+
+def banded_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    positions: LayerPositions,
+    head_windows: list[tuple[int, int]],
+    global_tokens: int,
+    horizon: int | None,
+    dropatt: float,
+    training: bool,
+    block_size: int | None = None,
+    causal: bool = True,
+    chosen: Tensor | None = None,
+    tokens: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
+    """O(n·w) attention with `(window, dilation)` per head, global tokens, chosen global tokens
+    (`chosen`, (b, i) bool) and memory tokens (`tokens`, keys and values (b, h, m, d)); same result as
+    `sliding_reference`."""
+    b, h, i, d = q.shape
+    n = k.shape[-2]
+    if not causal and global_tokens:  # no score terms bidirectional: the first g are chosen tokens
+        first = torch.zeros(b, i, dtype=torch.bool, device=q.device)
+        first[:, :global_tokens] = True
+        chosen, global_tokens = (first if chosen is None else chosen.to(q.device) | first), 0
+    q_content, k_content = positions.content(q, k)
+    q_content = q_content * d**-0.5  # scale the (i, d) queries, not the (i, w) scores
+    g = min(global_tokens, i)
+    common = dict(positions=positions, block_size=block_size,
+                  want_lse=g > 0 or chosen is not None or tokens is not None, dropatt=dropatt, training=training)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for head, (w, s) in enumerate(head_windows):
+        groups.setdefault((effective_window(w, s, horizon), s), []).append(head)
+    if len(groups) == 1:
+        (window, dilation), = groups
+        out, lse = _dilated_band(q_content, q, k_content, v, heads=None, window=window, dilation=dilation,
+                                 after=0 if causal else window - 1, **common)
+    else:  # heads with different windows or dilations: one band per group
+        out = q.new_empty(b, h, i, d)
+        lse = q.new_empty(b, h, i, dtype=torch.float32) if common["want_lse"] else None
+        for (window, dilation), heads in groups.items():
+            part, part_lse = _dilated_band(q_content, q, k_content, v, heads=heads, window=window,
+                                           dilation=dilation, after=0 if causal else window - 1, **common)
+            out[:, heads] = part
+            if lse is not None:
+                lse[:, heads] = part_lse
+    if tokens is not None:  # every query sees the memory tokens: content score q·k, merged by log-sum-exp
+        scores = (q * d**-0.5) @ tokens[0].transpose(-1, -2)  # (b, h, i, m)
+        every = torch.ones(1, 1, 1, scores.shape[-1], dtype=torch.bool, device=q.device)
+        out_t, lse_t = gathered_attention(None, None, tokens[1], every, dropatt=dropatt, training=training,
+                                          score_offset=scores)
+        out, lse = merge_by_lse([out, out_t], [lse, lse_t]), torch.logaddexp(lse, lse_t)
+    if chosen is not None:
+        out = _with_chosen(q_content, k_content, v, out, lse, chosen.to(q.device), head_windows=head_windows,
+                           causal=causal, horizon=horizon, dropatt=dropatt, training=training,
+                           positioned_rows=causal and type(positions.encoding).score_terms)
+        if causal and type(positions.encoding).score_terms:
+            out = _positioned_rows(q, k, v, out, chosen.to(q.device), positions=positions, horizon=horizon,
+                                   tokens=tokens, dropatt=dropatt, training=training)
+        return out
+    if g == 0:
+        return out
+
+    # Global columns: every query also attends to the g global keys outside its local window
+    # (content score only), merged with the band by log-sum-exp.
+    memory_len = n - i
+    keys = slice(memory_len, memory_len + g)
+    dist = torch.arange(i, device=q.device)[:, None] - torch.arange(g, device=q.device)[None, :]  # (i, g)
+    causal = (dist >= 0) if horizon is None else (dist >= 0) & (dist < horizon)
+    in_band = torch.stack([local_pattern(dist, effective_window(w, s, horizon), s) for w, s in head_windows])
+    mask = additive_mask(causal & ~in_band)[None]  # (1, h, i, g)
+    scores = torch.einsum("bhid,bhjd->bhij", q_content, k_content[:, :, keys])
+    out_global, lse_global = _attend(scores, None, mask, v[:, :, keys], batch=b, positions=_NO_POSITIONS,
+                                     stride=1, want_lse=True, dropatt=dropatt, training=training)
+    total = torch.logaddexp(lse, lse_global)
+    band_weight = (lse - total).exp()[..., None].to(out.dtype)  # (b, h, i, 1)
+    global_weight = (lse_global - total).exp()[..., None].to(out.dtype)
+    out = out * band_weight + out_global * global_weight
+    # Global rows: the first g queries attend to every earlier key, with all position terms. They
+    # are the last rows of the first memory_len + g keys: exactly the eager kernel's convention.
+    keys, values, m = k[:, :, : memory_len + g], v[:, :, : memory_len + g], 0
+    if tokens is not None:  # (the eager kernel takes memory tokens in front of the keys)
+        keys, values, m = torch.cat([tokens[0], keys], dim=2), torch.cat([tokens[1], values], dim=2), tokens[0].shape[-2]
+    rows, _ = eager_attention(q[:, :, :g], keys, values, positions=positions,
+                              mask=AttentionMask(window=horizon, memory_tokens=m), dropatt=dropatt, training=training)
+    return torch.cat([rows, out[:, :, g:]], dim=2)
+
+
+def _with_chosen(
+    q_content: Tensor,
+    k_content: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    chosen: Tensor,
+    *,
+    head_windows: list[tuple[int, int]],
+    causal: bool,
+    horizon: int | None,
+    dropatt: float,
+    training: bool,
+    positioned_rows: bool = False,
+) -> Tensor:
+    """Merge chosen global tokens into the band's result `out` (with its log-sum-exp `lse`): every
+    query also sees the chosen keys outside its band (gathered: O(i·G)), then each chosen query also
+    sees every other key it may see (dense rows: O(R·n)). Content scores only; q_content is scaled.
+    `positioned_rows`: the chosen rows are left to `_positioned_rows` (score terms)."""
+    b, h, i, d = q_content.shape
+    n = k_content.shape[-2]
+    memory_len = n - i
+    query_pos = torch.arange(i, device=q_content.device) + memory_len
+
+    def band_of(dist: Tensor) -> Tensor:  # (..., i, m) distances -> (..., h, i, m) in some head's band
+        return torch.stack([local_pattern(dist, effective_window(w, s, horizon), s, causal=causal)
+                            for w, s in head_windows], dim=-3)
+
+    count = int(chosen.sum(-1).max()) if chosen.numel() else 0
+    if count == 0:
+        return out
+    # Columns: the chosen keys (positions in [memory ; segment]) outside each query's band.
+    order = chosen.long().argsort(dim=-1, descending=True, stable=True)[:, :count] + memory_len  # (b, G)
+    valid = chosen.gather(1, order - memory_len)  # (b, G): slots past a row's own count are False
+    dist = query_pos[None, :, None] - order[:, None, :]  # (b, i, G)
+    seen = valid[:, None, :] & reachable(dist, causal=causal, horizon=horizon)  # (b, i, G)
+    seen = seen[:, None] & ~band_of(dist)  # (b, h, i, G)
+    index = order[:, None, :, None].expand(b, h, count, d)
+    scores = q_content @ k_content.gather(2, index).transpose(-1, -2)
+    out_c, lse_c = gathered_attention(None, None, v.gather(2, index), seen, dropatt=dropatt, training=training,
+                                      score_offset=scores)
+    lse_total = torch.logaddexp(lse, lse_c)
+    out = merge_by_lse([out, out_c], [lse, lse_c])
+    if positioned_rows:
+        return out
+    # Rows: each chosen query also sees every reachable key outside its band and not chosen.
+    rows = int(chosen.sum(-1).max())
+    where = chosen.long().argsort(dim=-1, descending=True, stable=True)[:, :rows]  # (b, R) query indices
+    keep = chosen.gather(1, where)  # (b, R): padding slots write back what was there
+    dist = query_pos[where][:, :, None] - torch.arange(n, device=q_content.device)  # (b, R, n)
+    key_chosen = F.pad(chosen, (memory_len, 0))  # (b, n)
+    rest = (keep[:, :, None] & reachable(dist, causal=causal, horizon=horizon) & ~key_chosen[:, None, :])
+    rest = rest[:, None] & ~band_of(dist)  # (b, h, R, n)
+    picked = where[:, None, :, None].expand(b, h, rows, d)
+    scores = q_content.gather(2, picked) @ k_content.transpose(-1, -2)  # (b, h, R, n)
+    out_r, lse_r = gathered_attention(None, None, v, rest, dropatt=dropatt, training=training, score_offset=scores)
+    merged = merge_by_lse([out.gather(2, picked), out_r], [lse_total.gather(2, where[:, None].expand(b, h, rows)), lse_r])
+    return out.scatter(2, picked, torch.where(keep[:, None, :, None], merged, out.gather(2, picked)))
+
+
+def _positioned_rows(q: Tensor, k: Tensor, v: Tensor, out: Tensor, chosen: Tensor, *, positions: LayerPositions,
+                     horizon: int | None, tokens: tuple[Tensor, Tensor] | None, dropatt: float,
+                     training: bool) -> Tensor:
+    """Causal chosen queries with an encoding's score terms (xl, shaw, alibi, t5): their rows see every
+    earlier key with all position terms, as `global_tokens` rows do. The positional API gives terms
+    for queries that are the last rows of their keys, so one eager block runs from the first to the
+    last chosen query (over the keys up to the last): O(span·n), cheap for chosen tokens close
+    together (a [CLS], a question), dense at worst; rows in the span that are not chosen are dropped."""
+    i, n = q.shape[-2], k.shape[-2]
+    where = chosen.any(0).nonzero()[:, 0]
+    if len(where) == 0:
+        return out
+    first, last = int(where[0]), int(where[-1])
+    end = n - i + last + 1
+    keys, values, m = k[:, :, :end], v[:, :, :end], 0
+    if tokens is not None:
+        keys, values, m = torch.cat([tokens[0], keys], dim=2), torch.cat([tokens[1], values], dim=2), tokens[0].shape[-2]
+    rows, _ = eager_attention(q[:, :, first:last + 1], keys, values, positions=positions,
+                              mask=AttentionMask(window=horizon, memory_tokens=m), dropatt=dropatt, training=training)
+    span = chosen[:, None, first:last + 1, None]  # (b, 1, span, 1)
+    return torch.cat([out[:, :, :first], torch.where(span, rows, out[:, :, first:last + 1]), out[:, :, last + 1:]], dim=2)
+
+
+class _NoPositions:
+    """Global columns carry no position term (see the module docstring)."""
+
+    @staticmethod
+    def value_term(probs: Tensor, *, stride: int = 1) -> None:
+        return None
+
+
+_NO_POSITIONS = _NoPositions()
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels chosen by config.attention = "sliding".
+
+
+def check_sliding(config: TransformerXLConfig) -> None:
+    from txl.nn.positional import POSITIONAL_ENCODINGS
+
+    dilation = config.sliding_dilation
+    if dilation and (len(dilation) not in (1, config.n_head) or min(dilation) < 1):
+        raise ConfigError(
+            f"config.sliding_dilation needs one value >= 1 for all heads or one per head "
+            f"(n_head={config.n_head}), got {list(dilation)}"
+        )
+    if config.shaw_values and len(set(dilation)) > 1:
+        raise ConfigError(
+            "config.shaw_values needs every head on one attention pattern; it is not available with "
+            "attention='sparse' or mixed sliding_dilation"
+        )
+    if config.attention == "sliding" and not config.causal and POSITIONAL_ENCODINGS[config.pos_encoding].score_terms:
+        # the band's blocks get score terms for queries that are the last rows of their keys only
+        allowed = ", ".join(name for name, cls in POSITIONAL_ENCODINGS.items()
+                            if not cls.score_terms and not cls.causal_only)
+        raise ConfigError(f"config.pos_encoding={config.pos_encoding!r} adds a term to the attention scores, "
+                          f"which the bidirectional sliding window does not form; use one of {allowed}")
+
+
+@register("sliding", "fast", bidirectional=True, check=check_sliding, global_mask=True, memory_tokens=True,
+          cross_attention=False)  # (a window needs the queries among the keys)
+class SlidingWindowAttention(nn.Module):
+    """`attention="sliding"`: Longformer's sliding window (Beltagy et al. 2020), O(n·w); causal, or
+    bidirectional (`causal=false`: the window on both sides); global tokens by `global_mask`."""
+
+    name = "sliding"
+
+    def __init__(self, config: TransformerXLConfig):
+        super().__init__()
+        self.head_windows = [(config.sliding_window, s) for s in head_dilations(config)]
+        self.global_tokens = config.global_tokens
+
+    def check_mask(self, mask: AttentionMask) -> None:
+        no_padding(self.name, mask)
+        if mask.global_mask is not None and self.global_tokens:
+            raise UsageError("attention='sliding' takes global_tokens or a global_mask, not both: put the "
+                             "first tokens in the global_mask and set global_tokens=0")
+
+    @staticmethod
+    def split_tokens(k: Tensor, v: Tensor, mask: AttentionMask):
+        """(k, v, tokens): the learned memory tokens in front of the keys (`mask.memory_tokens`) apart."""
+        m = mask.memory_tokens
+        if not m:
+            return k, v, None
+        return k[:, :, m:], v[:, :, m:], (k[:, :, :m], v[:, :, :m])
+
+    def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
+                need_weights: bool = False):
+        self.check_mask(mask)
+        if need_weights:  # the probabilities over every key: the dense reference forms them
+            return SlidingWindowReference.forward(self, q, k, v, positions=positions, mask=mask, dropatt=dropatt,
+                                                  training=training, need_weights=True)
+        k, v, tokens = self.split_tokens(k, v, mask)
+        out = banded_attention(q, k, v, positions=positions, head_windows=self.head_windows,
+                               global_tokens=self.global_tokens, horizon=mask.window, dropatt=dropatt,
+                               training=training, causal=mask.causal, chosen=mask.global_mask, tokens=tokens)
+        return out, None
+
+    def extra_repr(self) -> str:
+        return f"head_windows={self.head_windows}, global_tokens={self.global_tokens}"
+
+
+@register("sliding", "eager", bidirectional=True, check=check_sliding, global_mask=True, memory_tokens=True,
+          cross_attention=False)  # (a window needs the queries among the keys)
+class SlidingWindowReference(SlidingWindowAttention):
+    """The same pattern as a dense mask (O(n²)): the ground truth for `SlidingWindowAttention`."""
+
+    def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
+                need_weights: bool = False):
+        self.check_mask(mask)
+        k, v, tokens = self.split_tokens(k, v, mask)
+        out, probs = sliding_reference(q, k, v, positions=positions, head_windows=self.head_windows,
+                                       global_tokens=self.global_tokens, horizon=mask.window, dropatt=dropatt,
+                                       training=training, return_probs=True, causal=mask.causal,
+                                       chosen=mask.global_mask, tokens=tokens)
+        return out, probs if need_weights else None

@@ -1,0 +1,503 @@
+"""Positional encodings, chosen by name (`config.pos_encoding`).
+
+Every encoding is a model-level module that owns all of its parameters (for all layers) and answers
+three questions for the attention of layer `i` (see `LayerPositions`):
+
+- `content(q, k)`: the query/key pair used for the content score `q·k` (xl adds the global content
+  bias u to q; RoPE rotates both; the others return them unchanged);
+- `score_bias(q, k_len=, rel_shift=)`: an additive term for the attention scores before scaling
+  (xl: the position terms (b)+(d) of Dai et al. 2019; Shaw: q·a_K; ALiBi: -m·distance), or None;
+- `value_term(probs)`: an additive term for the attention output (Shaw's value side), or None.
+
+Absolute encodings (sinusoidal, learned) instead add a table to the input embedding in `embed`.
+
+Queries are always the *last* `q_len` positions of the `k_len` keys they attend to (memory first,
+then the current segment), so the distance between query i and key j is `i + (k_len - q_len) - j`.
+This covers full attention, query-chunked evaluation and windowed blocks with one convention, and it
+is what lets the relative encodings use the rel-shift trick (see `rel_shift_pad`). A block may also
+hold every `stride`-th position only (dilated and strided heads of the sliding and sparse kernels):
+then consecutive keys are `stride` positions apart and distances are multiplied by `stride`.
+
+Dimension names: b batch, h heads, i queries, j keys, d head dim, n = k_len.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from txl.errors import UsageError
+from txl.nn.attention.masks import distances
+
+if TYPE_CHECKING:  # annotations only: the config module imports the registries
+    from txl.models.transformer_xl.config import TransformerXLConfig
+
+RelShift = Callable[[Tensor], Tensor]
+
+
+def sinusoid_table(positions: Tensor, dim: int) -> Tensor:
+    """[len(positions), dim] table: sin in the first half, cos in the second (the reference layout).
+
+    Computed in float64 so long positions (e.g. 3800) keep their precision, then cast to float32.
+    """
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim))
+    angles = torch.outer(positions.to(torch.float64), inv_freq)
+    return torch.cat([angles.sin(), angles.cos()], dim=-1).to(torch.float32)
+
+
+def rel_shift_pad(x: Tensor) -> Tensor:
+    """The reference rel-shift: [.., i, c] scores against distance `n-1-c` -> [.., i, j] against key j.
+
+    Pad a zero column on the left, view the [q, n+1] block as [n+1, q], drop the first row and view
+    it back as [q, n]. Afterwards x[.., i, j] holds the score for distance i + (n - q) - j whenever
+    that distance is >= 0; the upper triangle (j beyond the query, negative distance) is garbage that
+    the causal mask hides. Dai et al. 2019, appendix B; kimiyoung/transformer-xl `_rel_shift`.
+    """
+    *lead, q, n = x.shape
+    padded = F.pad(x, (1, 0))  # (.., q, n+1)
+    padded = padded.view(*lead, n + 1, q)
+    return padded[..., 1:, :].reshape(*lead, q, n)
+
+
+def rel_shift_strided(x: Tensor) -> Tensor:
+    """Same result as `rel_shift_pad` on the valid (causal) entries, as a strided view: no copy.
+
+    For a contiguous [.., q, n] block, the score for key j of query i sits at column j + q-1-i of
+    row i, i.e. at flat offset (q-1) + i*(n-1) + j, which never leaves the block.
+    """
+    x = x.contiguous()
+    *lead, q, n = x.shape
+    lead_strides = list(x.stride()[:-2])
+    return x.as_strided((*lead, q, n), (*lead_strides, n - 1, 1), x.storage_offset() + q - 1)
+
+
+class LayerPositions:
+    """What layer `layer` needs from the positional encoding during one forward pass."""
+
+    def __init__(self, encoding: PositionalEncoding, layer: int, state: dict[str, Tensor]):
+        self.encoding = encoding
+        self.layer = layer
+        self.state = state
+
+    def content(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        return self.encoding.content(self.layer, self.state, q, k)
+
+    def score_bias(
+        self, q: Tensor, *, k_len: int, rel_shift: RelShift = rel_shift_pad, stride: int = 1
+    ) -> Tensor | None:
+        return self.encoding.score_bias(self.layer, self.state, q, k_len=k_len, rel_shift=rel_shift, stride=stride)
+
+    def value_term(self, probs: Tensor, *, stride: int = 1) -> Tensor | None:
+        return self.encoding.value_term(self.layer, self.state, probs, stride=stride)
+
+    def xl_terms(self, q: Tensor, *, k_len: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        return self.encoding.xl_terms(self.layer, self.state, q, k_len=k_len)
+
+
+class PositionalEncoding(nn.Module):
+    """Base: no position information at all (each subclass overrides what it uses). A new encoding
+    subclasses it and joins the registry with `@register_encoding("name")` (README, "Add a kernel or
+    a positional encoding")."""
+
+    name: ClassVar[str] = ""
+    relative: ClassVar[bool] = False  # True: the encoding is a function of distance only
+    # True: adds a term to the attention scores (`score_bias`), which kernels that never form scores
+    # (performer, linformer) cannot apply.
+    score_terms: ClassVar[bool] = False
+    causal_only: ClassVar[bool] = False  # True: defined for causal distances only (no bidirectional encoder)
+
+    def __init__(self, config: TransformerXLConfig | None = None):
+        super().__init__()
+        self.config = config
+
+    def embed(self, x: Tensor) -> Tensor:
+        """Absolute encodings add their table to the (B, T, d_model) input here."""
+        return x
+
+    def prepare(self, *, k_len: int, clamp_len: int, device: torch.device, dtype: torch.dtype) -> dict:
+        """Per-forward state shared by all layers (e.g. the sinusoid table R)."""
+        return {}
+
+    def layer(self, i: int, state: dict) -> LayerPositions:
+        return LayerPositions(self, i, state)
+
+    def content(self, layer: int, state: dict, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        return q, k
+
+    def score_bias(self, layer: int, state: dict, q: Tensor, *, k_len: int, rel_shift: RelShift, stride: int = 1):
+        return None
+
+    def value_term(self, layer: int, state: dict, probs: Tensor, *, stride: int = 1) -> Tensor | None:
+        return None
+
+    def xl_terms(self, layer: int, state: dict, q: Tensor, *, k_len: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        """Transformer-XL's terms apart, (q + u, q + v, W_kR R) for kernels that fuse them; None for
+        every other encoding."""
+        return None
+
+
+# No positions (cross-attention, a content-only score): every term is absent.
+CONTENT_ONLY = LayerPositions(PositionalEncoding(), 0, {})
+
+POSITIONAL_ENCODINGS: dict[str, type[PositionalEncoding]] = {}
+
+
+def register_encoding(name: str):
+    """Class decorator: make a `PositionalEncoding` subclass available as `pos_encoding=name`."""
+
+    def add(cls: type[PositionalEncoding]) -> type[PositionalEncoding]:
+        cls.name = name
+        POSITIONAL_ENCODINGS[name] = cls
+        return cls
+
+    return add
+
+
+@register_encoding("xl")
+class XLRelative(PositionalEncoding):
+    """Transformer-XL relative positions (Dai et al. 2019, §3.3).
+
+    A_ij = (q_i + u)·k_j + (q_i + v)·W_kR R_{i-j}, with R the (non-learned) sinusoid table for
+    distances n-1 … 0 clamped at clamp_len, W_kR a per-layer projection (`r_proj`), and u, v learned
+    biases shared by all layers (PyTorch reference) or per layer (`untie_r`, TF large models).
+    Dropout is applied to R once per forward (as the reference does), shared by all layers.
+    """
+
+    relative = True
+    score_terms = True
+    causal_only = True
+
+    def __init__(self, config: TransformerXLConfig):
+        super().__init__(config)
+        n_bias = config.n_layer if config.untie_r else 1
+        hd = (n_bias, config.n_head, config.d_head)
+        self.u = nn.Parameter(torch.zeros(hd))  # global content bias ("r_w_bias")
+        self.v = nn.Parameter(torch.zeros(hd))  # global position bias ("r_r_bias")
+        self.r_proj = nn.ModuleList(
+            nn.Linear(config.d_model, config.n_head * config.d_head, bias=False) for _ in range(config.n_layer)
+        )
+        self.drop = nn.Dropout(config.dropout)
+
+    def prepare(self, *, k_len, clamp_len, device, dtype):
+        pos = torch.arange(k_len - 1, -1, -1, device=device)  # distances n-1 … 0
+        if clamp_len > 0:
+            pos = pos.clamp(max=clamp_len)
+        table = self.drop(sinusoid_table(pos, self.config.d_model).to(dtype))
+        return {"R": table, "clamp_len": clamp_len}
+
+    def query_bias(self, which: str, layer: int) -> Tensor:
+        """u ("u", global content bias) or v ("v", global position bias) of `layer`, as (h, 1, d)."""
+        param = self.u if which == "u" else self.v
+        return param[layer if param.shape[0] > 1 else 0][:, None, :]
+
+    def content(self, layer, state, q, k):
+        return q + self.query_bias("u", layer), k
+
+    def projected_table(self, layer: int, state: dict, k_len: int, stride: int = 1) -> Tensor:
+        """W_kR R for the distances (k_len-1)·stride, …, stride, 0, (h, n, d)."""
+        if stride == 1:
+            table = state["R"][-k_len:]
+        else:
+            # R holds distances n-1 … 0 (row r = distance n-1-r). Distances past the table belong only
+            # to padding keys of a dilated block, which are masked: clamp them to the last row.
+            last = state["R"].shape[0] - 1
+            dist = torch.arange(k_len - 1, -1, -1, device=state["R"].device) * stride
+            table = state["R"][(last - dist).clamp(min=0)]
+        r = self.r_proj[layer](table).view(k_len, self.config.n_head, self.config.d_head)
+        return r.transpose(0, 1)
+
+    def score_bias(self, layer, state, q, *, k_len, rel_shift, stride=1):
+        r = self.projected_table(layer, state, k_len, stride)  # (h, n, d)
+        raw = torch.einsum("bhid,hjd->bhij", q + self.query_bias("v", layer), r)  # columns = distances
+        return rel_shift(raw)
+
+    def xl_terms(self, layer, state, q, *, k_len):
+        return (q + self.query_bias("u", layer), q + self.query_bias("v", layer),
+                self.projected_table(layer, state, k_len))
+
+
+@register_encoding("shaw")
+class ShawRelative(PositionalEncoding):
+    """Shaw et al. 2018: learned embeddings of the clipped distance, on the key side (and optionally
+    the value side): e_ij = q_i·(k_j + a^K_{clip(i-j)}), z_i = Σ_j α_ij (v_j + a^V_{clip(i-j)}).
+
+    For a causal LM distances are >= 0, so `max_relative_distance + 1` embeddings per layer and head
+    suffice. This is the paper's ablation row "Shaw et al. (2018)" (Dai et al. 2019, Table 6), pure
+    Shaw without the reference's extra r_w_bias/r_bias terms. In the bidirectional encoder
+    (`causal=False`) distances run from -k to k (the paper's clip(j - i, -k, k)): 2k + 1 embeddings.
+    """
+
+    relative = True
+    score_terms = True
+
+    def __init__(self, config: TransformerXLConfig):
+        super().__init__(config)
+        clip = config.max_relative_distance
+        self.bidirectional = not config.causal
+        rows = 2 * clip + 1 if self.bidirectional else clip + 1
+        shape = (config.n_layer, rows, config.n_head, config.d_head)
+        self.key_table = nn.Parameter(torch.zeros(shape))
+        self.value_table = nn.Parameter(torch.zeros(shape)) if config.shaw_values else None
+
+    def _rows(self, k_len: int, device, stride: int = 1) -> Tensor:
+        dist = torch.arange(k_len - 1, -1, -1, device=device) * stride
+        return dist.clamp(max=self.config.max_relative_distance)
+
+    def _signed_rows(self, q_len: int, k_len: int, device, stride: int = 1) -> Tensor:
+        """(i, n) table rows of the signed distances clipped to [-k, k] (bidirectional)."""
+        clip = self.config.max_relative_distance
+        return (distances(q_len, k_len, device) * stride).clamp(-clip, clip) + clip
+
+    def score_bias(self, layer, state, q, *, k_len, rel_shift, stride=1):
+        if self.bidirectional:  # q·a_r for every row r, then picked per (i, j): no (i, n, d) tensor
+            per_row = torch.einsum("bhid,rhd->bhir", q, self.key_table[layer].to(q.dtype))
+            rows = self._signed_rows(q.shape[-2], k_len, q.device, stride)
+            return per_row.gather(-1, rows.expand(*per_row.shape[:2], -1, -1))
+        emb = self.key_table[layer][self._rows(k_len, q.device, stride)].to(q.dtype)  # (n, h, d)
+        raw = torch.einsum("bhid,jhd->bhij", q, emb)
+        return rel_shift(raw)
+
+    def value_term(self, layer, state, probs, *, stride=1):
+        if self.value_table is None:
+            return None
+        q_len, k_len = probs.shape[-2:]
+        clip = self.config.max_relative_distance
+        if self.bidirectional:
+            rows = self._signed_rows(q_len, k_len, probs.device, stride)
+        else:  # masked (future) keys have prob 0
+            rows = (distances(q_len, k_len, probs.device) * stride).clamp(0, clip)
+        # Sum the probabilities of keys that share a clipped distance, then mix the value embeddings.
+        weights = probs.new_zeros(*probs.shape[:-1], self.value_table.shape[1])
+        weights.scatter_add_(-1, rows.expand_as(probs), probs)  # (b, h, i, rows)
+        return torch.einsum("bhir,rhd->bhid", weights, self.value_table[layer].to(probs.dtype))
+
+
+@register_encoding("sinusoidal")
+class SinusoidalAbsolute(PositionalEncoding):
+    """Vaswani et al. 2017 sinusoids added to the input. With memory, positions restart at 0 in every
+    segment, as in the paper's ablation: the same position is reused for different tokens, the
+    "temporal confusion" that motivates relative positions (Dai et al. 2019, §3.3)."""
+
+    def embed(self, x):
+        table = sinusoid_table(torch.arange(x.shape[1], device=x.device), self.config.d_model)
+        return x + table.to(x.dtype)
+
+
+@register_encoding("learned")
+class LearnedAbsolute(PositionalEncoding):
+    """A trainable absolute table added to the input (Al-Rfou et al. 2018, BERT, GPT). Positions restart
+    every segment.
+
+    `hierarchical = α` (Su 2020, "层次分解位置编码", the bert4keras `PositionEmbedding`): a table e of n =
+    `max_positions` rows reaches n² positions as q_{i·n + j} = α·u_i + (1-α)·u_j with
+    u = (e - α·e_0) / (1-α), which equals e_j for every position j < n (the plain table: a model
+    trained on n positions keeps its behaviour there and extrapolates beyond). Without it, an input
+    longer than the table is an error.
+
+    `position_merge`: how the table joins the token embedding x: `add` (x + e), `mul` (x ⊙ (e + 1)),
+    `concat` (W [x ; e], W a d_model × 2·d_model projection initialised to [I | I], i.e. add).
+    """
+
+    def __init__(self, config: TransformerXLConfig):
+        super().__init__(config)
+        self.table = nn.Parameter(torch.zeros(config.max_positions, config.d_model))
+        self.alpha = config.hierarchical
+        self.merge = config.position_merge
+        if self.merge == "concat":
+            self.merge_proj = nn.Linear(2 * config.d_model, config.d_model, bias=False)
+
+    def reset_parameters(self) -> None:
+        """Called by the model after its init: the concat projection starts as [I | I] (plain add)."""
+        if self.merge == "concat":
+            eye = torch.eye(self.config.d_model)
+            with torch.no_grad():
+                self.merge_proj.weight.copy_(torch.cat([eye, eye], dim=1))
+
+    def positions(self, length: int) -> Tensor:
+        """(length, d_model) position embeddings."""
+        n = self.table.shape[0]
+        if not self.alpha:
+            if length > n:
+                raise UsageError(
+                    f"pos_encoding='learned' has {n} positions but the input has {length} tokens; shorten "
+                    "the segment, raise max_positions or set hierarchical (e.g. 0.4) to extrapolate"
+                )
+            return self.table[:length]
+        if length > n * n:
+            raise UsageError(f"pos_encoding='learned' with hierarchical reaches {n * n} positions "
+                             f"(max_positions²) but the input has {length} tokens; raise max_positions")
+        pos = torch.arange(length, device=self.table.device)
+        u = (self.table - self.alpha * self.table[:1]) / (1 - self.alpha)
+        return self.alpha * u[pos // n] + (1 - self.alpha) * u[pos % n]
+
+    def embed(self, x):
+        e = self.positions(x.shape[1]).to(x.dtype)
+        if self.merge == "mul":
+            return x * (e + 1.0)
+        if self.merge == "concat":
+            return self.merge_proj(torch.cat([x, e.expand_as(x)], dim=-1))
+        return x + e
+
+
+@register_encoding("rope")
+class Rotary(PositionalEncoding):
+    """RoPE (Su et al. 2021, RoFormer, arXiv 2104.09864, eq. 34): rotate q and k by their positions so
+    that q·k depends on i - j only.
+
+    Each pair of channels (2t, 2t+1) turns by the angle pos·θ_t with θ_t = 10000^(-2t/d_head) (the
+    paper's interleaved pairs, not the half-split layout of GPT-NeoX). The rotation lives in `content`,
+    so it adds no score term: every kernel, including kernelized (performer) and projected (linformer)
+    attention, can apply it, and a bidirectional encoder too.
+
+    With memory, key positions are 0 … n-1 and the queries take the last q_len of them, so a segment
+    with memory sees exactly the rotations of one long pass (segment invariance holds). Absolute
+    positions restart at 0 every forward; only differences matter. `clamp_len` does not apply (a
+    rotation has no table to clamp). The angles are computed in float64 and cast to the model dtype.
+    """
+
+    relative = True
+
+    def prepare(self, *, k_len, clamp_len, device, dtype):
+        d = self.config.d_head
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d))
+        angles = torch.outer(torch.arange(k_len, dtype=torch.float64, device=device), inv_freq)
+        return {"cos": angles.cos().to(dtype), "sin": angles.sin().to(dtype)}  # (n, d/2)
+
+    @staticmethod
+    def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+        return out.flatten(-2)
+
+    def content(self, layer, state, q, k):
+        k_len, q_len = k.shape[-2], q.shape[-2]
+        cos, sin = state["cos"][-k_len:], state["sin"][-k_len:]
+        return self._rotate(q, cos[-q_len:], sin[-q_len:]), self._rotate(k, cos, sin)
+
+
+def alibi_slopes(n_head: int) -> Tensor:
+    """Head slopes of Press et al. 2022: a geometric sequence starting at 2^(-8/n); for a head count
+    that is not a power of two, the power-of-two sequence plus every other slope of the next one."""
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2 ** (-(2 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(n_head).is_integer():
+        slopes = power_of_two(n_head)
+    else:
+        closest = 2 ** math.floor(math.log2(n_head))
+        slopes = power_of_two(closest) + power_of_two(2 * closest)[0::2][: n_head - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+@register_encoding("alibi")
+class ALiBi(PositionalEncoding):
+    """ALiBi (Press et al. 2022, "Train Short, Test Long", arXiv 2108.12409): no position embedding;
+    the scaled score q·k/sqrt(d) gets -m_h · (i - j), with the fixed head slopes of `alibi_slopes`
+    (1/2, 1/4, … 1/256 for 8 heads). No parameters; extrapolates past the training length.
+
+    A function of distance only, so it is memory-compatible with the same key-position convention as
+    RoPE. Causal only: future keys would get a positive bias (the causal mask hides them here; a
+    bidirectional ALiBi would need |i - j| and is not offered).
+    """
+
+    relative = True
+    score_terms = True
+    causal_only = True
+
+    def __init__(self, config: TransformerXLConfig):
+        super().__init__(config)
+        self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)
+
+    def score_bias(self, layer, state, q, *, k_len, rel_shift, stride=1):
+        dist = (distances(q.shape[-2], k_len, q.device) * stride).to(q.dtype)
+        # Divided by the attention scale so that, after scaling, the bias is exactly -m·distance.
+        scale = self.config.d_head**0.5
+        return (-(self.slopes.to(q.dtype) * scale)[:, None, None] * dist)[None]  # (1, h, i, j)
+
+
+def t5_bucket(distance: Tensor, *, num_buckets: int, max_distance: int, bidirectional: bool) -> Tensor:
+    """T5's relative position bucket (Raffel et al. 2020, §2.1; `_relative_position_bucket` of the
+    reference): distance = query position - key position. Half the buckets hold the exact distances
+    0 … nb/2 - 1, the rest are log-spaced up to `max_distance` (beyond: the last bucket).
+    Bidirectional: half the buckets for keys after the query, half for keys before."""
+    bucket = torch.zeros_like(distance)
+    if bidirectional:
+        num_buckets //= 2
+        bucket = bucket + (distance < 0).long() * num_buckets  # future keys: the upper half
+        distance = distance.abs()
+    else:
+        distance = distance.clamp(min=0)
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    log_ratio = torch.log(distance.float().clamp(min=1) / max_exact) / math.log(max_distance / max_exact)
+    large = max_exact + (log_ratio * (num_buckets - max_exact)).long()
+    large = large.clamp(max=num_buckets - 1)
+    return bucket + torch.where(is_small, distance, large)
+
+
+@register_encoding("t5")
+class T5Bias(PositionalEncoding):
+    """T5's bucketed relative attention bias (Raffel et al. 2020): score += b_h[bucket(i - j)], one
+    learned scalar per bucket and head, shared by all layers (as T5), `t5_buckets` buckets log-spaced
+    up to `t5_max_distance`. A function of distance only, so memory-compatible; bidirectional too
+    (separate buckets for keys before and after the query). T5 does not scale its scores; here the
+    bias is added so that after the 1/sqrt(d) scaling it is exactly b_h[bucket]."""
+
+    relative = True
+    score_terms = True
+
+    def __init__(self, config: TransformerXLConfig):
+        super().__init__(config)
+        self.bias = nn.Parameter(torch.zeros(config.t5_buckets, config.n_head))
+
+    def buckets(self, q_len: int, k_len: int, device, stride: int = 1) -> Tensor:
+        return t5_bucket(distances(q_len, k_len, device) * stride, num_buckets=self.config.t5_buckets,
+                         max_distance=self.config.t5_max_distance, bidirectional=not self.config.causal)
+
+    def score_bias(self, layer, state, q, *, k_len, rel_shift, stride=1):
+        bucket = self.buckets(q.shape[-2], k_len, q.device, stride)  # (i, n)
+        bias = self.bias.to(q.dtype)[bucket].permute(2, 0, 1)  # (h, i, n)
+        return (bias * self.config.d_head**0.5)[None]
+
+
+@register_encoding("xpos")
+class XPos(PositionalEncoding):
+    """xPos (Sun et al. 2023, "A Length-Extrapolatable Transformer", ACL, arXiv 2212.10554): RoPE whose
+    rotation also scales q by ζ^(p/B) and k by ζ^(-p/B), so q_p·k_j carries ζ^((p-j)/B): an
+    exponential decay with distance. ζ_t = (2t/d + γ)/(1 + γ) per channel pair (γ = 0.4, the paper's
+    torchscale code), B = `xpos_scale_base`.
+
+    Positions count over [memory ; segment] like RoPE's, measured from the last key (only differences
+    matter, and this keeps the scales ≤ 1 on the keys and ≥ 1 on the queries of the segment), so it is
+    memory-compatible. Lives in q and k (no score term): every kernel can apply it. Causal only: a
+    future key would get a growing weight ζ^(-distance/B)."""
+
+    relative = True
+    causal_only = True
+    gamma = 0.4
+
+    def prepare(self, *, k_len, clamp_len, device, dtype):
+        d = self.config.d_head
+        state = Rotary.prepare(self, k_len=k_len, clamp_len=clamp_len, device=device, dtype=dtype)
+        zeta = (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d + self.gamma) / (1 + self.gamma)
+        pos = torch.arange(k_len, dtype=torch.float64, device=device) - (k_len - 1)
+        scale = zeta[None, :] ** (pos[:, None] / self.config.xpos_scale_base)  # (n, d/2)
+        state["scale"] = scale.repeat_interleave(2, dim=-1).to(dtype)  # (n, d): one factor per channel pair
+        return state
+
+    def content(self, layer, state, q, k):
+        k_len, q_len = k.shape[-2], q.shape[-2]
+        cos, sin, scale = state["cos"][-k_len:], state["sin"][-k_len:], state["scale"][-k_len:]
+        q = Rotary._rotate(q, cos[-q_len:], sin[-q_len:]) * scale[-q_len:]
+        return q, Rotary._rotate(k, cos, sin) / scale
+
+
+def build_positional(config: TransformerXLConfig) -> PositionalEncoding:
+    return POSITIONAL_ENCODINGS[config.pos_encoding](config)
