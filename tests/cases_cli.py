@@ -51,10 +51,10 @@ def _(ctx):
     return cli("bench", "eval", "--mem-lens", ",")
 
 
-@case("cli-bench-minutes-nan", "a non-finite time budget", "txl bench arena --minutes nan", "--minutes",
+@case("cli-train-minutes-nan", "a non-finite time budget", "txl train --max-minutes nan", "--max-minutes",
       "finite number")
 def _(ctx):
-    return cli("bench", "arena", "--minutes", "nan")
+    return cli("train", "--max-minutes", "nan")
 
 
 @case("cli-recl-contexts-range-huge", "a RECL context range of a billion lengths (built before any check)",

@@ -1,4 +1,4 @@
-"""`txl bench claims` (issue 19): parameter matching, the paired standard error, the report's tables."""
+"""experiments/claims.py (issue 19): parameter matching, the paired standard error, the report's tables."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 import helpers
-from txl.bench import claims
+import studies
+
+claims = studies.load("claims")
 
 corpus, cache_dir = helpers.corpus, helpers.cache_dir  # fixtures
 
@@ -89,22 +91,23 @@ def test_report_tables_rank_the_ablation_and_pair_the_sweep(tmp_path):
 
 
 def test_claims_without_a_corpus_is_one_clear_line(tmp_path):
-    code, text = helpers.finish(helpers.txl("bench", "claims", "--out", str(tmp_path / "o"), cwd=tmp_path))
+    code, text = helpers.finish(studies.script("claims", "--out", str(tmp_path / "o"), cwd=tmp_path))
     assert code == 2
     assert "Traceback" not in text
-    assert text.strip().splitlines()[-1].startswith("txl bench: error: txl bench claims needs at least one --corpus")
+    assert text.strip().splitlines()[-1].startswith(
+        "python experiments/claims.py: error: python experiments/claims.py needs at least one --corpus")
     assert not (tmp_path / "o").exists()
 
 
 def test_claims_end_to_end_on_a_small_corpus(tmp_path, corpus):
     """Train two tiny variants, evaluate, RECL, report; a second call reuses everything."""
-    args = ("bench", "claims", "--corpus", f"c=text:{corpus}", "--variants", "xl,vanilla", "--seeds", "1",
+    args = ("--corpus", f"c=text:{corpus}", "--variants", "xl,vanilla", "--seeds", "1",
             "--steps", "3", "--eval-tokens", "400", "--eval-mems", "0,8", "--contexts", "4,8,16",
             "--recl-positions", "10", "--blocks", "2", "--jobs", "1", "--runs", str(tmp_path / "runs"),
             "--out", str(tmp_path / "out"), "--set", "train.tgt_len=8", "--set", "train.batch_size=2",
             "--set", "model.n_layer=1", "--set", "model.d_model=32", "--set", "model.n_head=2",
             "--set", "model.d_head=16", "--set", "model.mem_len=8")
-    code, text = helpers.finish(helpers.txl(*args, cwd=tmp_path), timeout=600)
+    code, text = helpers.finish(studies.script("claims", *args, cwd=tmp_path), timeout=600)
     assert code == 0, text
     report = json.loads((tmp_path / "out" / "claims.json").read_text())
     assert [row["variant"] for row in report["ablation"]["c"]["rows"]] == ["xl", "vanilla"]
@@ -117,7 +120,7 @@ def test_claims_end_to_end_on_a_small_corpus(tmp_path, corpus):
     assert (tmp_path / "out" / "claims_c.png").read_bytes()[:4] == b"\x89PNG"
     assert "### Ablation" in (tmp_path / "out" / "claims_tables.md").read_text()
     stamp = (tmp_path / "runs" / "c" / "xl-s1" / "claims_eval.json").stat().st_mtime_ns
-    code, text = helpers.finish(helpers.txl(*args, cwd=tmp_path), timeout=600)
+    code, text = helpers.finish(studies.script("claims", *args, cwd=tmp_path), timeout=600)
     assert code == 0, text
     assert "started" not in text  # nothing retrained
     assert (tmp_path / "runs" / "c" / "xl-s1" / "claims_eval.json").stat().st_mtime_ns == stamp  # nor re-evaluated

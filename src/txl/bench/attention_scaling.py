@@ -352,12 +352,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "(measured 40× on a 128×256 matmul), which swamps what is being compared")
     parser.add_argument("--seed", type=integer(0, 2**63 - 1), default=0,
                         help="random seed of inputs and weights (default 0)")
-    parser.add_argument("--out", default="docs", help="directory for attention_scaling.{json,md,png}")
+    parser.add_argument("--out", default="docs/results", help="directory for attention_scaling.{json,md,png}")
 
 
 def reproduce_command(args: argparse.Namespace) -> str:
     flags = ["lengths", "variants", "modes", "heads", "d_head", "batch", "pos", "window", "stride", "features",
-             "linformer_k", "max_gb", "warmup", "steps", "rounds", "threads", "out"]
+             "linformer_k", "max_gb", "warmup", "steps", "rounds", "threads"]  # not --out: a path of this machine
     parts = [f"--{flag.replace('_', '-')} {_flag_text(getattr(args, flag))}" for flag in flags]
     return "txl bench attention-scaling " + " ".join(parts) + (" --no-rss" if args.no_rss else "")
 

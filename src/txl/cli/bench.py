@@ -26,10 +26,8 @@ BENCHES: dict[str, str] = {
     "curve": "txl.bench.curve",
     "eval-speedup": "txl.bench.eval_speedup",
     "attention-scaling": "txl.bench.attention_scaling",
-    "arena": "txl.bench.arena",
-    "claims": "txl.bench.claims",
-    "recipes": "txl.bench.recipes",
 }
+# The studies that train many models (arena, claims, recipes) are scripts in experiments/, not benchmarks.
 
 
 def available(name: str) -> bool:
@@ -64,9 +62,6 @@ SUMMARIES: dict[str, str] = {
     "curve": "does bf16 autocast train like fp32? loss curves side by side",
     "eval-speedup": "Transformer-XL evaluation against the vanilla Transformer per scored token (paper Table 9)",
     "attention-scaling": "time and peak memory of one attention layer of each arena variant against length",
-    "arena": "train every attention kernel and positional encoding on PTB-char under one CPU budget",
-    "claims": "the paper's claims at CPU scale: RECL against LSTM/SHA-RNN/vanilla, the ablation, longer evaluation memory",
-    "recipes": "the recipe search for the best model per CPU-hour: proxy runs of recipe candidates, then seeded confirmations",
     "all": "train, eval, generate, mfu, kernel and curve in one go; writes benchmarks.md, benchmarks.json, plots",
 }
 
@@ -112,7 +107,8 @@ def add_shared_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | N
                                          help="also profile N more steps of each contender and list the operators "
                                               "that take the most time (default 0: off)")),
         "quick": (("--quick",), dict(action="store_true", help="few steps and small shapes: a smoke run")),
-        "out": (("--out",), dict(default="docs", help="directory for benchmarks.md and the plots (default docs)")),
+        "out": (("--out",), dict(default="docs/results",
+                                 help="directory for benchmarks.md and the plots (default docs/results)")),
     }
     chosen = tuple(flags) if names is None else names
     defaults = {}
@@ -132,9 +128,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
             continue
         module = importlib.import_module(module_name)
         summary = SUMMARIES.get(name) or (module.__doc__ or name).strip().splitlines()[0]
-        doc = {"arena": "docs/arena.md", "attention-scaling": "docs/attention_scaling.md",
-               "eval-speedup": "docs/evaluation.md",
-               "claims": "docs/claims.md", "recipes": "docs/cpu_hour.md"}.get(name, "docs/benchmarks.md")
+        doc = {"attention-scaling": "docs/results/attention_scaling.md",
+               "eval-speedup": "docs/guide/evaluation.md"}.get(name, "docs/results/benchmarks.md")
         p = sub.add_parser(name, help=summary, description=f"txl bench {name}: {summary}. Method and results: {doc}.")
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         if has_own_cli(module):

@@ -49,8 +49,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "txl.cli.plot:run_cli",
     ),
     "bench": (
-        "benchmarks and studies: train, eval, generate, mfu, kernel, curve, eval-speedup, attention-scaling, "
-        "arena, claims, recipes, all",
+        "benchmarks: train, eval, generate, mfu, kernel, curve, eval-speedup, attention-scaling, all",
         "txl.cli.bench:configure",
         "txl.cli.bench:run",
     ),

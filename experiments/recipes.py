@@ -1,4 +1,10 @@
-"""`txl bench recipes`: the recipe search behind the CPU-hour presets (issue 23; docs/cpu_hour.md).
+"""The recipe search behind the CPU-hour presets (issue 23; the current result is docs/results/cpu_hour.md).
+
+    python experiments/recipes.py --sweep ptb-word --minutes 10 [--data ptb-word:DIR]
+    python experiments/recipes.py --sweep ptb-word --confirm NAME --seeds 2 --archive docs/results/cpu_hour.json
+
+An experiment, not part of the installed package: every run is an ordinary `txl train` process and the
+report is read from the run directories, so it runs from any directory of a checkout with txl installed.
 
 A sweep is a centre recipe (every swept key set explicitly, on top of a base preset that supplies the
 corpus and the evaluation settings) and candidates that each change a few of its keys: model width
@@ -14,7 +20,9 @@ compute). Runs side by side share the machine: `--jobs` × `--threads` should no
 and nothing else should run meanwhile. Finished runs with the same command are reused (an
 interrupted sweep continues where it stopped); `--fresh` retrains.
 
-Writes recipes_<sweep>.json/.md/.png (or confirm_<sweep>_<candidate>.*) to `--out`.
+Writes recipes_<sweep>.json/.md/.png (or confirm_<sweep>_<candidate>.*) to `--out`; `--archive FILE` also
+adds the report to the study's one archive JSON (docs/results/cpu_hour.json holds every sweep and
+confirmation so far), and `--render STEM` writes a report's .md and .png back from that archive.
 """
 
 from __future__ import annotations
@@ -27,10 +35,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from txl.bench.arena import planned_run, read_record, read_records, train_variants
+from campaign import RESULTS, planned_run, read_record, read_records, script_main, train_variants
+
 from txl.cli.arguments import integer, real, threads
-from txl.errors import UsageError
-from txl.io import save_figure, write_text
+from txl.errors import TxlError, UsageError
+from txl.io import read_json, save_figure, write_text
+
+ARCHIVE_LIMIT = 64 << 20  # the archive holds every report of the study (about 1 MB today)
 
 
 @dataclass(frozen=True)
@@ -264,7 +275,8 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sweep", choices=sorted(SWEEPS), required=True, help="which recipe sweep")
+    parser.add_argument("--sweep", choices=sorted(SWEEPS), default=None, help="which recipe sweep (required unless "
+                        "--render)")
     parser.add_argument("--candidates", type=_names, default=(), metavar="LIST",
                         help="candidates to run (default all of the sweep)")
     parser.add_argument("--data", default=None, help="data spec (default: the preset's corpus from its download location)")
@@ -281,7 +293,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=integer(1, 100), default=None,
                         help="seeds per candidate (default 1; --confirm: 2); the spread is reported next to the gaps")
     parser.add_argument("--runs", default="runs/recipes", help="directory of the run directories (default runs/recipes)")
-    parser.add_argument("--out", default="docs/cpu_hour", help="directory for the tables and plots (default docs/cpu_hour)")
+    parser.add_argument("--out", default="runs/recipes/reports",
+                        help="directory for the tables and plots (default runs/recipes/reports)")
+    parser.add_argument("--archive", metavar="FILE", default=None,
+                        help=f"also add the report to this archive JSON, keyed by its name (the study's: "
+                             f"{(RESULTS / 'cpu_hour.json').relative_to(RESULTS.parent.parent)})")
+    parser.add_argument("--render", metavar="STEM", default=None,
+                        help="train nothing: write STEM.md and STEM.png to --out from the report STEM of --archive "
+                             "(default the study's archive)")
     parser.add_argument("--fresh", action="store_true", help="retrain runs that already finished")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="extra override for every run (after the candidate's keys)")
@@ -374,7 +393,7 @@ def markdown(report: dict) -> str:
              if confirm else f"# Recipe sweep: {report['sweep']}, {short} proxies")
     lines = [
         title, "",
-        f"Written by `txl bench recipes` (src/txl/bench/recipes.py). {report['about']}. Every row is one `txl train "
+        f"Written by `python experiments/recipes.py`. {report['about']}. Every row is one `txl train "
         f"--preset {report['preset']}` run with the centre recipe and the row's changes, for {long}, "
         f"{report['threads']} torch thread(s), {report['jobs']} run(s) side by side, then scored with its best weights "
         "on the whole split(s).", "",
@@ -475,6 +494,10 @@ def run(args: argparse.Namespace) -> int:
     from txl.bench.common import machine
     from txl.train.config import build_run_config
 
+    if args.render:
+        return render(args)
+    if args.sweep is None:
+        raise UsageError("--sweep is required (ptb-char or ptb-word), or --render STEM")
     sweep = SWEEPS[args.sweep]
     if args.steps is not None and args.minutes is not None:
         raise UsageError("give --minutes or --steps, not both")
@@ -504,7 +527,7 @@ def run(args: argparse.Namespace) -> int:
                 for name in wanted for k in range(args.seeds)]
     started = time.time()
     train_variants(plan, args, desc=f"recipes {args.sweep}")
-    flags = ["txl", "bench", "recipes", "--sweep", args.sweep,
+    flags = ["python", "experiments/recipes.py", "--sweep", args.sweep,
              *(["--steps", str(args.steps)] if args.steps else ["--minutes", f"{args.minutes:g}"]),
              "--threads", str(args.threads), "--jobs", str(args.jobs), "--seeds", str(args.seeds)]
     flags += ["--confirm", args.confirm] if args.confirm else (
@@ -523,9 +546,51 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / f"{stem}.json", json.dumps(report, indent=2) + "\n")
+    if args.archive:
+        archive = read_archive(Path(args.archive), missing_ok=True)
+        archive["reports"][stem] = report
+        write_text(Path(args.archive), json.dumps(archive, indent=1) + "\n")
     text = markdown(report)
     write_text(out / f"{stem}.md", text)
     plot(report, out / f"{stem}.png")
     print(text.split("## Reproduce")[0])
     print(f"wrote {out / stem}.md, .json, .png")
     return 0
+
+
+def read_archive(path: Path, *, missing_ok: bool = False) -> dict:
+    """The study's archive: {"about": ..., "reports": {stem: report}} (one JSON for every past run)."""
+    if missing_ok and not path.exists():
+        return {"about": "every report of experiments/recipes.py, keyed by its name (STEM.md/.png: --render STEM)",
+                "reports": {}}
+    try:
+        archive = read_json(path, what="recipe archive", limit=ARCHIVE_LIMIT, error=UsageError)
+    except (OSError, ValueError, TxlError) as err:
+        raise UsageError(f"cannot read the archive {path} ({err}); pass --archive FILE") from None
+    if not isinstance(archive, dict) or not isinstance(archive.get("reports"), dict):
+        raise UsageError(f"{path} is not a recipe archive (no \"reports\" object); pass --archive FILE")
+    return archive
+
+
+def render(args: argparse.Namespace) -> int:
+    """Write one archived report's .md and .png (the per-run pages are not kept in docs/)."""
+    path = Path(args.archive) if args.archive else RESULTS / "cpu_hour.json"
+    reports = read_archive(path)["reports"]
+    if args.render not in reports:
+        raise UsageError(f"{path} holds no report {args.render!r}; it holds: {', '.join(sorted(reports))}")
+    report = {**reports[args.render], "stem": Path(args.render).name}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_text(out / f"{report['stem']}.md", markdown(report))
+    plot(report, out / f"{report['stem']}.png")
+    print(f"wrote {out / report['stem']}.md, .png")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return script_main("recipes", "the recipe search for the best model per CPU-hour: proxy runs of recipe "
+                       "candidates, then seeded confirmations (docs/results/cpu_hour.md)", configure, run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,6 +1,12 @@
-"""`txl bench arena`: train every attention kernel and positional encoding of the arena on the same
-corpus, with the same parameter count and the same CPU budget, and tabulate valid bpc, tokens/s and
-peak memory (issue 8; README "The arena"; the result is docs/arena.md).
+"""The arena: train every attention kernel and positional encoding on the same corpus, with the same
+parameter count and the same CPU budget, and tabulate valid bpc, tokens/s and peak memory (issue 8;
+README "The arena"; the current result is docs/results/arena.md).
+
+    python experiments/arena.py --minutes 5 --jobs 2 [--data ptb-char:DIR]
+
+An experiment, not part of the installed package: it drives the public command line (`txl train`)
+and reads the run directories it writes, so it runs from any directory of a checkout with txl
+installed.
 
 Each variant is one ordinary `txl train --preset arena-ptb-char --set ...` run in its own process
 (so the row's command reproduces it exactly), limited to `--threads` torch threads and
@@ -19,7 +25,8 @@ Noise: after the first pass the `--top` best causal rows are trained again with 
 seeds (the preset's seed + 1, + 2, ...; the same command with `--seed S`), so the differences between
 the leading variants come with their seed-to-seed spread (mean ± sample standard deviation).
 
-Writes arena.json, arena.md and arena.png (train bpc against minutes) to `--out`.
+Writes arena.json, arena.md and arena.png (train bpc against minutes) to `--out` (default
+docs/results of this checkout).
 """
 
 from __future__ import annotations
@@ -28,17 +35,16 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from campaign import RESULTS, planned_run, read_record, read_records, script_main, train_variants
+
 from txl.cli.arguments import integer, real, threads
 from txl.errors import TxlError, UsageError
-from txl.io import METRICS_LIMIT, create_log, read_bytes, read_json, read_text, save_figure, write_text
+from txl.io import read_json, save_figure, write_text
 
 PRESET = "arena-ptb-char"
 
@@ -131,7 +137,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=threads(auto=False), default=1, help="torch threads per run (default 1)")
     parser.add_argument("--jobs", type=integer(1, 256), default=2, help="runs side by side (default 2: one per core)")
     parser.add_argument("--runs", default="runs/arena", help="directory of the run directories (default runs/arena)")
-    parser.add_argument("--out", default="docs", help="directory for arena.json/.md/.png (default docs)")
+    parser.add_argument("--out", default=str(RESULTS), help="directory for arena.json/.md/.png (default: docs/results "
+                        "of this checkout)")
     parser.add_argument("--seeds", type=integer(1, 100), default=3,
                         help="seeds for the --top best causal rows (default 3; 1 = one seed for every row)")
     parser.add_argument("--top", type=integer(0, 1000), default=5, help="causal rows trained with every seed (default 5)")
@@ -189,115 +196,12 @@ def command(variant: Variant, d_inner: int, args: argparse.Namespace, *, seed: i
 SEED_KEYS = ("valid", "steps", "tokens_per_second", "peak_rss_mb", "command")
 
 
-def planned_run(argv: list[str], run_dir: Path, *, threads: int, fresh: bool, **fields) -> dict:
-    """One planned `txl train` run for `train_variants` (arena, claims, recipes): its argv, its shell
-    line and `fields`; marked finished (peak_rss_mb set) when `run_dir` holds a finished run of the
-    same command, which is then reused instead of retrained (unless `fresh`)."""
-    line = shell_line(argv, threads)
-    item = {**fields, "argv": argv, "command": line, "run_dir": str(run_dir), "peak_rss_mb": None}
-    stamp = None if fresh else finished_stamp(run_dir, line)
-    if stamp:
-        item["peak_rss_mb"] = stamp["peak_rss_mb"]
-        print(f"reusing {run_dir.name}: {run_dir} (same command; --fresh retrains)")
-    return item
-
-
 def plan_item(variant: Variant, d_inner: int, args: argparse.Namespace, *, seed: int | None = None) -> dict:
     """One arena run (the first pass: the preset's seed; else `seed` in `<name>-seed<seed>`)."""
     run_name = variant.name if seed is None else f"{variant.name}-seed{seed}"
     argv = command(variant, d_inner, args, seed=seed, name=run_name)
     return planned_run(argv, Path(args.runs) / run_name, threads=args.threads, fresh=args.fresh,
                        name=variant.name, about=variant.about, d_inner=d_inner, mlm=variant.mlm, seed=seed)
-
-
-def shell_line(argv: list[str], threads: int) -> str:
-    return f"OMP_NUM_THREADS={threads} " + shlex.join(argv)
-
-
-def read_record(path: Path) -> dict:
-    """A JSON record of a finished run (result.json, run.json, arena.json), read bounded (txl.io)."""
-    return read_json(path, what="run record", error=UsageError)
-
-
-def read_records(path: Path) -> list[dict]:
-    """The records of a run's metrics.jsonl."""
-    text = read_text(path, what="metrics log", limit=METRICS_LIMIT, error=UsageError)
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
-def log_tail(path: str | Path) -> str:
-    """The last line of a child's log, for the one-line error when it failed."""
-    try:
-        tail = read_bytes(path, what="log", limit=METRICS_LIMIT, error=UsageError).decode("utf-8", "replace")
-    except TxlError:
-        return "no output"
-    lines = tail.strip().splitlines()
-    return lines[-1] if lines else "no output"
-
-
-def finished_stamp(run_dir: Path, line: str) -> dict | None:
-    """The stamp of a run that finished with exactly this command line (reused instead of retrained)."""
-    try:
-        stamp = read_record(run_dir / "arena.json")
-        result = read_record(run_dir / "result.json")
-    except (OSError, ValueError, TxlError):
-        return None
-    finished = stamp.get("command") == line and stamp.get("peak_rss_mb") is not None and result.get("steps")
-    return stamp if finished else None
-
-
-def clear_for_training(run_dir: Path) -> None:
-    """An arena run directory is retrained from scratch (--fresh, another command, or a run that was
-    interrupted); anything else in the way is the user's and is left alone."""
-    if not run_dir.exists():
-        return
-    if (run_dir / "arena.json").is_file():
-        shutil.rmtree(run_dir)
-    elif not run_dir.is_dir() or any(run_dir.iterdir()):
-        raise UsageError(f"{run_dir} exists and is not an arena run directory; move it or pick another --runs")
-
-
-def train_variants(plan: list[dict], args: argparse.Namespace, *, desc: str = "arena") -> None:
-    """Run the planned trainings, `args.jobs` at a time; record each child's peak RSS (wait4)."""
-    from tqdm.auto import tqdm
-
-    todo = [p for p in plan if p.get("peak_rss_mb") is None]
-    running: dict[int, tuple[dict, subprocess.Popen, object]] = {}
-    bar = tqdm(total=len(todo), desc=desc, unit="run", dynamic_ncols=True)
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
-    try:
-        while todo or running:
-            while todo and len(running) < args.jobs:
-                item = todo.pop(0)
-                run_dir = Path(item["run_dir"])
-                clear_for_training(run_dir)
-                run_dir.mkdir(parents=True, exist_ok=True)
-                write_text(run_dir / "arena.json", json.dumps({"command": item["command"]}, indent=2) + "\n")
-                log = create_log(run_dir.parent / f"{run_dir.name}.log")
-                argv = [sys.executable, "-m", "txl", *item["argv"][1:]]
-                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-                running[proc.pid] = (item, proc, log)
-                bar.write(f"started {item['name']}: {item['command']}")
-            pid, status, usage = os.wait4(-1, 0)
-            if pid not in running:
-                continue
-            item, proc, log = running.pop(pid)
-            proc.returncode = os.waitstatus_to_exitcode(status)
-            log.close()
-            if proc.returncode != 0:
-                raise UsageError(f"{desc} run {item['name']} failed (exit {proc.returncode}): "
-                                 f"{log_tail(log.name)}; log {log.name}")
-            item["peak_rss_mb"] = usage.ru_maxrss / 1024  # KiB on Linux
-            write_text(Path(item["run_dir"]) / "arena.json", json.dumps(
-                {"command": item["command"], "peak_rss_mb": item["peak_rss_mb"]}, indent=2) + "\n")
-            bar.update(1)
-            bar.write(f"finished {item['name']}")
-    finally:
-        for _, proc, log in running.values():
-            proc.terminate()
-            proc.wait()
-            log.close()
-        bar.close()
 
 
 def collect(item: dict) -> dict:
@@ -373,7 +277,7 @@ def markdown(report: dict) -> str:
     lines = [
         "# The arena: every variant on PTB-char, same parameters, same CPU budget",
         "",
-        f"Written by `txl bench arena` (src/txl/bench/arena.py). Every row is one `txl train` run of the "
+        f"Written by `python experiments/arena.py`. Every row is one `txl train` run of the "
         f"`{PRESET}` preset (4 layers, d_model 128, 4 heads × 32, tgt_len 128, mem_len 128, batch 16, "
         "Adam 1e-3 constant after 200 warm-up steps, dropout 0.1) that changes only the keys in its "
         "command; d_inner is chosen per variant so the parameter count is the closest to the xl row's. "
@@ -525,7 +429,7 @@ def run(args: argparse.Namespace) -> int:
                           *({"seed": item["seed"], **{k: run[k] for k in SEED_KEYS}}
                             for item, run in zip((i for i in extra if i["name"] == r["name"]), runs, strict=True))]
     ref = next((r for r in rows if r["name"] == REFERENCE), rows[0])
-    flags = ["txl", "bench", "arena", "--variants", ",".join(args.variants), "--minutes", f"{args.minutes:g}",
+    flags = ["python", "experiments/arena.py", "--variants", ",".join(args.variants), "--minutes", f"{args.minutes:g}",
              "--threads", str(args.threads), "--jobs", str(args.jobs), "--seeds", str(args.seeds),
              "--top", str(args.top)]
     if args.data:
@@ -545,3 +449,12 @@ def run(args: argparse.Namespace) -> int:
     print(markdown(report).split("## Reproduce")[0])
     print(f"wrote {out / 'arena.md'}, {out / 'arena.json'}, {out / 'arena.png'}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return script_main("arena", "train every attention kernel and positional encoding on PTB-char under one CPU "
+                       "budget (docs/results/arena.md)", configure, run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

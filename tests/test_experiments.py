@@ -1,0 +1,233 @@
+"""The studies in experiments/ (the arena, the recipe search; the claims study is test_claims.py):
+each script end to end on a tiny budget, its plans and reports, and its numbers refused in one line
+as `txl`'s are (numbers are never asserted: results live in docs/results/)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+import studies
+
+recipes = studies.load("recipes")
+
+
+def main(argv: list[str]) -> int:
+    """`python experiments/NAME.py ARGS` in this process, for argv = [NAME, *ARGS]."""
+    return studies.load(argv[0]).main(argv[1:])
+
+
+@pytest.mark.parametrize("argv", [["arena", "--variants", "xl,shaw,xl"],
+                                  ["recipes", "--sweep", "ptb-char", "--candidates", "centre,centre"]])
+def test_a_run_named_twice_is_refused_before_anything_trains(argv, capsys):
+    assert main(argv) == 2  # two jobs would share one run directory
+    err = capsys.readouterr().err
+    assert "named twice" in err and len(err.strip().splitlines()) == 1
+
+
+def test_arena_variants_get_the_reference_parameter_count():
+    arena = studies.load("arena")
+    target = arena.parameter_count([], 50)
+    for variant in arena.VARIANTS.values():
+        d_inner, count = arena.match_d_inner(variant, target, 50, 512)
+        sets = [f"model.{s}" for s in variant.sets] + [f"model.d_inner={d_inner}"]
+        sets += [f"train.{s}" for s in variant.train_sets] + (["train.sample_tokens=0"] if variant.mlm else [])
+        assert count == arena.parameter_count(sets, 50), variant.name  # the affine prediction is exact
+        assert abs(count - target) / target < 0.005, variant.name
+
+
+@pytest.mark.slow
+def test_arena_trains_side_by_side_and_reuses_finished_runs(tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox {i % 7} jumps\n" for i in range(600)))
+    # 10 minutes each, cut at 3 steps: what the runs do does not depend on this machine's speed (issue 50)
+    argv = ["arena", "--variants", "xl,xl-mem0,mlm-full", "--minutes", "10", "--jobs", "2",
+            "--data", f"text:{corpus}", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "docs"),
+            "--seeds", "1"]
+    for s in ("model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.d_head=16", "model.d_inner=64",
+              "model.mem_len=16", "train.batch_size=2", "train.tgt_len=16", "train.eval_tgt_len=16",
+              "train.warmup_steps=0", "train.max_steps=3"):
+        argv += ["--set", s]
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "docs" / "arena.json").read_text())
+    rows = {row["name"]: row for row in report["rows"]}
+    assert set(rows) == {"xl", "xl-mem0", "mlm-full"}
+    assert rows["xl"]["parameters"] == rows["xl-mem0"]["parameters"]
+    assert rows["mlm-full"]["mlm"] and 0 <= rows["mlm-full"]["accuracy"] <= 1
+    assert "--objective mlm" in rows["mlm-full"]["command"]
+    for row in rows.values():
+        assert row["steps"] == 3 and row["valid"] > 0 and row["peak_rss_mb"] > 10 and row["tokens_per_second"] > 0
+        assert "--set model.d_inner=64" in row["command"] and row["command"].startswith("OMP_NUM_THREADS=1 txl train")
+    text = (tmp_path / "docs" / "arena.md").read_text()
+    assert "| xl-mem0 |" in text and "Linformer" in text and (tmp_path / "docs" / "arena.png").stat().st_size > 0
+    causal_table, mlm_table = text.split("## Bidirectional encoders (masked LM)")
+    assert "| mlm-full |" in mlm_table and "| mlm-full |" not in causal_table.split("## Reproduce")[0]
+    capsys.readouterr()
+    assert main(argv) == 0  # finished runs with the same command are reused, not retrained
+    assert capsys.readouterr().out.count("reusing") == 3
+    # the best causal row again with a second seed: the first pass is reused, one run is added
+    assert main([*argv, "--seeds", "2", "--top", "1"]) == 0
+    assert capsys.readouterr().out.count("reusing") == 3
+    report = json.loads((tmp_path / "docs" / "arena.json").read_text())
+    rows = {row["name"]: row for row in report["rows"]}
+    best = min(("xl", "xl-mem0"), key=lambda name: rows[name]["valid"])
+    other = "xl" if best == "xl-mem0" else "xl-mem0"
+    assert [seed["seed"] for seed in rows[best]["seeds"]] == [1111, 1112] and "seeds" not in rows[other]
+    assert rows[best]["seeds"][0]["valid"] == rows[best]["valid"]
+    assert "--seed 1112" in rows[best]["seeds"][1]["command"] and (tmp_path / "runs" / f"{best}-seed1112").is_dir()
+    text = (tmp_path / "docs" / "arena.md").read_text()
+    assert "## Noise: the 1 best rows over 2 seeds" in text and rows[best]["seeds"][1]["command"] in text
+    assert main([*argv, "--seeds", "2", "--top", "1"]) == 0
+    assert capsys.readouterr().out.count("reusing") == 4
+    assert main([*argv[:2], "xl", *argv[3:], "--fresh"]) == 0  # an arena run directory is retrained in place
+    assert "reusing" not in capsys.readouterr().out
+    (tmp_path / "runs" / "xl" / "arena.json").unlink()  # no longer ours: left alone, one clear error
+    assert main([*argv[:2], "xl", *argv[3:], "--fresh"]) != 0
+    assert "is not an arena run directory" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_recipe_sweep_ranks_proxies_then_confirms_with_seeds(tmp_path, capsys):
+    """experiments/recipes.py: proxies cut by their minutes (the cosine follows them), scored on the whole
+    valid split; a confirmation trains one candidate with two seeds and scores valid and test whole.
+
+    The minute runs here are cut by 8 steps long before their 10 minutes, so what they do does not
+    depend on this machine's speed or load (a 0.03-minute budget did: issue 50); that the schedule
+    follows the clock when the minutes run out first is test_train's fake-clock test."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox {i % 7} jumps\n" for i in range(600)))
+    argv = ["recipes", "--sweep", "ptb-char", "--candidates", "centre,mem-0", "--minutes", "10",
+            "--data", f"text:{corpus}", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "docs")]
+    for s in ("model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.d_head=16", "model.d_inner=64",
+              "train.batch_size=2", "train.tgt_len=16", "train.eval_tgt_len=16", "train.warmup_steps=0"):
+        argv += ["--set", s]
+    in_steps = ["--set", "train.max_steps=8", "--set", "train.log_interval=2"]  # after the sweep's own keys
+    assert main([*argv, *in_steps]) == 0
+    report = json.loads((tmp_path / "docs" / "recipes_ptb-char.json").read_text())
+    rows = {row["name"]: row for row in report["rows"]}
+    assert set(rows) == {"centre", "mem-0"} and rows["mem-0"]["changes"] == ["model.mem_len=0"]
+    for row in rows.values():
+        assert row["steps"] > 0 and row["valid"] > 0 and row["test"] is None and row["precision"] in ("fp32", "bf16")
+        assert "--max-minutes 10" in row["command"] and "--preset ptb-char-hour" in row["command"]
+        assert "train.schedule_clock=minutes" in row["command"] and row["steps"] == 8
+        metrics = [json.loads(line) for line in (tmp_path / "runs" / f"ptb-char-{row['name']}" / "metrics.jsonl")
+                   .read_text().splitlines()]
+        lrs = [r["lr"] for r in metrics if r.get("split") == "train"]
+        assert len(lrs) == 4 and lrs[-1] < lrs[0]  # the cosine over whichever budget is further along: the steps
+    text = (tmp_path / "docs" / "recipes_ptb-char.md").read_text()
+    assert "| mem-0 | preset | `model.mem_len=0` |" in text and (tmp_path / "docs" / "recipes_ptb-char.png").stat().st_size > 0
+    capsys.readouterr()
+    assert main([*argv, *in_steps, "--confirm", "mem-0", "--seeds", "2"]) == 0
+    report = json.loads((tmp_path / "docs" / "confirm_ptb-char_mem-0.json").read_text())
+    assert [row["seed"] for row in report["rows"]] == [1111, 1112]
+    for row in report["rows"]:
+        result = json.loads((tmp_path / "runs" / f"ptb-char-confirm-mem-0-seed{row['seed']}" / "result.json").read_text())
+        assert row["test"] > 0 and result["final"]["valid"]["tokens"] > 0 and "--seed" in row["command"]
+    assert "Test bpc:" in (tmp_path / "docs" / "confirm_ptb-char_mem-0.md").read_text()
+    assert main([*argv[:4], "nope", *argv[5:]]) == 2
+    assert "unknown candidate(s) nope" in capsys.readouterr().err
+    # a step budget (e.g. bf16 against fp32 over the same steps), two seeds each, in its own directories
+    steps = [*argv[:4], "centre,fp32", *argv[7:], "--steps", "4", "--seeds", "2"]
+    assert main(steps) == 0
+    report = json.loads((tmp_path / "docs" / "recipes_ptb-char_4steps.json").read_text())
+    assert sorted((r["name"], r["seed"] or 0) for r in report["rows"]) == [
+        ("centre", 0), ("centre", 1112), ("fp32", 0), ("fp32", 1112)]  # 0: the preset's seed, no --seed
+    assert all(r["steps"] == 4 for r in report["rows"])
+    assert {r["precision"] for r in report["rows"] if r["name"] == "fp32"} == {"fp32"}
+    assert (tmp_path / "runs" / "ptb-char-fp32-4steps-seed1112").is_dir()
+    assert (tmp_path / "runs" / "ptb-char-centre" / "result.json").is_file()  # the minute proxies are untouched
+    text = (tmp_path / "docs" / "recipes_ptb-char_4steps.md").read_text()
+    assert "4-step proxies" in text and "| fp32 |" in text and "gap to centre" in text
+    # without the centre, the gaps are to the first candidate named (fp32 for a bf16 check at another shape)
+    rows = [r for r in report["rows"] if r["name"] == "fp32"] + [
+        {**r, "name": "other"} for r in report["rows"] if r["name"] == "centre"]
+    text = recipes.markdown({**report, "rows": rows})
+    other = next(line for line in text.splitlines() if line.startswith("| other | ") and "±" in line)
+    mean = lambda name: statistics.mean(r["valid"] for r in rows if r["name"] == name)  # noqa: E731
+    assert "gap to fp32" in text and f"{mean('other') - mean('fp32'):+.4f}" in other
+    assert main([*steps, "--minutes", "1"]) == 2 and "not both" in capsys.readouterr().err
+
+
+def test_recipe_report_carries_the_weight_average_curve(tmp_path):
+    """A run trained with train.ema logs `valid_ema` beside `valid`: the recipe report keeps both curves,
+    which weights won and the live weights' test score, and plots the average's curve too."""
+    collect, plot, valid_ends = recipes.collect, recipes.plot, recipes.valid_ends
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    records = [{"split": "train", "elapsed": 30.0 * k, "ppl": 300.0 - k} for k in range(1, 5)]
+    records += [{"split": split, "elapsed": 60.0 * k, "ppl": base - 5 * k}
+                for k in (1, 2) for split, base in (("valid", 200.0), ("valid_ema", 190.0))]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run_dir / "run.json").write_text(json.dumps({"precision": "bf16"}))
+    (run_dir / "result.json").write_text(json.dumps({
+        "metric": "ppl", "parameters": 10, "steps": 4, "tokens": 400, "elapsed": 120.0, "tokens_per_second": 3.3,
+        "final": {"valid": {"ppl": 181.0}, "test": {"ppl": 170.0}}, "best_weights": "average",
+        "final_live": {"test": {"ppl": 171.5}}}))
+    row = collect({"run_dir": str(run_dir), "name": "c", "about": "", "changes": [], "command": "txl train",
+                   "peak_rss_mb": 1.0, "seed": 1111})
+    assert row["valid_curve"] == [(1.0, 195.0), (2.0, 190.0)]
+    assert row["valid_ema_curve"] == [(1.0, 185.0), (2.0, 180.0)]
+    assert (row["valid"], row["test"], row["best_weights"], row["test_live"]) == (181.0, 170.0, "average", 171.5)
+    plot({"sweep": "ptb-word", "confirm": "c", "rows": [row]}, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
+    old = {k: v for k, v in row.items() if k != "valid_ema_curve"}  # a report written before the curve existed
+    plot({"sweep": "ptb-word", "confirm": "c", "rows": [old]}, tmp_path / "old.png")
+    assert (tmp_path / "old.png").stat().st_size > 0
+    # train.eval_live=false: the live weights validated once, at the end; the range holds both ends
+    late = {**row, "valid_curve": [(2.0, 190.0)], "valid_ema_curve": [(1.0, 185.0), (2.0, 150.0)]}
+    assert valid_ends(late) == [190.0, 150.0] and valid_ends(old) == [190.0]
+    plot({"sweep": "ptb-word", "confirm": "c", "rows": [late]}, tmp_path / "late.png")
+    assert (tmp_path / "late.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("sweep", sorted(recipes.SWEEPS))
+def test_the_preset_is_its_sweeps_named_recipe(sweep):
+    """The hour preset trains exactly the candidate its sweep names (the preset's comment and
+    docs/cpu_hour.md quote that candidate's confirmations), and no other candidate is the preset."""
+    from txl.train.config import build_run_config
+
+    def config(*sets: str) -> tuple:
+        cfg = build_run_config(preset=recipes.SWEEPS[sweep].preset, sets=list(sets))
+        return cfg.model_config(vocab_size=10_000), cfg.train
+
+    preset = config()
+    same = [c.name for c in recipes.SWEEPS[sweep].candidates if config(*recipes.SWEEPS[sweep].centre, *c.sets) == preset]
+    assert same == [recipes.SWEEPS[sweep].recipe]
+
+
+@pytest.mark.parametrize("sweep", sorted(recipes.SWEEPS))
+def test_every_recipe_candidate_is_a_valid_config(sweep):
+    """Each candidate's keys on top of its sweep's centre and preset build a run config and a model
+    (a typo in a key or an impossible shape fails here, not an hour into a sweep)."""
+    from txl.train.config import build_run_config, parse_value
+
+    for candidate in recipes.SWEEPS[sweep].candidates:
+        cfg = build_run_config(preset=recipes.SWEEPS[sweep].preset, sets=[*recipes.SWEEPS[sweep].centre, *candidate.sets])
+        model = cfg.model_config(vocab_size=10_000)  # validated
+        last = {key.split("=", 1)[0]: key for key in candidate.sets}  # a later --set of a key wins, as on the CLI
+        for key in last.values():
+            section, rest = key.split(".", 1)
+            field, value = rest.split("=", 1)
+            got, want = getattr(model if section == "model" else cfg.train, field), parse_value(value)
+            if isinstance(got, tuple) and isinstance(want, list):  # the configs keep sequences as tuples
+                want = tuple(want)
+            assert got == want, (candidate.name, key, got)
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["arena", "--minutes", "inf"], "--minutes must be a finite number in (0, 10,080], got inf"),
+    (["recipes", "--sweep", "ptb-char", "--jobs", "0"], "--jobs must be >= 1"),
+    (["claims", "--blocks", "1"], "--blocks must be >= 2"),
+])
+def test_each_out_of_range_number_is_one_line_naming_the_flag_and_its_range(argv, expected, tmp_path, monkeypatch,
+                                                                              capsys):
+    """(moved from test_cli_numbers with the studies' subcommands of `txl bench`)"""
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and len(lines) == 1 and ": error: " in lines[0], err
+    assert expected in lines[0], lines[0]
