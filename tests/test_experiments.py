@@ -186,7 +186,7 @@ def test_recipe_report_carries_the_weight_average_curve(tmp_path):
 @pytest.mark.parametrize("sweep", sorted(recipes.SWEEPS))
 def test_the_preset_is_its_sweeps_named_recipe(sweep):
     """The hour preset trains exactly the candidate its sweep names (the preset's comment and
-    docs/cpu_hour.md quote that candidate's confirmations), and no other candidate is the preset."""
+    docs/results/cpu_hour.md quote that candidate's confirmations), and no other candidate is the preset."""
     from txl.train.config import build_run_config
 
     def config(*sets: str) -> tuple:

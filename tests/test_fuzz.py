@@ -8,7 +8,7 @@ trainer's resume path. The property: each input gives a valid result or one of o
 
 The profile is fixed for CI: derandomized (the same cases on every run), no example database, a bounded
 number of examples per target so the file runs in well under a minute. The module prints how many
-cases ran per target; docs/robustness.md quotes the totals.
+cases ran per target; docs/guide/robustness.md quotes the totals.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ sees them arrive in several steps, opens the attention view of one token, re-sco
 memory lengths and takes a screenshot.
 
 Skipped only where no Chromium is installed. TXL_SERVE_SCREENSHOT=PATH also writes the screenshot
-there (docs/serve.png was made so); TXL_SERVE_RUN=DIR serves that run instead of a freshly trained
+there (docs/guide/serve.png was made so); TXL_SERVE_RUN=DIR serves that run instead of a freshly trained
 tiny one (a better-trained model makes a more readable picture).
 """
 
