@@ -1,7 +1,7 @@
 """The recipe search behind the CPU-hour presets (issue 23; the current result is docs/results/cpu_hour.md).
 
     python experiments/recipes.py --sweep ptb-word --minutes 10 [--data ptb-word:DIR]
-    python experiments/recipes.py --sweep ptb-word --confirm NAME --seeds 2 --archive docs/results/cpu_hour.json
+    python experiments/recipes.py --sweep ptb-word --confirm NAME --seeds 2 --archive docs/results/archive/cpu_hour.json
 
 An experiment, not part of the installed package: every run is an ordinary `txl train` process and the
 report is read from the run directories, so it runs from any directory of a checkout with txl installed.
@@ -21,7 +21,7 @@ and nothing else should run meanwhile. Finished runs with the same command are r
 interrupted sweep continues where it stopped); `--fresh` retrains.
 
 Writes recipes_<sweep>.json/.md/.png (or confirm_<sweep>_<candidate>.*) to `--out`; `--archive FILE` also
-adds the report to the study's one archive JSON (docs/results/cpu_hour.json holds every sweep and
+adds the report to the study's one archive JSON (docs/results/archive/cpu_hour.json holds every sweep and
 confirmation so far), and `--render STEM` writes a report's .md and .png back from that archive.
 """
 
@@ -41,6 +41,7 @@ from txl.cli.arguments import integer, real, threads
 from txl.errors import TxlError, UsageError
 from txl.io import read_json, save_figure, write_text
 
+ARCHIVE = RESULTS / "archive" / "cpu_hour.json"  # every report of this study so far
 ARCHIVE_LIMIT = 64 << 20  # the archive holds every report of the study (about 1 MB today)
 
 
@@ -296,8 +297,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/recipes/reports",
                         help="directory for the tables and plots (default runs/recipes/reports)")
     parser.add_argument("--archive", metavar="FILE", default=None,
-                        help=f"also add the report to this archive JSON, keyed by its name (the study's: "
-                             f"{(RESULTS / 'cpu_hour.json').relative_to(RESULTS.parent.parent)})")
+                        help="also add the report to this archive JSON, keyed by its name (the study's: "
+                             "docs/results/archive/cpu_hour.json)")
     parser.add_argument("--render", metavar="STEM", default=None,
                         help="train nothing: write STEM.md and STEM.png to --out from the report STEM of --archive "
                              "(default the study's archive)")
@@ -574,7 +575,7 @@ def read_archive(path: Path, *, missing_ok: bool = False) -> dict:
 
 def render(args: argparse.Namespace) -> int:
     """Write one archived report's .md and .png (the per-run pages are not kept in docs/)."""
-    path = Path(args.archive) if args.archive else RESULTS / "cpu_hour.json"
+    path = Path(args.archive) if args.archive else ARCHIVE
     reports = read_archive(path)["reports"]
     if args.render not in reports:
         raise UsageError(f"{path} holds no report {args.render!r}; it holds: {', '.join(sorted(reports))}")

@@ -231,3 +231,18 @@ def test_each_out_of_range_number_is_one_line_naming_the_flag_and_its_range(argv
     lines = err.strip().splitlines()
     assert "Traceback" not in err and len(lines) == 1 and ": error: " in lines[0], err
     assert expected in lines[0], lines[0]
+
+
+def test_an_archived_recipe_report_renders_again(tmp_path, capsys):
+    """docs/ keeps one archive JSON per study instead of the per-run pages: each archived report still
+    gives its table and plot (`recipes.py --render NAME`), and an unknown name is one line naming the
+    known ones."""
+    name = "amd/confirm_ptb-char_small-dropout-0"
+    assert main(["recipes", "--render", name, "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "confirm_ptb-char_small-dropout-0.md").read_text()
+    assert text.startswith("# Confirmation: `small-dropout-0`") and "Test bpc:" in text
+    assert (tmp_path / "confirm_ptb-char_small-dropout-0.png").read_bytes()[:4] == b"\x89PNG"
+    capsys.readouterr()
+    assert main(["recipes", "--render", "nope", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "holds no report 'nope'" in err and name in err
