@@ -1,5 +1,5 @@
-"""The fast backend's memory kinds (`txl.nn.memory.MemoryUpdate` subclasses), chosen per forward pass by
-`open_memory`:
+"""The fast backend's memory kinds (`txl.nn.memory.MemoryUpdate` subclasses, over the same
+`txl.nn.memory.MemoryState` interface), chosen per forward pass by `open_memory`:
 
 - training and any segment with autograd: post-LN blocks project [constant memory ; segment] without
   the memory rows' input gradient (`txl.fast.projection.project_context`);
@@ -11,6 +11,9 @@
   one's buffers, so evaluation at long memory holds one memory, not two.
 
 Every kind returns what the reference `MemoryUpdate` returns, to float rounding (tests/test_fast_attention.py).
+A graph being traced (`torch.compile`, `torch.export`) takes the first kind only: the projection
+cache and the in-place memory live on Python state (buffer identities, versions, spare rows) that a
+graph cannot hold.
 """
 
 from __future__ import annotations
@@ -22,8 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from txl.fast.projection import project_context
-from txl.models.transformer_xl.compressive import CompressiveUpdate
-from txl.nn.memory import Memory, MemoryUpdate, update_memory
+from txl.nn.memory import CompressiveUpdate, Memory, MemoryState, MemoryUpdate, register_pytree, update_memory
 
 # Inference with at most this many new tokens per call (generation) caches the memory's key/value
 # projections; longer segments (evaluation) re-project, so memory stays at the hidden states' size
@@ -31,13 +33,13 @@ from txl.nn.memory import Memory, MemoryUpdate, update_memory
 PROJECTION_CACHE_MAX_QUERIES = 1
 
 
-def open_memory(model: nn.Module, memory: Memory | None, *, mem_len: int, q_len: int) -> MemoryUpdate:
+def open_memory(model: nn.Module, memory: MemoryState | None, *, mem_len: int, q_len: int) -> MemoryUpdate:
     """The memory kind of one forward pass of `model` under the fast backend."""
     if model.compressor is not None:
         learn = model.training and torch.is_grad_enabled()  # the reconstruction loss trains f_c
         return _CompressiveUpdate(memory, mem_len=mem_len, compressor=model.compressor, q_len=q_len,
                                   blocks=model.blocks if learn else None)
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
         if not model.training and q_len <= PROJECTION_CACHE_MAX_QUERIES:
             return ProjectionCacheUpdate(memory, mem_len=mem_len, model=model)
         if memory is not None and memory.donated and memory.length == mem_len > 0:
@@ -88,6 +90,9 @@ class ProjectionCache(Memory):
 
     projected: tuple[Tensor, ...] = ()
     key: tuple = ()
+
+
+register_pytree(ProjectionCache, ("hidden", "compressed", "projected"), ("donated", "key"))
 
 
 class ProjectionCacheUpdate(MemoryUpdate):

@@ -1,34 +1,114 @@
-"""Segment-level recurrence state (Dai et al. 2019, §3.2).
+"""Segment-level recurrence state (Dai et al. 2019, §3.2): one declared interface, its kinds, and the
+forward pass that reads and writes it.
 
-Memory is explicit: the model takes a `Memory` (or None) and returns the next one; nothing is hidden
-inside a module. For each layer it holds the *input* hidden states of that layer for the latest
-`mem_len` positions, detached from the graph (the stop-gradient SG(·) of the paper). It starts empty
-(Hugging Face starts with mem_len zero vectors, so its first segment attends to zeros).
+Memory is explicit: a model takes a memory (or None) and returns the next one; nothing is hidden
+inside a module. In the spirit of Hugging Face's cache layers (`Cache` / `DynamicLayer`), every
+memory implements one interface, `MemoryState`, whatever it holds:
 
-A forward pass reads and writes the memory through a `MemoryUpdate` (in the spirit of Hugging Face's
-`Cache.update(k, v, layer_idx)`): each layer asks it for the keys and values of [memory ; segment],
-and it keeps what the next segment needs, with the stop-gradient and the truncation to mem_len. Its
-kind decides how the memory grows and truncates and whether projections are reused: this file holds
-the plain Transformer-XL memory; compressive memory is `txl/models/transformer_xl/compressive.py`; the fast backend's
-projection cache and in-place evaluation memory are `txl/fast/memory.py`.
+    length, batch_size        positions each attention layer attends to before the segment; rows
+    context(layer, fresh)     what layer `layer` attends to: [memory ; fresh]
+    update(contexts, mem_len) the next memory from each layer's [memory ; segment]: the latest
+                              mem_len states, detached (the stop-gradient SG(·) of the paper)
+    detach, select, cat, to, truncate, donate
+    state_dict, from_state_dict   flat name -> tensor export and restore (safetensors)
 
-`Memory.compressed` holds compressive memory's older states (Rae et al. 2020; `txl/models/transformer_xl/compressive.py`):
-attention then runs over [compressed ; memory ; segment].
+The kinds: `Memory` (below: the plain Transformer-XL memory, and compressive memory's older states
+in `compressed`, Rae et al. 2020, txl/models/transformer_xl/compressive.py), `RecurrentMemory` (LSTM
+and SHA-RNN, txl/models/rnn/model.py), the fast backend's `ProjectionCache` (txl/fast/memory.py), and
+the encoder–decoder's `DecoderCache` (txl/models/seq2seq/model.py). Each is a pytree (`torch.export`
+takes and returns them as they are; `register_pytree`).
+
+A forward pass reads and writes a memory through a `MemoryPass` (as Hugging Face's
+`Cache.update(k, v, layer_idx)`): each attention layer asks it for the keys and values of
+[memory ; segment] (`keys_values`) and never learns which kind it runs on. `MemoryUpdate` is the
+reference pass over a `MemoryState`; compressive memory's pass (`CompressiveUpdate`) compresses what
+leaves the window, and the fast backend's passes (txl/fast/memory.py) reuse projections or buffers.
+A model's memory kind (`reference_memory` here, `txl.fast.memory.open_memory`) picks the pass.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils import _pytree as pytree
+
+
+class MemoryState(ABC):
+    """What a model carries from one segment to the next (batch-first tensors)."""
+
+    @property
+    @abstractmethod
+    def length(self) -> int:
+        """Positions each attention layer attends to before the segment (0: none)."""
+
+    @property
+    @abstractmethod
+    def batch_size(self) -> int: ...
+
+    @abstractmethod
+    def context(self, layer: int, fresh: Tensor) -> Tensor:
+        """[memory ; fresh] for `layer`, in fresh's dtype: the states that layer attends to."""
+
+    @abstractmethod
+    def update(self, contexts: Sequence[Tensor], *, mem_len: int, detach: bool = True) -> MemoryState | None:
+        """The next memory: each layer's latest mem_len states of `contexts[i]` ([memory ; segment]),
+        detached (`detach=False`, for callers without autograd, keeps views). None at mem_len 0."""
+
+    @abstractmethod
+    def detach(self) -> MemoryState: ...
+
+    @abstractmethod
+    def select(self, index: Tensor | slice | int) -> MemoryState:
+        """Rows of the batch (keep some streams, reorder beams)."""
+
+    @classmethod
+    @abstractmethod
+    def cat(cls, parts: Sequence[MemoryState]) -> MemoryState:
+        """The inverse of `select` over consecutive row groups: one memory with all their rows."""
+
+    @abstractmethod
+    def to(self, *args, **kwargs) -> MemoryState: ...
+
+    @abstractmethod
+    def truncate(self, mem_len: int) -> MemoryState | None:
+        """Keep the latest mem_len positions (None at mem_len 0)."""
+
+    @abstractmethod
+    def state_dict(self, prefix: str = "memory") -> dict[str, Tensor]:
+        """Flat name -> tensor mapping for safetensors (contiguous, detached copies)."""
+
+    @classmethod
+    @abstractmethod
+    def from_state_dict(cls, tensors: dict[str, Tensor], prefix: str = "memory") -> MemoryState | None: ...
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """Every tensor this memory holds (e.g. to count its bytes)."""
+        return tuple(self.state_dict().values())
+
+    def donate(self) -> MemoryState:
+        """This memory, handed over to the next forward pass, which may reuse its buffers. Kinds that
+        cannot return themselves."""
+        return self
+
+
+def _layers(tensors: dict[str, Tensor], prefix: str) -> tuple[Tensor, ...]:
+    """`{prefix}.0`, `{prefix}.1`, ... of a flat mapping, in layer order."""
+    found = sorted((int(name[len(prefix) + 1 :]), t) for name, t in tensors.items()
+                   if name.startswith(prefix + ".") and name[len(prefix) + 1 :].isdigit())
+    return tuple(t for _, t in found)
 
 
 @dataclass(frozen=True)
-class Memory:
-    """Per-layer cached hidden states, each (batch, length, d_model), batch-first.
+class Memory(MemoryState):
+    """Per layer the *input* hidden states of that layer for the latest mem_len positions, each
+    (batch, length, d_model), batch-first, detached. It starts empty (Hugging Face starts with mem_len
+    zero vectors, so its first segment attends to zeros).
 
     `compressed` (compressive memory only, else empty) holds per layer the older, compressed states:
     attention runs over [compressed ; hidden ; segment].
@@ -49,14 +129,28 @@ class Memory:
     def compressed_length(self) -> int:
         return self.compressed[0].shape[1] if self.compressed else 0
 
+    @property
+    def batch_size(self) -> int:
+        return self.hidden[0].shape[0]
+
     def layer(self, i: int) -> list[Tensor]:
         """Layer i's cached states that are not empty, oldest first: [compressed ; hidden]."""
         parts = [self.compressed[i]] if self.compressed_length else []
         return parts + ([self.hidden[i]] if self.length else [])
 
-    @property
-    def batch_size(self) -> int:
-        return self.hidden[0].shape[0]
+    def context(self, layer: int, fresh: Tensor) -> Tensor:
+        parts = self.layer(layer)
+        if not parts:
+            return fresh
+        return torch.cat([*(m.to(fresh.dtype) for m in parts), fresh], dim=1)
+
+    def update(self, contexts: Sequence[Tensor], *, mem_len: int, detach: bool = True) -> Memory | None:
+        """Each layer's latest mem_len states (the compressed memory is not carried: compressive
+        memory's pass, `CompressiveUpdate`, builds its own next memory). `contexts[i]` is layer i's
+        key/value input, the concatenation it attended over, so the new memory is simply its tail.
+        (The reference computes end = mlen + qlen - ext_len; with ext_len = 0, the only setting we
+        support, that is the same tail.)"""
+        return update_memory(contexts, mem_len, detach=detach)
 
     def donate(self) -> Memory:
         """This memory, handed over to the next forward pass, which may overwrite its buffers in place
@@ -72,14 +166,12 @@ class Memory:
         return Memory(tuple(h.detach() for h in self.hidden), tuple(c.detach() for c in self.compressed))
 
     def select(self, index: Tensor | slice | int) -> Memory:
-        """Rows of the batch (e.g. to keep some streams and drop others)."""
         if isinstance(index, int):
             index = slice(index, index + 1)
         return Memory(tuple(h[index] for h in self.hidden), tuple(c[index] for c in self.compressed))
 
     @classmethod
     def cat(cls, parts: Sequence[Memory]) -> Memory:
-        """The inverse of `select` over consecutive row groups: one memory with all their rows."""
         return cls(tuple(torch.cat(layer) for layer in zip(*(p.hidden for p in parts), strict=True)),
                    tuple(torch.cat(layer) for layer in zip(*(p.compressed for p in parts), strict=True)))
 
@@ -90,26 +182,20 @@ class Memory:
         return Memory(tuple(h[:, -mem_len:] for h in self.hidden), self.compressed)
 
     def state_dict(self, prefix: str = "memory") -> dict[str, Tensor]:
-        """Flat name -> tensor mapping for safetensors (contiguous copies); the compressed memory
-        goes under `{prefix}_compressed.{layer}`."""
+        """The compressed memory goes under `{prefix}_compressed.{layer}`."""
         out = {f"{prefix}.{i}": h.detach().contiguous() for i, h in enumerate(self.hidden)}
         out.update({f"{prefix}_compressed.{i}": c.detach().contiguous() for i, c in enumerate(self.compressed)})
         return out
 
     @classmethod
     def from_state_dict(cls, tensors: dict[str, Tensor], prefix: str = "memory") -> Memory | None:
-        def layers(name_prefix: str) -> tuple[Tensor, ...]:
-            found = sorted(
-                (int(name[len(name_prefix) + 1 :]), t)
-                for name, t in tensors.items()
-                if name.startswith(name_prefix + ".") and name[len(name_prefix) + 1 :].isdigit()
-            )
-            return tuple(t for _, t in found)
-
-        hidden = layers(prefix)
+        hidden = _layers(tensors, prefix)
         if not hidden:
             return None
-        return cls(hidden, layers(f"{prefix}_compressed"))
+        return cls(hidden, _layers(tensors, f"{prefix}_compressed"))
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (*self.hidden, *self.compressed)
 
     @classmethod
     def zeros(cls, n_layer: int, batch_size: int, length: int, d_model: int, **tensor_kwargs) -> Memory:
@@ -117,47 +203,117 @@ class Memory:
 
 
 def update_memory(contexts: Sequence[Tensor], mem_len: int, *, detach: bool = True) -> Memory | None:
-    """Keep the latest `mem_len` positions of each layer's [memory ; input], without gradient.
-
-    `contexts[i]` is layer i's key/value input, i.e. the concatenation the layer attended over, so the
-    new memory is simply its tail. (The reference computes end = mlen + qlen - ext_len; with
-    ext_len = 0, the only setting we support, that is the same tail.) `detach=False` (callers without
-    autograd) keeps the tails as views of `contexts`, which `append_rows` can extend in place.
-    """
+    """A plain `Memory` of the latest `mem_len` positions of each layer's [memory ; input]
+    (`Memory.update`); `detach=False` keeps the tails as views of `contexts`, which
+    `txl.fast.memory.append_rows` can extend in place."""
     if mem_len <= 0:
         return None
     return Memory(tuple(c[:, -mem_len:].detach() if detach else c[:, -mem_len:] for c in contexts))
 
 
-class MemoryUpdate:
-    """One forward pass over a memory, the reference kind: plain Transformer-XL memory.
+# ---------------------------------------------------------------------------------------------
+# A forward pass over a memory
+
+
+class MemoryPass(ABC):
+    """What an attention layer sees of the memory during one forward pass."""
+
+    @abstractmethod
+    def keys_values(self, layer: int, fresh: Tensor, project: Callable[[Tensor], Tensor]) -> Tensor:
+        """The key/value projection of [memory ; fresh] for `layer` (`fresh`: the layer's input rows,
+        `project`: a row-wise projection); the pass keeps what the next segment needs."""
+
+
+class MemoryUpdate(MemoryPass):
+    """One forward pass over a `MemoryState`, the reference kind.
 
     Layer i calls `keys_values(i, fresh, project)` with its input `fresh` (b, t, d_model) and a
-    row-wise projection to keys and values; it gets the projection of [memory ; fresh] and the update
-    keeps [memory ; fresh] for `finish`, which returns the next memory: the latest mem_len states per
-    layer, detached (the stop-gradient SG(·) of the paper), and an auxiliary loss (None here).
+    row-wise projection to keys and values; it gets the projection of `memory.context(i, fresh)`
+    and the pass keeps that context for `finish`, which returns `memory.update(contexts)`: the next
+    memory (the latest mem_len states per layer, detached), and an auxiliary loss (None here).
     """
 
-    def __init__(self, memory: Memory | None, *, mem_len: int):
-        self.memory = memory if memory is not None and (memory.length or memory.compressed_length) else None
+    def __init__(self, memory: MemoryState | None, *, mem_len: int):
+        self.state = memory
+        # the memory a layer attends over; None when there is nothing to attend to
+        self.memory = memory if memory is not None and (memory.length or _compressed_length(memory)) else None
         self.mem_len = mem_len
         self.contexts: list[Tensor] = []  # per layer, [memory ; fresh]
 
     @property
     def past_length(self) -> int:
         """Keys before the segment's (the same for every layer)."""
-        return 0 if self.memory is None else self.memory.compressed_length + self.memory.length
+        return 0 if self.memory is None else _compressed_length(self.memory) + self.memory.length
 
     def context(self, layer: int, fresh: Tensor) -> Tensor:
         """[memory ; fresh] for `layer`, in fresh's dtype (b, past_length + t, d_model)."""
-        if self.memory is None:
-            return fresh
-        return torch.cat([*(m.to(fresh.dtype) for m in self.memory.layer(layer)), fresh], dim=1)
+        return fresh if self.memory is None else self.memory.context(layer, fresh)
 
     def keys_values(self, layer: int, fresh: Tensor, project: Callable[[Tensor], Tensor]) -> Tensor:
         context = self.context(layer, fresh)
         self.contexts.append(context)
         return project(context)
 
-    def finish(self) -> tuple[Memory | None, Tensor | None]:
-        return update_memory(self.contexts, self.mem_len), None
+    def finish(self) -> tuple[MemoryState | None, Tensor | None]:
+        """The next memory, and an auxiliary loss (None here)."""
+        if self.state is None:
+            return update_memory(self.contexts, self.mem_len), None
+        return self.state.update(self.contexts, mem_len=self.mem_len), None
+
+
+def _compressed_length(memory: MemoryState) -> int:
+    return getattr(memory, "compressed_length", 0)
+
+
+class CompressiveUpdate(MemoryUpdate):
+    """Compressive memory's pass (Rae et al. 2020): [compressed ; memory ; segment] per layer, and
+    `finish` hands the contexts to the model's compressor (`MemoryCompressor`,
+    txl/models/transformer_xl/compressive.py), which compresses what leaves the memory and, in
+    training, returns the attention-reconstruction loss."""
+
+    def __init__(self, memory: MemoryState | None, *, mem_len: int, compressor: Callable[..., Any], q_len: int,
+                 blocks: Sequence[torch.nn.Module] | None):
+        super().__init__(memory, mem_len=mem_len)
+        self.compressor, self.q_len, self.blocks = compressor, q_len, blocks
+
+    def finish(self) -> tuple[MemoryState | None, Tensor | None]:
+        compressed_len = 0 if self.memory is None else _compressed_length(self.memory)
+        return self.compressor(self.contexts, compressed_len=compressed_len, mem_len=self.mem_len, q_len=self.q_len,
+                               blocks=self.blocks)
+
+
+def reference_memory(model: torch.nn.Module, memory: MemoryState | None, *, mem_len: int, q_len: int) -> MemoryUpdate:
+    """The reference memory kind of one forward pass of `model`: plain, or compressive when the model
+    has a compressor (`cmem_len`). The fast backend has its own kinds (txl/fast/memory.py)."""
+    if model.compressor is None:
+        return MemoryUpdate(memory, mem_len=mem_len)
+    learn = model.training and torch.is_grad_enabled()  # the reconstruction loss trains f_c
+    return CompressiveUpdate(memory, mem_len=mem_len, compressor=model.compressor, q_len=q_len,
+                             blocks=model.blocks if learn else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memories as pytrees: torch.export and torch.compile take and return them as they are
+
+
+def register_pytree(cls: type, tensor_fields: Sequence[str], static_fields: Sequence[str] = ()) -> type:
+    """Register a memory dataclass as a pytree node: `tensor_fields` (tensors or tuples of them) are
+    its children, `static_fields` (hashable, compared by value) its context."""
+    tensor_fields, static_fields = tuple(tensor_fields), tuple(static_fields)
+
+    def flatten(memory):
+        return [getattr(memory, f) for f in tensor_fields], tuple(getattr(memory, f) for f in static_fields)
+
+    def flatten_with_keys(memory):
+        return ([(pytree.GetAttrKey(f), getattr(memory, f)) for f in tensor_fields],
+                tuple(getattr(memory, f) for f in static_fields))
+
+    def unflatten(children, context):
+        return cls(**dict(zip(tensor_fields, children)), **dict(zip(static_fields, context)))
+
+    pytree.register_pytree_node(cls, flatten, unflatten, serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
+                                flatten_with_keys_fn=flatten_with_keys)
+    return cls
+
+
+register_pytree(Memory, ("hidden", "compressed"), ("donated",))

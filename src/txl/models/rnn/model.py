@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from txl.errors import UsageError
 from txl.models.transformer_xl.config import RNN_ARCHS, TransformerXLConfig
 from txl.models.transformer_xl.model import TransformerXLOutput
-from txl.nn.memory import Memory
+from txl.nn.memory import Memory, MemoryState, register_pytree
 from txl.nn.regularization import embedding_dropout, locked_dropout
 
 EMBED_INIT = 0.1  # AWD-LSTM's initrange
@@ -42,11 +42,13 @@ EMBED_INIT = 0.1  # AWD-LSTM's initrange
 
 @dataclass(frozen=True)
 class RecurrentMemory(Memory):
-    """The state an RNN LM carries across segments, batch-first, detached.
+    """The state an RNN LM carries across segments, batch-first, detached (the `MemoryState`
+    interface, txl/nn/memory.py).
 
     states: per LSTM layer h then c, each (b, hidden size): 2 * n_layer tensors.
     hidden: per attention layer (SHA-RNN) the attention memory (b, length, d_model); empty for lstm,
-        so `length` is the attention memory's length (0 for lstm).
+        so `length` is the attention memory's length (0 for lstm). `context(slot, fresh)` is what
+        attention layer `slot` attends to, [memory ; fresh], as for a Transformer's layers.
     """
 
     states: tuple[Tensor, ...] = ()
@@ -54,6 +56,22 @@ class RecurrentMemory(Memory):
     @property
     def batch_size(self) -> int:
         return self.states[0].shape[0]
+
+    def state(self, layer: int) -> tuple[Tensor, Tensor] | None:
+        """LSTM layer `layer`'s (h, c), or None (a zero state) when nothing is carried."""
+        return (self.states[2 * layer], self.states[2 * layer + 1]) if self.states else None
+
+    def update(self, contexts: Sequence[Tensor], *, mem_len: int, detach: bool = True,
+               states: Sequence[Tensor] = ()) -> RecurrentMemory | None:
+        """The next memory: each attention layer's latest mem_len states of `contexts`, and the LSTM
+        `states` (h then c per layer) after the segment; detached (truncated BPTT). None at mem_len 0."""
+        if mem_len <= 0:
+            return None
+        cut = (lambda t: t.detach()) if detach else (lambda t: t)
+        return RecurrentMemory(tuple(cut(c[:, -mem_len:]) for c in contexts), states=tuple(cut(s) for s in states))
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (*self.hidden, *self.states)
 
     def to(self, *args, **kwargs) -> RecurrentMemory:
         return RecurrentMemory(tuple(h.to(*args, **kwargs) for h in self.hidden),
@@ -92,6 +110,9 @@ class RecurrentMemory(Memory):
 
         states = layers(f"{prefix}_state")
         return cls(layers(prefix), states=states) if states else None
+
+
+register_pytree(RecurrentMemory, ("hidden", "compressed", "states"), ("donated",))
 
 
 class DropConnectLSTM(nn.Module):
@@ -184,20 +205,19 @@ class SHABlock(nn.Module):
         self.ff = Boom(d, config.d_inner, config.dropout_hidden)
         self.drop = nn.Dropout(config.dropout_hidden)
 
-    def forward(self, h: Tensor, *, state: tuple[Tensor, Tensor] | None, memory: Tensor | None,
-                mem_len: int) -> tuple[Tensor, tuple[Tensor, Tensor], Tensor | None]:
-        """h (b, t, d) -> (b, t, d), the LSTM state, this block's next attention memory (None without attention)."""
+    def forward(self, h: Tensor, *, state: tuple[Tensor, Tensor] | None, memory: MemoryState,
+                slot: int | None) -> tuple[Tensor, tuple[Tensor, Tensor], Tensor | None]:
+        """h (b, t, d) -> (b, t, d), the LSTM state, and what this block's attention attended over,
+        [memory ; segment] (`memory.context(slot, ...)`; None without attention)."""
         h, state = self.rnn(self.ln_start(h), state)
         h = self.drop(h)
-        new_memory = None
+        context = None
         if self.attn is not None:
-            keyed = self.ln_mem(h)
-            context = keyed if memory is None else torch.cat([memory.to(keyed.dtype), keyed], dim=1)  # (b, m + t, d)
-            new_memory = context[:, -mem_len:].detach() if mem_len else None
+            context = memory.context(slot, self.ln_mem(h))  # (b, m + t, d)
             h = self.ln_mid(h)
             h = h + self.drop(self.attn(h, context))
         h, x = self.ln_ff(h), self.ln_xff(h)
-        return h + self.drop(self.ff(x)), state, new_memory
+        return h + self.drop(self.ff(x)), state, context
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,26 +308,23 @@ class RecurrentLM(nn.Module):
         cfg = self.config
         weight = embedding_dropout(self.embed.weight, cfg.dropout_embed, self.training)
         h = locked_dropout(F.embedding(input_ids, weight), cfg.dropout_input, self.training)  # (b, t, d_model)
-        hidden_states, states, attn_memory = [], [], []
+        past = RecurrentMemory(()) if memory is None else memory  # nothing carried: zero states, no attention memory
+        hidden_states, states, contexts = [], [], []
         for i, layer in enumerate(self.layers):
             hidden_states.append(h)
-            state = None if memory is None else (memory.states[2 * i], memory.states[2 * i + 1])
             if arch == "lstm":
-                h, state = layer(h, state)
+                h, state = layer(h, past.state(i))
                 if i < len(self.layers) - 1:
                     h = locked_dropout(h, cfg.dropout_hidden, self.training)
             else:
                 slot = self.attention_layers.index(i) if i in self.attention_layers else None
-                past = None if memory is None or slot is None or not memory.length else memory.hidden[slot]
-                h, state, new = layer(h, state=state, memory=past, mem_len=mem_len)
-                if new is not None:
-                    attn_memory.append(new)
+                h, state, context = layer(h, state=past.state(i), memory=past, slot=slot)
+                if context is not None:
+                    contexts.append(context)
             states.extend(state)
         hidden_states.append(h)
         h = locked_dropout(h, cfg.dropout, self.training)
-        new_memory = None
-        if mem_len:
-            new_memory = RecurrentMemory(tuple(attn_memory), states=tuple(s.detach() for s in states))
+        new_memory = past.update(contexts, mem_len=mem_len, states=states)
 
         head = self.embed.weight if self.head_weight is None else self.head_weight
         logits = F.linear(h, head, self.head_bias)  # (b, t, V)

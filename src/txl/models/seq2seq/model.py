@@ -27,22 +27,25 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from txl import fast
 from txl.errors import ConfigError, UsageError
+from txl.fast import backend_for
 from txl.models.transformer_xl.config import TransformerXLConfig
 from txl.models.transformer_xl.model import Block, FeedForward
 from txl.nn.attention.layer import Attention
 from txl.nn.attention.masks import AttentionMask
-from txl.nn.positional import LayerPositions, PositionalEncoding, build_positional
+from txl.nn.backend import REFERENCE, Backend
+from txl.nn.memory import MemoryPass
+from txl.nn.positional import LayerPositions, PositionalEncoding
 
 CAUSAL = AttentionMask(causal=True)
 
 
-class KeyValueCache:
+class KeyValueCache(MemoryPass):
     """Per decoder layer, the projected keys and values (b, n, 2·h·d) of every token decoded so far.
 
-    A memory kind for `Attention(memory=...)` (`keys_values(layer, fresh, project)`, as
-    `txl.nn.memory.MemoryUpdate`): it projects only the new rows and appends them."""
+    What `Attention(memory=...)` reads keys and values through (`txl.nn.memory.MemoryPass`), kept
+    across decoding steps (as Hugging Face's `DynamicLayer`): it projects only the new rows and appends
+    them."""
 
     def __init__(self, n_layer: int):
         self.kv: list[Tensor | None] = [None] * n_layer
@@ -59,6 +62,12 @@ class KeyValueCache:
 
     def reorder(self, index: Tensor) -> None:
         self.kv = [None if kv is None else kv.index_select(0, index) for kv in self.kv]
+
+    def select(self, index: Tensor) -> KeyValueCache:
+        """Rows `index` of the batch, in that order, as a new cache (this one unchanged)."""
+        selected = type(self)(len(self.kv))
+        selected.kv = [None if kv is None else kv.index_select(0, index) for kv in self.kv]
+        return selected
 
 
 class CrossCache(KeyValueCache):
@@ -87,23 +96,27 @@ class DecoderCache:
         return self.self_attention.length
 
     def reorder(self, index: Tensor) -> None:
-        """Keep rows `index` of the batch (beam search), in that order."""
+        """Keep rows `index` of the batch (beam search), in that order (in place)."""
         self.self_attention.reorder(index)
         self.cross_attention.reorder(index)
+
+    def select(self, index: Tensor) -> DecoderCache:
+        """Rows `index` of the batch, in that order, as a new cache (this one unchanged)."""
+        return DecoderCache(self.self_attention.select(index), self.cross_attention.select(index))
 
 
 class DecoderBlock(nn.Module):
     """Causal self-attention, cross-attention over the encoder output, feed-forward; each a residual
     sub-layer with its LayerNorm (post-LN: after the sum; pre-LN: on the sub-layer's input)."""
 
-    def __init__(self, config: TransformerXLConfig, *, layer_idx: int):
+    def __init__(self, config: TransformerXLConfig, *, layer_idx: int, backend: Backend = REFERENCE):
         super().__init__()
         self.pre_lnorm = config.pre_lnorm
-        self.self_attn = Attention(config, layer_idx=layer_idx)
+        self.self_attn = Attention(config, layer_idx=layer_idx, backend=backend)
         self.self_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.cross_attn = Attention(config, layer_idx=layer_idx)
+        self.cross_attn = Attention(config, layer_idx=layer_idx, backend=backend)
         self.cross_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.ff = FeedForward(config)
+        self.ff = FeedForward(config, backend=backend)
         self.ff_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
 
     def forward(self, h: Tensor, encoded: Tensor, *, positions: LayerPositions, cross_mask: AttentionMask,
@@ -147,6 +160,7 @@ class EncoderDecoder(nn.Module):
         if config.arch != "encoder-decoder":
             raise ConfigError(f"EncoderDecoder needs config.arch='encoder-decoder', got {config.arch!r}")
         self.config = config
+        backend = backend_for(config.backend)  # plain PyTorch or the CPU fast backend's parts (txl/fast)
         d = config.d_model
         n_encoder = config.n_encoder_layer or config.n_layer
         # The encoder's blocks are the LM's own blocks, bidirectional and without memory.
@@ -155,22 +169,20 @@ class EncoderDecoder(nn.Module):
         self.target_embed = nn.Embedding(config.vocab_size, d)
         shared = config.share_embeddings and config.source_vocab_size in (0, config.vocab_size)
         self.source_embed = None if shared else nn.Embedding(config.source_vocab_size or config.vocab_size, d)
-        self.drop = nn.Dropout(config.dropout)
-        self.encoder_pos = build_positional(encoder_view)
-        self.encoder = nn.ModuleList(Block(encoder_view, layer_idx=i) for i in range(n_encoder))
-        self.decoder_pos = build_positional(config)
-        self.decoder = nn.ModuleList(DecoderBlock(config, layer_idx=i) for i in range(config.n_layer))
+        self.drop = backend.Dropout(config.dropout)
+        self.encoder_pos = backend.positional(encoder_view)
+        self.encoder = nn.ModuleList(Block(encoder_view, layer_idx=i, backend=backend) for i in range(n_encoder))
+        self.decoder_pos = backend.positional(config)
+        self.decoder = nn.ModuleList(DecoderBlock(config, layer_idx=i, backend=backend) for i in range(config.n_layer))
         # pre-LN sums residuals without a norm: both stacks end in one (post-LN output is normalised)
         final = config.pre_lnorm and config.final_norm
         self.encoder_norm = nn.LayerNorm(d, eps=config.layer_norm_eps) if final else nn.Identity()
         self.decoder_norm = nn.LayerNorm(d, eps=config.layer_norm_eps) if final else nn.Identity()
         # Tied (Press & Wolf 2017, as Vaswani et al. §3.4): the output layer reads the target embedding
         # table itself, so a checkpoint holds it once.
-        self.head = None if config.tie_weight else nn.Linear(d, config.vocab_size, bias=False)
+        self.head = None if config.tie_weight else backend.Linear(d, config.vocab_size, bias=False)
         self.head_bias = nn.Parameter(torch.zeros(config.vocab_size))
         self.reset_parameters()
-        if config.backend == "auto":
-            fast.apply(self)  # the CPU speed-ups of the LM (txl/fast), same results
 
     @property
     def source_embedding(self) -> nn.Embedding:

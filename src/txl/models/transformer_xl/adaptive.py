@@ -14,6 +14,8 @@ input order, not grouped by cluster.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -35,11 +37,10 @@ def cluster_dims(config: TransformerXLConfig) -> list[int]:
 class AdaptiveEmbedding(nn.Module):
     """Token ids (b, t) -> (b, t, d_model), scaled by sqrt(d_model) as the reference does."""
 
-    linear_fn = staticmethod(F.linear)  # the projections' product (the fast backend swaps in its own)
-
-    def __init__(self, config: TransformerXLConfig):
+    def __init__(self, config: TransformerXLConfig, *, linear: Callable[..., Tensor] = F.linear):
         super().__init__()
         self.config = config
+        self.linear_fn = linear  # the projections' product (F.linear, or the fast backend's)
         self.bounds = cluster_bounds(config)
         self.scale = config.d_model**0.5
         dims = cluster_dims(config)
@@ -79,11 +80,11 @@ class AdaptiveEmbedding(nn.Module):
 class AdaptiveLogSoftmax(nn.Module):
     """Hidden states (n, d_model) -> logits / log-probabilities and per-token NLL in input order."""
 
-    linear_fn = staticmethod(F.linear)  # the output layer's product (the fast backend swaps in its own)
-
-    def __init__(self, config: TransformerXLConfig, embedding: AdaptiveEmbedding):
+    def __init__(self, config: TransformerXLConfig, embedding: AdaptiveEmbedding, *,
+                 linear: Callable[..., Tensor] = F.linear):
         super().__init__()
         self.config = config
+        self.linear_fn = linear  # the output layer's product (F.linear, or the fast backend's)
         self.bounds = cluster_bounds(config)
         self.n_clusters = len(config.cutoffs)
         self.shortlist = self.bounds[0][1]

@@ -3,8 +3,9 @@ Modelling", arXiv 1911.05507): a second, older memory per layer.
 
 States leaving the mem_len window are compressed c:1 (`cmem_ratio`) by `MemoryCompressor` into
 `Memory.compressed` (at most `cmem_len` per layer) instead of being dropped, and attention runs over
-[compressed ; memory ; segment]. `CompressiveUpdate` is the memory kind a model with `cmem_len > 0`
-runs on; in training it also returns the attention-reconstruction loss that trains the compression.
+[compressed ; memory ; segment]. A model with `cmem_len > 0` runs its forward passes through
+`txl.nn.memory.CompressiveUpdate`, which hands each layer's context to `MemoryCompressor` here; in
+training that also returns the attention-reconstruction loss that trains the compression.
 """
 
 from __future__ import annotations
@@ -15,21 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from txl.nn.memory import Memory, MemoryUpdate
-
-
-class CompressiveUpdate(MemoryUpdate):
-    """[compressed ; memory ; segment] per layer; `finish` compresses what leaves the memory."""
-
-    def __init__(self, memory: Memory | None, *, mem_len: int, compressor: MemoryCompressor, q_len: int,
-                 blocks: Sequence[nn.Module] | None):
-        super().__init__(memory, mem_len=mem_len)
-        self.compressor, self.q_len, self.blocks = compressor, q_len, blocks
-
-    def finish(self) -> tuple[Memory | None, Tensor | None]:
-        compressed_len = 0 if self.memory is None else self.memory.compressed_length
-        return self.compressor(self.contexts, compressed_len=compressed_len, mem_len=self.mem_len, q_len=self.q_len,
-                               blocks=self.blocks)
+from txl.nn.memory import Memory
 
 
 class MemoryCompressor(nn.Module):

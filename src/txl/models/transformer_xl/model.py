@@ -17,28 +17,29 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from txl import fast
 from txl.errors import UsageError
+from txl.fast import backend_for
 from txl.models.transformer_xl.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
-from txl.models.transformer_xl.compressive import CompressiveUpdate, MemoryCompressor
+from txl.models.transformer_xl.compressive import MemoryCompressor
 from txl.models.transformer_xl.config import TransformerXLConfig
 from txl.models.transformer_xl.universal import UniversalDepth
 from txl.nn.attention.layer import Attention
 from txl.nn.attention.masks import AttentionMask
-from txl.nn.memory import Memory, MemoryUpdate
-from txl.nn.positional import LayerPositions, build_positional
+from txl.nn.backend import REFERENCE, Backend
+from txl.nn.memory import MemoryPass, MemoryState
+from txl.nn.positional import LayerPositions
 from txl.nn.regularization import locked_dropout, word_dropout
 
 
 class FeedForward(nn.Module):
     """Position-wise FFN as the reference: Linear, ReLU, Dropout, Linear, Dropout."""
 
-    def __init__(self, config: TransformerXLConfig):
+    def __init__(self, config: TransformerXLConfig, *, backend: Backend = REFERENCE):
         super().__init__()
-        self.fc1 = nn.Linear(config.d_model, config.d_inner)
-        self.activation = nn.Sequential(nn.ReLU(), nn.Dropout(config.dropout))
-        self.fc2 = nn.Linear(config.d_inner, config.d_model)
-        self.drop = nn.Dropout(config.dropout)
+        self.fc1 = backend.Linear(config.d_model, config.d_inner)
+        self.activation = backend.relu_dropout(config.dropout)  # ReLU, then Dropout
+        self.fc2 = backend.Linear(config.d_inner, config.d_model)
+        self.drop = backend.Dropout(config.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.drop(self.fc2(self.activation(self.fc1(x))))
@@ -47,16 +48,16 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """One decoder layer. Post-LN by default (the paper); pre-LN with `pre_lnorm`."""
 
-    def __init__(self, config: TransformerXLConfig, *, layer_idx: int = 0):
+    def __init__(self, config: TransformerXLConfig, *, layer_idx: int = 0, backend: Backend = REFERENCE):
         super().__init__()
         self.pre_lnorm = config.pre_lnorm
-        self.attn = Attention(config, layer_idx=layer_idx)
+        self.attn = Attention(config, layer_idx=layer_idx, backend=backend)
         self.attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.ff = FeedForward(config)
+        self.ff = FeedForward(config, backend=backend)
         self.ff_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
 
     def forward(
-        self, h: Tensor, *, memory: MemoryUpdate | None, positions: LayerPositions, mask: AttentionMask,
+        self, h: Tensor, *, memory: MemoryPass | None, positions: LayerPositions, mask: AttentionMask,
         need_weights: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """h (b, t, d_model) -> (b, t, d_model), and the attention probabilities with `need_weights`.
@@ -69,16 +70,6 @@ class Block(nn.Module):
         attended, probs = self.attn(h, positions=positions, mask=mask, memory=memory, need_weights=need_weights)
         h = self.attn_norm(h + attended)
         return self.ff_norm(h + self.ff(h)), probs
-
-
-def reference_memory(model: TransformerXL, memory: Memory | None, *, mem_len: int, q_len: int) -> MemoryUpdate:
-    """The memory kind of one forward pass: plain, or compressive with `cmem_len` (the fast backend
-    has its own kinds: txl/fast/memory.py)."""
-    if model.compressor is None:
-        return MemoryUpdate(memory, mem_len=mem_len)
-    learn = model.training and torch.is_grad_enabled()  # the reconstruction loss trains f_c
-    return CompressiveUpdate(memory, mem_len=mem_len, compressor=model.compressor, q_len=q_len,
-                             blocks=model.blocks if learn else None)
 
 
 @dataclass
@@ -105,7 +96,7 @@ class TransformerXLOutput:
     logits: Tensor | None
     loss: Tensor | None
     nll: Tensor | None
-    memory: Memory | None
+    memory: MemoryState | None
     hidden: Tensor
     aux_loss: Tensor | None = None
     attentions: tuple[Tensor, ...] | None = None
@@ -130,20 +121,22 @@ class TransformerXL(nn.Module):
         self.mem_len = config.mem_len
         self.clamp_len = config.clamp_len
         self.same_length = config.same_length
-        self.embed = AdaptiveEmbedding(config)
-        self.drop = nn.Dropout(config.dropout)
-        self.pos = build_positional(config)
+        # the parts every layer is built from: plain PyTorch, or the CPU fast backend's (the default,
+        # "auto"; same parameters and results, txl/fast/__init__.py)
+        backend = backend_for(config.backend)
+        self.embed = AdaptiveEmbedding(config, linear=backend.linear)
+        self.drop = backend.Dropout(config.dropout)
+        self.pos = backend.positional(config)
         # universal: one block shared by every step (txl.models.transformer_xl.universal), else one block per layer
-        self.universal = UniversalDepth(config) if config.universal else None
-        self.blocks = nn.ModuleList(Block(config, layer_idx=i) for i in range(1 if config.universal else config.n_layer))
+        self.universal = UniversalDepth(config, backend=backend) if config.universal else None
+        self.blocks = nn.ModuleList(Block(config, layer_idx=i, backend=backend)
+                                    for i in range(1 if config.universal else config.n_layer))
         final_norm = config.pre_lnorm and config.final_norm  # post-LN output is already normalised
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if final_norm else nn.Identity()
-        self.head = AdaptiveLogSoftmax(config, self.embed)
+        self.head = AdaptiveLogSoftmax(config, self.embed, linear=backend.linear)
         self.compressor = MemoryCompressor(config) if config.cmem_len else None
-        self.memory_kind = reference_memory  # how a forward pass reads and writes the memory
+        self.memory_kind = backend.memory_kind  # how a forward pass reads and writes the memory (txl.nn.memory)
         self.reset_parameters()
-        if config.backend == "auto":
-            fast.apply(self)  # CPU speed-ups, same results (txl/fast/__init__.py)
 
     # ------------------------------------------------------------------------------------------
     def reset_parameters(self) -> None:
@@ -187,7 +180,7 @@ class TransformerXL(nn.Module):
     def forward(
         self,
         input_ids: Tensor,
-        memory: Memory | None = None,
+        memory: MemoryState | None = None,
         labels: Tensor | None = None,
         *,
         attention_mask: Tensor | None = None,
@@ -294,7 +287,8 @@ class TransformerXL(nn.Module):
                              f"got {tuple(global_mask.shape)}")
         return global_mask.to(device=input_ids.device) != 0
 
-    def _key_padding(self, attention_mask: Tensor, input_ids: Tensor, *, memory: Memory | None, mem_len: int) -> Tensor:
+    def _key_padding(self, attention_mask: Tensor, input_ids: Tensor, *, memory: MemoryState | None,
+                     mem_len: int) -> Tensor:
         """The (b, t) bool padding mask of `attention_mask`, checked against the call."""
         if attention_mask.shape != input_ids.shape:
             raise UsageError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, "

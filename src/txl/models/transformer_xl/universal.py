@@ -29,17 +29,18 @@ from torch import Tensor, nn
 
 from txl.models.transformer_xl.config import TransformerXLConfig
 from txl.nn.attention.masks import AttentionMask
+from txl.nn.backend import REFERENCE, Backend
 from txl.nn.positional import LayerPositions, sinusoid_table
 
 
 class UniversalDepth(nn.Module):
     """The halting unit and the step loop around one shared block."""
 
-    def __init__(self, config: TransformerXLConfig):
+    def __init__(self, config: TransformerXLConfig, *, backend: Backend = REFERENCE):
         super().__init__()
         self.max_depth = config.n_layer
         self.threshold = config.act_threshold
-        self.halt = nn.Linear(config.d_model, 1)
+        self.halt = backend.Linear(config.d_model, 1)
         self.d_model = config.d_model
 
     def reset_parameters(self) -> None:

@@ -2,7 +2,7 @@
 
 Self-attention of the Transformer-XL LM: queries from the current segment only, keys and values from
 [SG(memory) ; segment] (Dai et al. 2019, §3.2). The memory object gives the layer its keys and values
-(`MemoryUpdate.keys_values`) and keeps what the next segment needs; the layer never learns which
+(`MemoryPass.keys_values`) and keeps what the next segment needs; the layer never learns which
 kind of memory it runs on. Cross-attention (an encoder–decoder) takes keys and values from a separate
 `source` instead. Projections have no biases, as the reference.
 
@@ -30,6 +30,8 @@ from torch import Tensor, nn
 
 from txl.nn.attention.masks import AttentionMask
 from txl.nn.attention.registry import resolve_kernel
+from txl.nn.backend import REFERENCE, Backend
+from txl.nn.memory import MemoryPass
 from txl.nn.positional import CONTENT_ONLY, LayerPositions
 
 if TYPE_CHECKING:  # annotations only: the config module imports the registries
@@ -41,22 +43,22 @@ class Attention(nn.Module):
     `source` (b, n, d_model, default x) makes the keys and values. probs (b, h, i, n) only with
     `need_weights`, else None."""
 
-    def __init__(self, config: TransformerXLConfig, *, layer_idx: int = 0):
+    def __init__(self, config: TransformerXLConfig, *, layer_idx: int = 0, backend: Backend = REFERENCE):
         super().__init__()
         self.layer_idx = layer_idx  # which layer's memory `memory.keys_values` reads and writes
         self.n_head, self.d_head = config.n_head, config.d_head
         inner = config.n_head * config.d_head
-        self.q_proj = nn.Linear(config.d_model, inner, bias=False)
-        self.kv_proj = nn.Linear(config.d_model, 2 * inner, bias=False)
-        self.o_proj = nn.Linear(inner, config.d_model, bias=False)
-        self.drop = nn.Dropout(config.dropout)
+        self.q_proj = backend.Linear(config.d_model, inner, bias=False)
+        self.kv_proj = backend.Linear(config.d_model, 2 * inner, bias=False)
+        self.o_proj = backend.Linear(inner, config.d_model, bias=False)
+        self.drop = backend.Dropout(config.dropout)
         self.dropatt = config.dropatt
         m = config.memory_tokens  # learned keys (index 0) and values (1), per head
         self.memory_tokens = nn.Parameter(torch.zeros(2, config.n_head, m, config.d_head)) if m else None
         # Kernels that own parameters or buffers (Linformer projections, Performer features) are
         # modules built per layer.
         kernel = resolve_kernel(config.attention, config.attention_impl)
-        self.kernel = kernel(config) if isinstance(kernel, type) else kernel
+        self.kernel = backend.adopt(kernel(config)) if isinstance(kernel, type) else kernel
 
     def forward(
         self,
@@ -65,11 +67,11 @@ class Attention(nn.Module):
         *,
         positions: LayerPositions = CONTENT_ONLY,
         mask: AttentionMask,
-        memory=None,
+        memory: MemoryPass | None = None,
         source_norm: Callable[[Tensor], Tensor] | None = None,
         need_weights: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
-        """`memory`: a `txl.nn.memory.MemoryUpdate`; keys and values then run over [memory ; source] and
+        """`memory`: a `txl.nn.memory.MemoryPass`; keys and values then run over [memory ; source] and
         the memory keeps `source` (this layer's input) for the next segment. `source_norm` is applied
         to the source rows before their projection (pre-LN blocks normalise [memory ; segment])."""
         b, i, _ = x.shape

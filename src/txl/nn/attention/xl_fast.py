@@ -20,7 +20,7 @@ a 2-core AVX-512 CPU; `txl bench kernel` and docs/benchmarks.md have the numbers
 - Without gradients (evaluation, generation) one batch row (and a group of heads, for very long
   memories) is processed at a time, so the score block stays under `EVAL_CHUNK_ELEMENTS` elements.
 - Attention dropout (training with `dropatt > 0`, composed path) draws its mask from the fast
-  backend's cheaper CPU random source (`txl.fast.dropout.cheap_dropout`: one 64-bit draw per four
+  backend's cheaper CPU random source (`txl.nn.dropout.cheap_dropout`: one 64-bit draw per four
   elements instead of `bernoulli_`'s one per element; unbiased, same generator and seed). It was 7.6%
   of a bf16 training step at ptb-word-hour's shape (docs/cpu_hour.md). The eager reference keeps
   `F.dropout`; off the CPU both are `F.dropout`.
@@ -46,9 +46,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from txl.fast.dropout import cheap_dropout
 from txl.nn.attention.masks import NEG, AttentionMask, causal_bias
 from txl.nn.attention.registry import register
+from txl.nn.dropout import cheap_dropout
 from txl.nn.positional import LayerPositions, rel_shift_strided
 
 # Without gradients, one batch row at a time with as many heads as keep the (heads, i, n) score block
