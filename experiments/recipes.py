@@ -61,6 +61,9 @@ class Sweep:
     recipe: str  # the candidate the preset trains (its keys on the centre give the preset's own config)
 
 
+# Each candidate's comment says why it was tried (often what the one before it showed); what it gave, with
+# its command and report, is in docs/results/cpu_hour.md, the one place the results are stated.
+
 # Proxy runs validate once at the end on the whole valid split and write no sample.
 PROXY_SETS = ("train.eval_interval=1000000000", "train.eval_max_tokens=0", "train.final_splits=[]",
               "train.sample_tokens=0", "train.log_interval=25")
@@ -72,12 +75,12 @@ SMALL = ("model.n_layer=4", "model.d_model=192", "model.n_head=3", "model.d_inne
 # ptb-word-hour's recipe (deep-roll-varlen-lr-1e-3) as changes to the ptb-word sweep's centre
 DEEP_ROLL = ("model.n_layer=6", "train.roll=true", "train.varlen=true", "train.lr=1e-3")
 DEEP_ROLL_ABOUT = "6 × 256, per-epoch roll, variable segment length, learning rate 1e-3"
-# the best ptb-word-hour lead of 2026-11-27 (test 73.55, one seed), which the weight-decay candidates build on
+# a ptb-word-hour lead, which the weight-decay candidates build on
 DEEP_ROLL_DROPOUT_02_EMA = (*DEEP_ROLL, "model.dropout=0.2", "train.ema=0.999")
 DEEP_ROLL_DROPOUT_02_EMA_ABOUT = f"{DEEP_ROLL_ABOUT}, dropout 0.2, EMA of the weights 0.999"
 # the decay the dropout-0.1 candidates trade dropout for (weight decay 0.3 held valid level with 0.1)
 ADAMW_WD_03 = ("train.optimizer=adamw", "train.weight_decay=0.3")
-# ptb-word-hour's recipe since 2026-11-27 (deep-roll-varlen-dropout-0.1-ema-wd-0.3), which later candidates build on
+# a later ptb-word-hour recipe (deep-roll-varlen-dropout-0.1-ema-wd-0.3), which later candidates build on
 DROPOUT_01_EMA_WD_03 = (*DEEP_ROLL_DROPOUT_02_EMA, "model.dropout=0.1", *ADAMW_WD_03)
 DROPOUT_01_EMA_WD_03_ABOUT = f"{DEEP_ROLL_ABOUT}, dropout 0.1, EMA of the weights 0.999, AdamW weight decay 0.3"
 # batch 16 (deep-roll-varlen-dropout-0.1-ema-wd-0.3-batch-16); ptb-word-hour adds train.eval_live=false and
@@ -203,36 +206,28 @@ SWEEPS: dict[str, Sweep] = {
             # neither the softmax nor the eval's context (memory 70-200 gives the same valid) moves the peak: the
             # batch sets the gradient noise and the updates per token, which no run had varied at this shape. Batch 16
             # at the same learning rate, its average as long in tokens as batch 32's (ema 0.9995: 2,000 steps of
-            # 1,120 tokens). Test 70.19 / 71.37 (seeds 1111 / 1112; the second hour's machine ran 21% slower); seed 1112
-            # again on a machine as fast as the first hour's: 69.98. ptb-word-hour's recipe on 2026-11-27, night
+            # 1,120 tokens)
             Candidate("deep-roll-varlen-dropout-0.1-ema-wd-0.3-batch-16", BATCH_16, BATCH_16_ABOUT),
             # the same training, validated faster: batch 16's average led its live weights at every validation of
             # its three hours (by 0.17-14.7 valid ppl), and each whole-split pass of the live weights took about 9 s of every
-            # 1,000 steps (about 2.5% of the hour); the live weights are scored at the last validation only.
-            # Test 70.17 / 70.02 (seeds 1111 / 1112; 3,032 / 3,080 tokens/s): the same peak, step 8,000, within the
-            # seed noise of the two hours before. ptb-word-hour's recipe 2026-11-27, late evening
+            # 1,000 steps (about 2.5% of the hour); the live weights are scored at the last validation only
             Candidate("deep-roll-varlen-dropout-0.1-ema-wd-0.3-batch-16-eval-average", (*BATCH_16, "train.eval_live=false"),
                       f"{BATCH_16_ABOUT}, the live weights validated only at the end"),
             # every regulariser tried moves the peak in time, not in height (dropout 0.1-0.2, weight decay 0.1-0.3: valid
             # 74.5-76.4), while more updates per token (batch 16) lowered it: the hour is bound by what the model learns
-            # per token. A wider feed-forward layer buys that almost free in time under bf16 (80-step runs, 2 threads,
-            # interleaved: d_inner 2048 ran at 2,961-3,243 tokens/s against 1024's 3,276-3,476), 3.2M parameters more.
-            # Test 69.45 / 69.82 (seeds 1111 / 1112, valid 73.65 / 74.23, on slow hours: 2,408 / 2,226 tokens/s, 8,002 /
-            # 7,388 steps), 0.7 and 0.2 below the 1024-wide recipe's 70.17 / 70.02. ptb-word-hour's recipe since 2026-11-28
+            # per token. A wider feed-forward layer buys that almost free in time under bf16 (short interleaved runs:
+            # docs/results/cpu_hour.md), 3.2M parameters more. ptb-word-hour's recipe
             Candidate("deep-roll-varlen-dropout-0.1-ema-wd-0.3-batch-16-eval-average-ff-2048",
                       (*BATCH_16, "train.eval_live=false", "model.d_inner=2048"),
                       f"{BATCH_16_ABOUT}, the live weights validated only at the end, feed-forward 2048"),
             # the tied 10k x 256 embedding is a third of the parameters, and 8,000 of its rows are words seen 49 times
             # or fewer in train (median 11; 14% of the tokens): the adaptive input and softmax of Baevski & Auli
             # (the reference's wt103 div_val 4) give those rows 64 dimensions projected to 256, 1.5M parameters
-            # fewer, and a cheaper tail softmax. Stopped at step 2,550 (minute 16), far behind batch 16 at the same steps:
-            # valid 194.8 / 144.5 (average 176.4 / 131.6) at steps 1,000 / 2,000 against 151.7 / 113.2 (137.0 / 102.4)
+            # fewer, and a cheaper tail softmax
             Candidate("deep-roll-varlen-dropout-0.1-ema-wd-0.3-batch-16-div-4", (*BATCH_16, "model.div_val=4"),
                       f"{BATCH_16_ABOUT}, adaptive input and softmax (div_val 4)"),
             # batch 32 -> 16 lowered the average's peak (valid 75.42 / 76.35 -> 74.91 / 75.95) and learned more per
-            # token; halve it again, the average again as long in tokens (0.99975: 4,000 steps of 560 tokens).
-            # Stopped at step 4,700 (minute 20): no more per token than batch 16 (average 136.28 / 104.86 at 1.09M /
-            # 2.17M tokens against 137.02 / 102.35) and 28% fewer tokens per second
+            # token; halve it again, the average again as long in tokens (0.99975: 4,000 steps of 560 tokens)
             Candidate("deep-roll-varlen-dropout-0.1-ema-wd-0.3-batch-8",
                       (*DROPOUT_01_EMA_WD_03, "train.batch_size=8", "train.ema=0.99975"),
                       f"{DEEP_ROLL_ABOUT}, dropout 0.1, AdamW weight decay 0.3, batch 8, EMA of the weights 0.99975"),
