@@ -40,7 +40,7 @@ from txl.io import read_proc
 
 TITLE = "Evaluation speed-up of Transformer-XL over the vanilla Transformer (per scored token)"
 PAPER = {800: 363, 1800: 773, 2800: 1409, 3800: 1874}  # Dai et al. 2019, Table 9 (GPU)
-DEFAULT_TGT_LEN = 1024  # XL segment length: min(attn_len, this); see docs/evaluation.md
+DEFAULT_TGT_LEN = 1024  # XL segment length: min(attn_len, this); see docs/guide/evaluation.md
 MAX_ATTN_LEN = 65_536  # tokens: 17x the paper's longest (3,800); the vanilla side is quadratic in it
 
 

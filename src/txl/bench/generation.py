@@ -37,10 +37,9 @@ def run(options: BenchOptions) -> dict:
     shape = options.shape
     context = int(options.extra.get("context", CONTEXT))
     # Reuse tokens timed per round (one re-run token per round). A re-run sweeps megabytes through the
-    # caches and the next few memory-reuse tokens pay for it; real generation produces tokens back to
-    # back, so a round is long enough for that cold start to be a small part of it. Tiny shape, 2
-    # threads, 2026-11-22, median time of the k-th token after a re-run: 3.4, 1.7, 1.4, 1.3, 1.1 ms,
-    # then 1.0 ms from the 7th on, i.e. ~4 ms of cold start per round: 12% of a 32-token round, 3% of 128.
+    # caches and the next few memory-reuse tokens pay for it (a cold start of a few tokens' time); real
+    # generation produces tokens back to back, so a round is long enough for that cold start to be a
+    # small part of it, as 32 tokens were not.
     per_round = 128
     rows, timings = [], {}
     for impl in options.impls:
