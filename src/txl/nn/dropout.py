@@ -49,8 +49,10 @@ class _CheapDropout(torch.autograd.Function):
 
 def cheap_source(x: Tensor, p: float, training: bool) -> bool:
     """Whether dropout of x draws from the cheap source: training on CPU with 0 < p < 1 (accelerators
-    have fast counter-based RNG already; p = 0 is the identity, p = 1 left to F.dropout)."""
-    return training and 0.0 < p < 1.0 and x.device.type == "cpu"
+    have fast counter-based RNG already; p = 0 is the identity, p = 1 left to F.dropout), outside a
+    traced graph (`torch.compile`, `torch.export`: the in-place draw over the full int64 range does not
+    trace, and a compiled graph generates its own random numbers for F.dropout)."""
+    return training and 0.0 < p < 1.0 and x.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def cheap_dropout(x: Tensor, p: float, training: bool) -> Tensor:

@@ -11,6 +11,7 @@ makes the same blocks a bidirectional encoder for a masked-LM objective (no memo
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from txl.models.transformer_xl.universal import UniversalDepth
 from txl.nn.attention.layer import Attention
 from txl.nn.attention.masks import AttentionMask
 from txl.nn.backend import REFERENCE, Backend
-from txl.nn.memory import MemoryPass, MemoryState
+from txl.nn.memory import MemoryPass, MemoryState, register_pytree
 from txl.nn.positional import LayerPositions
 from txl.nn.regularization import locked_dropout, word_dropout
 
@@ -102,6 +103,10 @@ class TransformerXLOutput:
     attentions: tuple[Tensor, ...] | None = None
     hidden_states: tuple[Tensor, ...] | None = None
     ponder_depth: Tensor | None = None  # universal: mean steps + remainder over the positions (ACT)
+
+
+# a pytree, as its memory: torch.export and torch.compile return it as it is
+register_pytree(TransformerXLOutput, [f.name for f in dataclasses.fields(TransformerXLOutput)])
 
 
 class TransformerXL(nn.Module):

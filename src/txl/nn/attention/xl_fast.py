@@ -49,7 +49,7 @@ from torch import Tensor
 from txl.nn.attention.masks import NEG, AttentionMask, causal_bias
 from txl.nn.attention.registry import register
 from txl.nn.dropout import cheap_dropout
-from txl.nn.positional import LayerPositions, rel_shift_strided
+from txl.nn.positional import LayerPositions, rel_shift_pad, rel_shift_strided
 
 # Without gradients, one batch row at a time with as many heads as keep the (heads, i, n) score block
 # under this many elements (32 Mi = 128 MiB in fp32); at least one head.
@@ -64,6 +64,8 @@ def _workspace(name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
     pages for every block above its mmap threshold and each page faults on first touch (the
     measurement is in docs/benchmarks.md, "Measurements behind the code")."""
     numel = math.prod(shape)
+    if torch.compiler.is_compiling():  # a traced graph (torch.compile, torch.export) allocates its own
+        return like.new_empty(shape)
     cache = _workspaces.__dict__
     buffer = cache.get(name)
     if buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype or buffer.device != like.device:
@@ -337,6 +339,9 @@ def fast_attention(
     """Drop-in replacement for `eager_attention` (same arguments, same result to float rounding)."""
     q_len, k_len, d_head = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = d_head**-0.5
+    if torch.compiler.is_compiling():  # a traced graph: the composed path (see `_composed_attention`)
+        return _composed_attention(q, k, v, positions=positions, mask=mask, scale=scale, dropatt=dropatt,
+                                   training=training, need_weights=need_weights, rel_shift=rel_shift_pad)
     plain = mask.causal and mask.key_padding is None and not need_weights and not mask.memory_tokens
     terms = positions.xl_terms(q, k_len=k_len) if plain and not (training and dropatt > 0) else None
     if terms is not None:
@@ -365,6 +370,8 @@ def packed_kv(k: Tensor, v: Tensor) -> Tensor:
     reads keys and values from, and writes their gradient to, this layout. (The tensor itself, not an
     `as_strided` view of k: autograd would then give v's half of the gradient to nobody.)"""
     b, h, n, d = k.shape
+    if torch.compiler.is_compiling():  # storage offsets are not traced: a graph rebuilds the layout (one copy)
+        return torch.stack([k.transpose(1, 2), v.transpose(1, 2)], dim=2).flatten(2)
     base = k._base
     # A view's `_base` is the tensor autograd tracks only if it requires grad whenever the views do: a
     # view returned by an autograd.Function has a gradient-less buffer as its `_base`, and reading
@@ -380,14 +387,19 @@ def packed_kv(k: Tensor, v: Tensor) -> Tensor:
 attention_dropout = cheap_dropout  # (probs, p, training) -> probs; tests swap in F.dropout for parity
 
 
-def _composed_attention(q, k, v, *, positions, mask, scale, dropatt, training, need_weights):
+def _composed_attention(q, k, v, *, positions, mask, scale, dropatt, training, need_weights, rel_shift=rel_shift_fast):
     """Every other encoding (and xl with attention dropout, a padding or non-causal mask, or asked for
-    the probabilities): autograd through fused building blocks."""
+    the probabilities): autograd through fused building blocks.
+
+    A graph being traced (`torch.compile`, `torch.export`) takes this path for every encoding, with
+    the reference rel-shift (`rel_shift_pad`): the hand-written kernel's strided views are built from
+    storage offsets, which a graph does not trace, and its scratch buffers and written-out backward
+    are what a compiler generates for itself. Same results (the parity tests)."""
     b, h, i, d = q.shape
     tokens = mask.memory_tokens  # learned keys before [memory ; segment], content score only
     n = k.shape[-2] - tokens
     q_content, k_content = positions.content(q, k[:, :, tokens:] if tokens else k)
-    bias = positions.score_bias(q, k_len=n, rel_shift=rel_shift_fast)
+    bias = positions.score_bias(q, k_len=n, rel_shift=rel_shift)
     if bias is None:
         scores = torch.bmm(q_content.reshape(b * h, i, d), k_content.reshape(b * h, n, d).transpose(1, 2))
         scores = scores.mul_(scale) if not scores.requires_grad else scores * scale
