@@ -86,7 +86,7 @@ def test_the_sweep_covers_every_command():
     assert {path[0] for path, _, _ in FLAGS} == set(COMMANDS)
     benches = {path[1] for path, _, _ in FLAGS if path[0] == "bench"}
     assert benches >= {"train", "eval", "generate", "mfu", "kernel", "eval-speedup", "attention-scaling", "all"}
-    assert len(FLAGS) > 80
+    assert len(FLAGS) > 75  # 79 since the studies' 19 left `txl bench` (tests/test_experiments.py sweeps theirs)
 
 
 @pytest.mark.parametrize("value", NOT_NUMBERS)

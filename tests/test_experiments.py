@@ -246,3 +246,36 @@ def test_an_archived_recipe_report_renders_again(tmp_path, capsys):
     assert main(["recipes", "--render", "nope", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "holds no report 'nope'" in err and name in err
+
+
+def _study_flags():
+    """(script, flag) for each numeric flag of the studies (the sweep tests/test_cli_numbers.py makes of
+    txl's own commands: these flags were `txl bench arena|claims|recipes` ones)."""
+    import argparse
+
+    for name in ("arena", "claims", "recipes"):
+        parser = argparse.ArgumentParser()
+        studies.load(name).configure(parser)
+        for action in parser._actions:
+            if action.option_strings and (action.type in (int, float) or getattr(action.type, "__name__", "")
+                                          in ("integer", "real", "integer list")):
+                yield name, action.option_strings[-1]
+
+
+STUDY_FLAGS = list(_study_flags())
+
+
+@pytest.mark.parametrize("value", ["abc", "nan", "inf", "-inf", "1e400", "", "0x10", "1" + "0" * 30, "-1" + "0" * 30])
+def test_no_numeric_flag_of_a_study_takes_a_word_or_a_number_past_its_bounds(value, tmp_path, monkeypatch, capsys):
+    """Each of the studies' numeric flags against words, non-finite numbers and 10^30: one line naming the
+    flag, exit 2, nothing written."""
+    assert len(STUDY_FLAGS) >= 19
+    monkeypatch.chdir(tmp_path)
+    for name, flag in STUDY_FLAGS:
+        argv = [name, *(["--sweep", "ptb-char"] if name == "recipes" else []), f"{flag}={value}"]
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+        assert "Traceback" not in err and len(lines) == 1 and ": error: " in lines[0], (argv, err)
+        assert flag in lines[0] or flag.lstrip("-") in lines[0], (argv, lines[0])
+    assert list(tmp_path.iterdir()) == []
