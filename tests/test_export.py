@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from txl import Memory, TransformerXLConfig
+from txl.models.rnn.model import RecurrentLM
 from txl.models.transformer_xl.model import TransformerXL
 
 TINY = dict(vocab_size=61, n_layer=2, d_model=32, n_head=4, d_head=8, d_inner=48, mem_len=8)
@@ -47,6 +49,28 @@ def test_export_of_a_forward_pass_with_memory_gives_eager_outputs():
         torch.testing.assert_close(exported_layer, eager_layer, atol=1e-6, rtol=0)
     torch.testing.assert_close(out_next.logits, eager_next.logits, atol=1e-6, rtol=0)
     assert torch.equal(after.logits, eager.logits)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"cmem_len": 4, "cmem_ratio": 2},  # compressive memory: [compressed ; memory ; segment]
+    {"universal": True},
+    {"arch": "lstm", "n_head": None, "d_head": None},  # recurrent memory: the LSTM states
+    {"arch": "sha-rnn", "n_head": None, "d_head": None, "d_inner": 64},  # and SHA-RNN's attention memory
+])
+def test_every_memory_kind_goes_through_export(overrides):
+    config = {**TINY, **overrides}
+    config = TransformerXLConfig(**{k: v for k, v in config.items() if v is not None})
+    torch.manual_seed(0)
+    model = (RecurrentLM if config.arch in ("lstm", "sha-rnn") else TransformerXL)(config).eval()
+    tokens = torch.randint(0, 61, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        memory = model(tokens[:, 8:16], memory=model(tokens[:, :8]).memory).memory  # compressed states too
+        eager = model(tokens[:, 16:], memory=memory)
+    out = torch.export.export(model, (tokens[:, 16:],), {"memory": memory}).module()(tokens[:, 16:], memory=memory)
+    assert type(out.memory) is type(eager.memory)
+    torch.testing.assert_close(out.logits, eager.logits, atol=1e-6, rtol=0)
+    for exported_tensor, eager_tensor in zip(out.memory.tensors(), eager.memory.tensors(), strict=True):
+        torch.testing.assert_close(exported_tensor, eager_tensor, atol=1e-6, rtol=0)
 
 
 def test_compile_fullgraph_of_a_training_step_with_memory():
