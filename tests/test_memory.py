@@ -62,3 +62,52 @@ def test_stop_gradient_through_memory():
     touched = embed_grad.abs().sum(-1) > 0
     seg1_only = set(x[:, :8].flatten().tolist()) - set(x[:, 8:].flatten().tolist())
     assert not any(touched[t] for t in seg1_only), "a segment-1-only token embedding got gradient"
+
+
+def test_every_memory_kind_implements_the_one_interface():
+    from txl.fast.memory import ProjectionCache
+    from txl.models.rnn.model import RecurrentMemory
+    from txl.nn.memory import MemoryState
+
+    hidden = tuple(torch.randn(3, 4, 8) for _ in range(2))
+    kinds = [Memory(hidden), Memory(hidden, tuple(torch.randn(3, 2, 8) for _ in range(2))),
+             RecurrentMemory(hidden[:1], states=tuple(torch.randn(3, 8) for _ in range(4))),
+             ProjectionCache(hidden, projected=tuple(torch.randn(3, 4, 16) for _ in range(2)), key=("k",))]
+    for memory in kinds:
+        assert isinstance(memory, MemoryState) and memory.length == 4 and memory.batch_size == 3
+        fresh = torch.randn(3, 5, 8)
+        context = memory.context(0, fresh)
+        assert context.shape[1] == 4 + getattr(memory, "compressed_length", 0) + 5
+        assert torch.equal(context[:, -5:], fresh)
+        following = memory.update([memory.context(i, fresh) for i in range(len(memory.hidden))], mem_len=6)
+        assert type(following) in (Memory, RecurrentMemory) and following.length == 6
+        assert torch.equal(following.hidden[0], context[:, -6:])
+        restored = type(memory).from_state_dict(memory.state_dict())
+        for a, b in zip(restored.tensors(), memory.tensors(), strict=False):
+            assert torch.equal(a, b)
+        rows = type(memory).cat([memory.select(slice(0, 1)), memory.select(slice(1, 3))])
+        for a, b in zip(rows.tensors(), memory.tensors(), strict=True):
+            assert torch.equal(a, b)
+        assert memory.update([fresh], mem_len=0) is None
+
+
+def test_the_fast_backend_is_built_in_not_attached_afterwards():
+    """A default model is built from the fast backend's parts (same random draws, so the same
+    parameters as the reference built from the same seed); nothing in txl.fast rewires a built model."""
+    import txl.fast
+    from tiny_models import tiny
+    from txl.fast.linear import FastLinear
+    from txl.fast.memory import open_memory
+    from txl.models.transformer_xl.model import TransformerXL
+    from txl.nn.memory import reference_memory
+
+    torch.manual_seed(0)
+    fast = TransformerXL(tiny(dropout=0.1))
+    torch.manual_seed(0)
+    reference = TransformerXL(tiny(dropout=0.1, backend="reference"))
+    assert fast.memory_kind is open_memory and reference.memory_kind is reference_memory
+    assert type(fast.blocks[0].attn.q_proj) is FastLinear and type(reference.blocks[0].attn.q_proj) is torch.nn.Linear
+    assert fast.state_dict().keys() == reference.state_dict().keys()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(fast.state_dict()[name], value), name
+    assert not hasattr(txl.fast, "apply")
