@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from txl.models.pretrained import load_model
+from txl.models.registry import load_model
 
 LEGACY = Path(__file__).resolve().parent / "data" / "legacy"
 sys.path.insert(0, str(LEGACY))

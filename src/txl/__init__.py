@@ -1,17 +1,26 @@
 """txl: Transformer-XL for modern PyTorch.
 
-    from txl import TransformerXLConfig, TransformerXL
+    from txl import TransformerXLConfig, build_model
 
-The model classes import torch, so they are loaded on first use: `txl --help` and the data tools
-start without it.
+    config = TransformerXLConfig(n_layer=4, d_model=128, attention="sliding", attention_options={"window": 64})
+    model = build_model(config)          # or TransformerXL(config)
+    model = load_model("runs/x")          # any architecture, from its config.json
+
+One config per architecture (`TransformerXLConfig` for the decoder and its bidirectional encoder,
+`EncoderDecoderConfig`, `RecurrentConfig` for the LSTM and SHA-RNN), the models they build, the memory
+interface and the errors. The configs and errors load without torch; the model classes, `Memory`,
+`build_model` and `load_model` import it on first use, so `txl --help` and `txl data` start without it.
 """
 
 from typing import TYPE_CHECKING, Any
 
 from txl.errors import CheckpointError, ConfigError, DataError, TxlError, UsageError
+from txl.models.rnn.config import RecurrentConfig
+from txl.models.seq2seq.config import EncoderDecoderConfig
 from txl.models.transformer_xl.config import TransformerXLConfig
 
 if TYPE_CHECKING:
+    from txl.models.registry import build_model, load_model
     from txl.models.rnn.model import RecurrentLM
     from txl.models.seq2seq.model import EncoderDecoder
     from txl.models.transformer_xl.model import TransformerXL, TransformerXLOutput
@@ -19,16 +28,27 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-_LAZY = {"TransformerXL": "txl.models.transformer_xl.model", "TransformerXLOutput": "txl.models.transformer_xl.model", "Memory": "txl.nn.memory",
-         "EncoderDecoder": "txl.models.seq2seq.model", "RecurrentLM": "txl.models.rnn.model"}
+_LAZY = {
+    "TransformerXL": "txl.models.transformer_xl.model",
+    "TransformerXLOutput": "txl.models.transformer_xl.model",
+    "EncoderDecoder": "txl.models.seq2seq.model",
+    "RecurrentLM": "txl.models.rnn.model",
+    "Memory": "txl.nn.memory",
+    "build_model": "txl.models.registry",
+    "load_model": "txl.models.registry",
+}
 
 __all__ = [
     "TransformerXLConfig",
+    "EncoderDecoderConfig",
+    "RecurrentConfig",
     "TransformerXL",
     "TransformerXLOutput",
     "EncoderDecoder",
     "RecurrentLM",
     "Memory",
+    "build_model",
+    "load_model",
     "TxlError",
     "ConfigError",
     "DataError",
@@ -43,3 +63,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'txl' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -67,7 +67,7 @@ def _build_model(config: str, ckpt: str | None, impl: str):
     from txl.models.transformer_xl.model import TransformerXL
 
     if ckpt:
-        from txl.models.pretrained import load_checkpoint
+        from txl.models.checkpoint import load_checkpoint
 
         model = load_checkpoint(ckpt).model
     else:

@@ -183,7 +183,7 @@ def run_eval(args: argparse.Namespace) -> int:
         raise UsageError(f"--text scores the whole file; drop --split {args.split}")
     sweep = _int_list(args.sweep_mem, "--sweep-mem") if args.sweep_mem else None
     from txl.eval.core import evaluate_checkpoint, result_table, save_per_token
-    from txl.models.pretrained import load_checkpoint
+    from txl.models.checkpoint import load_checkpoint
 
     device = _device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device=device)
@@ -416,7 +416,7 @@ def run_generate(args: argparse.Namespace) -> int:
     import torch
 
     from txl.generate.decoder import check_causal, encode_prompt, sample_text
-    from txl.models.pretrained import load_checkpoint
+    from txl.models.checkpoint import load_checkpoint
 
     device = _device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device=device, require_vocab=True)
@@ -523,7 +523,7 @@ def run_recl(args: argparse.Namespace) -> int:
         recl_markdown,
         weights_key,
     )
-    from txl.models.pretrained import load_checkpoint
+    from txl.models.checkpoint import load_checkpoint
 
     device = _device(args.device)
     ckpts = [load_checkpoint(path, device=device) for path in args.checkpoint]

@@ -93,7 +93,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from txl.data.seq2seq import collate
     from txl.generate.decoder import check_sampling, check_seed
     from txl.generate.seq2seq import beam_search, greedy, sample
-    from txl.models.pretrained import load_checkpoint
+    from txl.models.checkpoint import load_checkpoint
 
     if args.prompt is not None or args.prompt_file:
         raise UsageError("give --input FILE (one source per line) for a sequence-to-sequence run, not --prompt")

@@ -135,7 +135,8 @@ def _train(trainer: Trainer, run, out: Path) -> int:
 
 def init_model_section(source: str) -> dict:
     """`--init-from`: the model section is the checkpoint's (its vocabulary size comes from the data)."""
-    from txl.models.pretrained import load_config, resolve_checkpoint
+    from txl.models.pretrained import resolve_checkpoint
+    from txl.models.registry import load_config
 
     config = load_config(resolve_checkpoint(source)).to_dict()
     config.pop("vocab_size", None)

@@ -34,7 +34,7 @@ import torch
 from txl.errors import CheckpointError, DataError, OutputError, UsageError, describe_os_error
 from txl.io import read_bytes
 from txl.io.rundir import save_array, save_figure, write_text
-from txl.models.pretrained import LoadedCheckpoint, load_checkpoint
+from txl.models.checkpoint import LoadedCheckpoint, load_checkpoint
 
 TEXT_LIMIT = 2**31  # `txl eval --text FILE` holds the whole file and its token ids in memory
 

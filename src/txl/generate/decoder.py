@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 from txl.errors import CheckpointError, DataError, UsageError
-from txl.models.transformer_xl.config import MAX_LENGTH
 from txl.nn.memory import Memory
+from txl.nn.options import MAX_LENGTH
 
 
 def filter_logits(logits: Tensor, *, top_k: int = 0, top_p: float = 1.0) -> Tensor:

@@ -46,12 +46,12 @@ from txl.models.pretrained import (
     atomic_directory,
     check_header,
     check_state_dict,
-    expected_tensors,
     load_tensors,
     read_header,
     read_json,
     write_model_files,
 )
+from txl.models.registry import expected_tensors
 from txl.models.transformer_xl.config import TransformerXLConfig
 
 # TransfoXLConfig defaults of transformers 4.35.2, for keys an HF config.json leaves out.

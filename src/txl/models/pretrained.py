@@ -18,8 +18,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +27,6 @@ from torch import Tensor
 
 from txl.errors import (
     CheckpointError,
-    ConfigError,
-    DataError,
     DuplicateKeyError,
     OutputError,
     describe_os_error,
@@ -397,48 +394,21 @@ def resolve_model_directory(path: str | Path) -> Path:
     return path
 
 
-def load_config(directory: str | Path, *, follow_links: bool = True):
-    """config.json of a checkpoint directory (at most CONFIG_LIMIT bytes: a 1 GB sparse file is refused
-    by its size, unread)."""
-    from txl.models.transformer_xl.config import TransformerXLConfig
-
+def read_config_data(directory: str | Path, *, follow_links: bool = True) -> Any:
+    """The JSON value of config.json in a checkpoint directory (at most CONFIG_LIMIT bytes: a 1 GB sparse
+    file is refused by its size, unread). `txl.models.registry.load_config` turns it into a config."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {directory}")
-    data = read_json(directory / CONFIG_NAME, "checkpoint config", follow_links=follow_links)
-    try:
-        return TransformerXLConfig.from_dict(data)
-    except ConfigError as err:
-        raise CheckpointError(f"{directory / CONFIG_NAME}: {err}") from None
+    return read_json(directory / CONFIG_NAME, "checkpoint config", follow_links=follow_links)
 
 
-def build_model(config):
-    """The model class of `config.arch`: `TransformerXL` (decoder), `txl.models.seq2seq.EncoderDecoder`, or
-    `txl.models.rnn.model.RecurrentLM` (lstm, sha-rnn)."""
-    if config.arch in ("lstm", "sha-rnn"):
-        from txl.models.rnn.model import RecurrentLM
-
-        return RecurrentLM(config)
-    if config.arch == "encoder-decoder":
-        from txl.models.seq2seq.model import EncoderDecoder
-
-        return EncoderDecoder(config)
-    from txl.models.transformer_xl.model import TransformerXL
-
-    return TransformerXL(config)
-
-
-def load_model(directory: str | Path, *, map_location: str | torch.device = "cpu", **overrides):
-    """Build a model from config.json and model.safetensors. The weights' header is checked against the
-    shapes and dtypes the config implies *before* anything is allocated: a config.json that declares a
-    model far larger than its weights fails at once instead of exhausting memory."""
-    directory = resolve_model_directory(directory)
-    config = load_config(directory)
-    if overrides:
-        try:
-            config = config.replace(**overrides)
-        except (ConfigError, TypeError) as err:
-            raise CheckpointError(f"cannot apply {sorted(overrides)} to {directory}: {err}") from None
+def load_weights(directory: Path, config: Any, build: Callable[[Any], Any], *,
+                 map_location: str | torch.device = "cpu"):
+    """`build(config)` with the weights of `directory/model.safetensors`, in eval mode. The weights' header
+    is checked against the shapes and dtypes the config implies *before* anything is allocated: a
+    config.json that declares a model far larger than its weights fails at once instead of exhausting
+    memory. Knows no architecture: `build` (txl.models.registry.build_model) does."""
     weights = directory / WEIGHTS_NAME
     if not os.path.lexists(weights):
         raise CheckpointError(f"checkpoint weights not found: {weights}")
@@ -451,19 +421,19 @@ def load_model(directory: str | Path, *, map_location: str | torch.device = "cpu
         raise CheckpointError(f"{directory}: config.json describes a model of at least "
                               f"{config.num_parameters_estimate():,} parameters but {WEIGHTS_NAME} holds "
                               f"{held:,}; the weights and config.json disagree")
-    check_header(expected_tensors(config), header, directory)
+    check_header(expected_tensors(config, build), header, directory)
     tensors, _ = load_tensors(weights, "checkpoint weights")
-    model = build_model(config)
+    model = build(config)
     state = model.state_dict()
     check_state_dict(state, tensors, directory)
     model.load_state_dict({k: v.to(state[k].dtype) for k, v in tensors.items()}, strict=True)
     return model.to(map_location).eval()
 
 
-def expected_tensors(config) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """name -> (dtype, shape) of a model's state dict, from a model built on the meta device (no memory)."""
+def expected_tensors(config: Any, build: Callable[[Any], Any]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """name -> (dtype, shape) of the state dict of `build(config)`, built on the meta device (no memory)."""
     with torch.device("meta"):
-        model = build_model(config)
+        model = build(config)
     return {k: (v.dtype, tuple(v.shape)) for k, v in model.state_dict().items()}
 
 
@@ -522,105 +492,3 @@ def use_another_checkpoint(directory: str | Path) -> str:
     """'use RUN/last (the run's other checkpoint)' when there is one, else 'use another checkpoint'."""
     other = other_checkpoint(directory)
     return f"use {other} (the run's other checkpoint)" if other is not None else "use another checkpoint"
-
-
-
-@dataclass
-class LoadedCheckpoint:
-    """A model directory resolved from a checkpoint or run path, with what was recorded next to it."""
-
-    path: Path  # the model directory (config.json + model.safetensors [+ vocab.json])
-    model: Any  # TransformerXL in eval mode
-    vocab: Any | None  # txl.data.Vocab from vocab.json, None when the directory has none
-    state: dict = field(default_factory=dict)  # trainer_state.json of this directory ({} if absent)
-    run: dict = field(default_factory=dict)  # run.json of the run directory ({} if absent)
-    # where `state["run"]` and `run` were read (named by the errors of `train_setting`)
-    state_file: Path | None = None
-    run_file: Path | None = None
-    data_file: Path | None = None  # where `state["data"]` was read
-
-    @property
-    def data_spec(self) -> str | None:
-        """The corpus the run trained on (trainer_state.json or run.json `data`)."""
-        for value, where in ((self.state.get("data"), self.data_file), (self.run.get("data"), self.run_file)):
-            if value is None or value == "":
-                continue
-            if not isinstance(value, str) or "\0" in value or len(value) > 4096:
-                raise CheckpointError(f"{where} is damaged: its data spec is {str(value)[:80]!r}, not a data spec; "
-                                      "restore the file or pass --data SPEC")
-            return value
-        return None
-
-    def train_setting(self, key: str) -> Any:
-        """A [train] value of the run (e.g. tgt_len), from last/trainer_state.json or run.json; None if unknown.
-        The value is checked as the run's configuration checks it (type and range), so a damaged record is
-        one CheckpointError naming the file, never a crash (or minutes of work) further on."""
-        from txl.train.config import check_train_value
-
-        for source, where in ((self.state.get("run"), self.state_file), (self.run.get("config"), self.run_file)):
-            if isinstance(source, dict) and isinstance(source.get("train"), dict) and key in source["train"]:
-                try:
-                    return check_train_value(key, source["train"][key])
-                except ConfigError as err:
-                    raise CheckpointError(f"{where} is damaged: {err}; restore the file, or give the value on the "
-                                          "command line") from None
-        return None
-
-    def another_checkpoint(self) -> str:
-        """The fix of a message about this checkpoint's weights: 'use RUN/last (...)' or 'use another checkpoint'."""
-        return use_another_checkpoint(self.path)
-
-
-def _read_optional_json(path: Path, what: str) -> dict:
-    """A record next to a checkpoint (trainer_state.json, run.json): {} when there is no such entry; an
-    entry that is a FIFO, a device, a link, oversized, not JSON or not an object is one CheckpointError
-    (txl wrote it as a small regular file; ignoring a damaged one would silently change the defaults)."""
-    if not os.path.lexists(path):
-        return {}
-    data = read_json(path, what, follow_links=False)
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{what} {path} is damaged: it holds a JSON {type(data).__name__}, not an object; "
-                              "restore the file")
-    return data
-
-
-def load_checkpoint(path: str | Path, *, device: torch.device | str = "cpu", require_vocab: bool = False) -> LoadedCheckpoint:
-    """Open a checkpoint directory or a `txl train` run directory (RUN/best, else RUN/last)."""
-    from txl.data import Vocab
-    from txl.models.transformer_xl.model import TransformerXL
-
-    directory = resolve_checkpoint(path)
-    vocab = None
-    if (directory / "vocab.json").is_file():
-        try:
-            if load_config(directory).arch == "encoder-decoder":  # source and target vocabularies
-                from txl.data.seq2seq import PairVocab
-
-                vocab = PairVocab.load(directory / "vocab.json")
-            else:
-                vocab = Vocab.load(directory / "vocab.json")
-        except DataError as err:
-            raise CheckpointError(f"{directory}/vocab.json: {err}") from None
-    elif require_vocab:
-        raise CheckpointError(f"{directory} has no vocab.json; it is needed to turn text into token ids "
-                              "(checkpoints written by `txl train` have one)")
-    model = TransformerXL.from_pretrained(directory, map_location=device)
-    # A masked-LM encoder (causal=false) has one more id than its vocabulary: the mask token.
-    if vocab is not None and model.config.vocab_size not in (vocab.size, vocab.size + (not model.config.causal)):
-        raise CheckpointError(f"{directory}: vocab.json has {vocab.size} ids but config.json has vocab_size="
-                              f"{model.config.vocab_size}; the checkpoint is inconsistent")
-    state_file = data_file = directory / "trainer_state.json"
-    state = _read_optional_json(state_file, "trainer state")
-    in_run = directory.name in RUN_CHECKPOINTS
-    run_file = directory.parent / "run.json" if in_run else None
-    run = _read_optional_json(run_file, "run record") if in_run else {}
-    if directory.name == BEST_NAME and "run" not in state:  # best/ records no run config; last/ does
-        last_file = directory.parent / LAST_NAME / "trainer_state.json"
-        last = _read_optional_json(last_file, "trainer state")
-        if "run" in last:
-            state_file = last_file
-        if "data" not in state:
-            data_file = last_file
-        state = {**last, **state}
-    return LoadedCheckpoint(path=directory, model=model, vocab=vocab, state=state, run=run,
-                            state_file=state_file, run_file=run_file, data_file=data_file)

@@ -1,4 +1,5 @@
-"""Positional encodings, chosen by name (`config.pos_encoding`).
+"""Positional encodings, chosen by name (`config.pos_encoding`), each with its options
+(`config.position_options`: a dataclass registered with the encoding, e.g. `T5Options`).
 
 Every encoding is a model-level module that owns all of its parameters (for all layers) and answers
 three questions for the attention of layer `i` (see `LayerPositions`):
@@ -19,23 +20,25 @@ hold every `stride`-th position only (dilated and strided heads of the sliding a
 then consecutive keys are `stride` positions apart and distances are multiplied by `stride`.
 
 Dimension names: b batch, h heads, i queries, j keys, d head dim, n = k_len.
+
+Size: over 500 lines because the eight built-in encodings and their options sit together, each beside
+its paper's formula, as the registry's reference set; a new encoding goes in a file of its own.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from txl.errors import UsageError
+from txl.errors import ConfigError, UsageError
 from txl.nn.attention.masks import distances
-
-if TYPE_CHECKING:  # annotations only: the config module imports the registries
-    from txl.models.transformer_xl.config import TransformerXLConfig
+from txl.nn.options import MAX_LENGTH, LayerConfig, NoOptions, Options
 
 RelShift = Callable[[Tensor], Tensor]
 
@@ -110,10 +113,16 @@ class PositionalEncoding(nn.Module):
     # (performer, linformer) cannot apply.
     score_terms: ClassVar[bool] = False
     causal_only: ClassVar[bool] = False  # True: defined for causal distances only (no bidirectional encoder)
+    options: ClassVar[type[Options]] = NoOptions  # what `config.position_options` holds for it
 
-    def __init__(self, config: TransformerXLConfig | None = None):
+    def __init__(self, config: LayerConfig | None = None):
         super().__init__()
         self.config = config
+
+    @classmethod
+    def check_config(cls, config: LayerConfig) -> None:
+        """How the options and the rest of the config combine (raise `ConfigError`); the options'
+        own values are checked by their dataclass."""
 
     def embed(self, x: Tensor) -> Tensor:
         """Absolute encodings add their table to the (B, T, d_model) input here."""
@@ -147,15 +156,74 @@ CONTENT_ONLY = LayerPositions(PositionalEncoding(), 0, {})
 POSITIONAL_ENCODINGS: dict[str, type[PositionalEncoding]] = {}
 
 
-def register_encoding(name: str):
-    """Class decorator: make a `PositionalEncoding` subclass available as `pos_encoding=name`."""
+def register_encoding(name: str, *, options: type[Options] | None = None):
+    """Class decorator: make a `PositionalEncoding` subclass available as `pos_encoding=name`, with its
+    options dataclass (`config.position_options`; None: the class's `options`, else none)."""
 
     def add(cls: type[PositionalEncoding]) -> type[PositionalEncoding]:
         cls.name = name
+        if options is not None:
+            cls.options = options
+        if cls.options is not NoOptions:
+            cls.options.where = "config.position_options"
         POSITIONAL_ENCODINGS[name] = cls
         return cls
 
     return add
+
+
+def encoding_options() -> dict[str, type[Options]]:
+    """name -> the options dataclass of every registered encoding."""
+    return {name: cls.options for name, cls in POSITIONAL_ENCODINGS.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# The options of the built-in encodings (their defaults are the values txl used before they moved here).
+
+
+@dataclass(frozen=True)
+class ShawOptions(Options):
+    max_distance: int = 64  # distances beyond this share one embedding (Shaw et al.'s clipping k)
+    values: bool = False  # also add the distance embedding on the value side
+
+    def validate(self) -> None:
+        self.at_least(0, "max_distance")
+
+
+PositionMerge = Literal["add", "mul", "concat"]
+
+
+@dataclass(frozen=True)
+class LearnedOptions(Options):
+    max_positions: int = 1024  # rows of the absolute table (inputs longer than this fail)
+    hierarchical: float = 0.0  # α of Su's decomposition, reaching max_positions²; 0 = off
+    merge: PositionMerge = "add"  # add | mul (x·(e+1)) | concat (projected back to d_model)
+
+    def validate(self) -> None:
+        self.at_least(1, "max_positions")
+        if not 0.0 <= self.hierarchical < 1.0:
+            self.fail("hierarchical", f"must be in [0, 1) (α; 0 = off), got {self.hierarchical}")
+
+
+@dataclass(frozen=True)
+class T5Options(Options):
+    buckets: int = 32  # relative-position buckets (half exact, half log-spaced)
+    max_distance: int = 128  # distances beyond this share the last bucket
+
+    def validate(self) -> None:
+        self.at_least(1, "buckets", "max_distance")
+        if self.buckets < 4 or self.max_distance <= self.buckets // 2:
+            self.fail("buckets", f"must be >= 4 and max_distance > buckets/2 (got {self.buckets}, "
+                                 f"{self.max_distance}): half the buckets are exact distances, the rest log-spaced "
+                                 "beyond")
+
+
+@dataclass(frozen=True)
+class XPosOptions(Options):
+    scale_base: int = 512  # B in the decay ζ^(distance/B); larger = slower decay
+
+    def validate(self) -> None:
+        self.at_least(1, "scale_base", high=MAX_LENGTH)
 
 
 @register_encoding("xl")
@@ -172,7 +240,7 @@ class XLRelative(PositionalEncoding):
     score_terms = True
     causal_only = True
 
-    def __init__(self, config: TransformerXLConfig):
+    def __init__(self, config: LayerConfig):
         super().__init__(config)
         n_bias = config.n_layer if config.untie_r else 1
         hd = (n_bias, config.n_head, config.d_head)
@@ -221,7 +289,7 @@ class XLRelative(PositionalEncoding):
                 self.projected_table(layer, state, k_len))
 
 
-@register_encoding("shaw")
+@register_encoding("shaw", options=ShawOptions)
 class ShawRelative(PositionalEncoding):
     """Shaw et al. 2018: learned embeddings of the clipped distance, on the key side (and optionally
     the value side): e_ij = q_i·(k_j + a^K_{clip(i-j)}), z_i = Σ_j α_ij (v_j + a^V_{clip(i-j)}).
@@ -235,22 +303,22 @@ class ShawRelative(PositionalEncoding):
     relative = True
     score_terms = True
 
-    def __init__(self, config: TransformerXLConfig):
+    def __init__(self, config: LayerConfig):
         super().__init__(config)
-        clip = config.max_relative_distance
+        self.clip = clip = config.position_options.max_distance
         self.bidirectional = not config.causal
         rows = 2 * clip + 1 if self.bidirectional else clip + 1
         shape = (config.n_layer, rows, config.n_head, config.d_head)
         self.key_table = nn.Parameter(torch.zeros(shape))
-        self.value_table = nn.Parameter(torch.zeros(shape)) if config.shaw_values else None
+        self.value_table = nn.Parameter(torch.zeros(shape)) if config.position_options.values else None
 
     def _rows(self, k_len: int, device, stride: int = 1) -> Tensor:
         dist = torch.arange(k_len - 1, -1, -1, device=device) * stride
-        return dist.clamp(max=self.config.max_relative_distance)
+        return dist.clamp(max=self.clip)
 
     def _signed_rows(self, q_len: int, k_len: int, device, stride: int = 1) -> Tensor:
         """(i, n) table rows of the signed distances clipped to [-k, k] (bidirectional)."""
-        clip = self.config.max_relative_distance
+        clip = self.clip
         return (distances(q_len, k_len, device) * stride).clamp(-clip, clip) + clip
 
     def score_bias(self, layer, state, q, *, k_len, rel_shift, stride=1):
@@ -266,7 +334,7 @@ class ShawRelative(PositionalEncoding):
         if self.value_table is None:
             return None
         q_len, k_len = probs.shape[-2:]
-        clip = self.config.max_relative_distance
+        clip = self.clip
         if self.bidirectional:
             rows = self._signed_rows(q_len, k_len, probs.device, stride)
         else:  # masked (future) keys have prob 0
@@ -283,12 +351,17 @@ class SinusoidalAbsolute(PositionalEncoding):
     segment, as in the paper's ablation: the same position is reused for different tokens, the
     "temporal confusion" that motivates relative positions (Dai et al. 2019, §3.3)."""
 
+    @classmethod
+    def check_config(cls, config):
+        if config.d_model % 2:
+            raise ConfigError("config.d_model must be even for pos_encoding='sinusoidal'")
+
     def embed(self, x):
         table = sinusoid_table(torch.arange(x.shape[1], device=x.device), self.config.d_model)
         return x + table.to(x.dtype)
 
 
-@register_encoding("learned")
+@register_encoding("learned", options=LearnedOptions)
 class LearnedAbsolute(PositionalEncoding):
     """A trainable absolute table added to the input (Al-Rfou et al. 2018, BERT, GPT). Positions restart
     every segment.
@@ -303,11 +376,12 @@ class LearnedAbsolute(PositionalEncoding):
     `concat` (W [x ; e], W a d_model × 2·d_model projection initialised to [I | I], i.e. add).
     """
 
-    def __init__(self, config: TransformerXLConfig):
+    def __init__(self, config: LayerConfig):
         super().__init__(config)
-        self.table = nn.Parameter(torch.zeros(config.max_positions, config.d_model))
-        self.alpha = config.hierarchical
-        self.merge = config.position_merge
+        options = config.position_options
+        self.table = nn.Parameter(torch.zeros(options.max_positions, config.d_model))
+        self.alpha = options.hierarchical
+        self.merge = options.merge
         if self.merge == "concat":
             self.merge_proj = nn.Linear(2 * config.d_model, config.d_model, bias=False)
 
@@ -362,6 +436,11 @@ class Rotary(PositionalEncoding):
 
     relative = True
 
+    @classmethod
+    def check_config(cls, config):
+        if config.d_head % 2:
+            raise ConfigError(f"config.d_head must be even for pos_encoding={cls.name!r}")
+
     def prepare(self, *, k_len, clamp_len, device, dtype):
         d = self.config.d_head
         inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d))
@@ -411,7 +490,7 @@ class ALiBi(PositionalEncoding):
     score_terms = True
     causal_only = True
 
-    def __init__(self, config: TransformerXLConfig):
+    def __init__(self, config: LayerConfig):
         super().__init__(config)
         self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)
 
@@ -442,24 +521,25 @@ def t5_bucket(distance: Tensor, *, num_buckets: int, max_distance: int, bidirect
     return bucket + torch.where(is_small, distance, large)
 
 
-@register_encoding("t5")
+@register_encoding("t5", options=T5Options)
 class T5Bias(PositionalEncoding):
     """T5's bucketed relative attention bias (Raffel et al. 2020): score += b_h[bucket(i - j)], one
-    learned scalar per bucket and head, shared by all layers (as T5), `t5_buckets` buckets log-spaced
-    up to `t5_max_distance`. A function of distance only, so memory-compatible; bidirectional too
+    learned scalar per bucket and head, shared by all layers (as T5), `buckets` buckets log-spaced
+    up to `max_distance` (`T5Options`). A function of distance only, so memory-compatible; bidirectional too
     (separate buckets for keys before and after the query). T5 does not scale its scores; here the
     bias is added so that after the 1/sqrt(d) scaling it is exactly b_h[bucket]."""
 
     relative = True
     score_terms = True
 
-    def __init__(self, config: TransformerXLConfig):
+    def __init__(self, config: LayerConfig):
         super().__init__(config)
-        self.bias = nn.Parameter(torch.zeros(config.t5_buckets, config.n_head))
+        self.num_buckets, self.max_distance = config.position_options.buckets, config.position_options.max_distance
+        self.bias = nn.Parameter(torch.zeros(self.num_buckets, config.n_head))
 
     def buckets(self, q_len: int, k_len: int, device, stride: int = 1) -> Tensor:
-        return t5_bucket(distances(q_len, k_len, device) * stride, num_buckets=self.config.t5_buckets,
-                         max_distance=self.config.t5_max_distance, bidirectional=not self.config.causal)
+        return t5_bucket(distances(q_len, k_len, device) * stride, num_buckets=self.num_buckets,
+                         max_distance=self.max_distance, bidirectional=not self.config.causal)
 
     def score_bias(self, layer, state, q, *, k_len, rel_shift, stride=1):
         bucket = self.buckets(q.shape[-2], k_len, q.device, stride)  # (i, n)
@@ -467,12 +547,12 @@ class T5Bias(PositionalEncoding):
         return (bias * self.config.d_head**0.5)[None]
 
 
-@register_encoding("xpos")
+@register_encoding("xpos", options=XPosOptions)
 class XPos(PositionalEncoding):
     """xPos (Sun et al. 2023, "A Length-Extrapolatable Transformer", ACL, arXiv 2212.10554): RoPE whose
     rotation also scales q by ζ^(p/B) and k by ζ^(-p/B), so q_p·k_j carries ζ^((p-j)/B): an
     exponential decay with distance. ζ_t = (2t/d + γ)/(1 + γ) per channel pair (γ = 0.4, the paper's
-    torchscale code), B = `xpos_scale_base`.
+    torchscale code), B = `XPosOptions.scale_base`.
 
     Positions count over [memory ; segment] like RoPE's, measured from the last key (only differences
     matter, and this keeps the scales ≤ 1 on the keys and ≥ 1 on the queries of the segment), so it is
@@ -482,13 +562,14 @@ class XPos(PositionalEncoding):
     relative = True
     causal_only = True
     gamma = 0.4
+    check_config = classmethod(Rotary.check_config.__func__)
 
     def prepare(self, *, k_len, clamp_len, device, dtype):
         d = self.config.d_head
         state = Rotary.prepare(self, k_len=k_len, clamp_len=clamp_len, device=device, dtype=dtype)
         zeta = (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d + self.gamma) / (1 + self.gamma)
         pos = torch.arange(k_len, dtype=torch.float64, device=device) - (k_len - 1)
-        scale = zeta[None, :] ** (pos[:, None] / self.config.xpos_scale_base)  # (n, d/2)
+        scale = zeta[None, :] ** (pos[:, None] / self.config.position_options.scale_base)  # (n, d/2)
         state["scale"] = scale.repeat_interleave(2, dim=-1).to(dtype)  # (n, d): one factor per channel pair
         return state
 
@@ -499,5 +580,5 @@ class XPos(PositionalEncoding):
         return q, Rotary._rotate(k, cos, sin) / scale
 
 
-def build_positional(config: TransformerXLConfig) -> PositionalEncoding:
+def build_positional(config: LayerConfig) -> PositionalEncoding:
     return POSITIONAL_ENCODINGS[config.pos_encoding](config)

@@ -24,7 +24,7 @@ import torch
 from txl.data.display import json_text
 from txl.errors import CheckpointError, UsageError
 from txl.generate.decoder import TextStream, check_sampling, pick_tokens
-from txl.models.pretrained import LoadedCheckpoint, load_checkpoint
+from txl.models.checkpoint import LoadedCheckpoint, load_checkpoint
 from txl.nn.memory import Memory
 
 CURVE_POINTS = 400  # training-curve points sent to the page per split (evenly thinned)
@@ -96,7 +96,7 @@ def open_run(path: str | Path, *, device: str = "cpu") -> ServedRun:
 def _setting(ckpt: LoadedCheckpoint, key: str, *, low: int) -> int | None:
     """A [train] length recorded with the run (run.json, trainer_state.json), checked: an integer in
     low…MAX_LENGTH, or None when it is not recorded. Anything else ends the start in one line."""
-    from txl.models.transformer_xl.config import MAX_LENGTH
+    from txl.nn.options import MAX_LENGTH
 
     value = ckpt.train_setting(key)
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and low <= value <= MAX_LENGTH):

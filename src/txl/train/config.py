@@ -1,9 +1,12 @@
 """Run configuration: the model section, the training section, presets, TOML files and `--set`.
 
-A run is described by two typed sections, `[model]` (`TransformerXLConfig`) and `[train]`
-(`TrainConfig`). Sources are merged in order: preset, `--config FILE.toml`, command-line flags,
-`--set key=value` (dotted `model.d_model=256` or bare `lr=1e-3` when the name is unambiguous).
-Unknown keys and wrong types are `ConfigError`s that name the key.
+A run is described by two typed sections, `[model]` (the config of its architecture, chosen by
+`model.arch` through `txl.models.registry`) and `[train]` (`TrainConfig`). Sources are merged in order:
+preset, `--config FILE.toml`, command-line flags, `--set key=value` (dotted `model.d_model=256`, an option
+of the kernel or encoding as `model.attention_options.window=128`, or bare `lr=1e-3` when the name is
+unambiguous). Unknown keys and wrong types are `ConfigError`s that name the key. The keys of the old flat
+model config (`model.sliding_window=128`) are still taken: `txl.models.migration` moves them when the
+model config is built.
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from typing import Any, Literal
 
 from txl.errors import ConfigError, did_you_mean
 from txl.io import CONFIG_LIMIT, read_bytes
-from txl.models.transformer_xl.config import RNN_FIELDS, TransformerXLConfig, check_dataclass_types
+from txl.io.typed import check_dataclass_types
+from txl.models.configuration import ModelConfig
+from txl.models.migration import LEGACY_DEFAULTS, legacy_option
+from txl.models.registry import ARCHITECTURES, config_from_dict, model_fields
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -193,10 +199,10 @@ def check_train_value(key: str, value: Any) -> Any:
 
 @dataclass
 class RunConfig:
-    model: dict[str, Any] = field(default_factory=dict)  # TransformerXLConfig fields (vocab from data)
+    model: dict[str, Any] = field(default_factory=dict)  # fields of the arch's config (vocab from data)
     train: TrainConfig = field(default_factory=TrainConfig)
 
-    def model_config(self, vocab_size: int | None = None) -> TransformerXLConfig:
+    def model_config(self, vocab_size: int | None = None) -> ModelConfig:
         """The model config; `vocab_size` comes from the corpus unless the run pinned it (masked LM:
         the corpus's + 1, the mask token's id being the last). `train.objective = "mlm"` makes the
         model a bidirectional encoder: causal=false, mem_len=0, same_length=false."""
@@ -220,7 +226,7 @@ class RunConfig:
             cutoffs = values.get("cutoffs")
             cutoffs = cutoffs if isinstance(cutoffs, list | tuple) else []
             values["vocab_size"] = max([256, *[c + 1 for c in cutoffs if isinstance(c, int)]])
-        return TransformerXLConfig.from_dict(values)
+        return config_from_dict(values)
 
     def to_dict(self) -> dict[str, Any]:
         train = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self.train).items()}
@@ -239,7 +245,10 @@ def _fields(cls) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}
 
 
-MODEL_KEYS = _fields(TransformerXLConfig)
+# every field of every architecture, and the old flat config's keys (migrated when the config is built)
+MODEL_FIELDS = model_fields()
+MODEL_KEYS = sorted({*LEGACY_DEFAULTS, *(name for names in MODEL_FIELDS.values() for name in names)})
+OPTION_TABLES = {"attention_options": ("attention", "attention"), "position_options": ("position", "pos_encoding")}
 TRAIN_KEYS = _fields(TrainConfig)
 
 
@@ -261,17 +270,40 @@ def merge(run: RunConfig, data: dict[str, Any], where: str) -> None:
         if key not in TRAIN_KEYS:
             raise ConfigError(f"unknown key train.{key} in {where}{did_you_mean(str(key), TRAIN_KEYS)}")
     arch = model.get("arch")
-    if arch in RNN_FIELDS and arch != run.model.get("arch"):
-        # switching to a recurrent LM drops what earlier sources (a preset) set that it does not read
-        # (heads, attention...), so `--set model.arch=lstm` works over any preset; this source's own
-        # Transformer settings are still refused by name
-        run.model = {k: v for k, v in run.model.items() if k in RNN_FIELDS[arch]}
-    run.model.update(model)
+    if arch in ARCHITECTURES and arch != run.model.get("arch", "decoder"):
+        # switching architecture drops what earlier sources (a preset) set that the new one does not have
+        # (heads, attention... for an LSTM), so `--set model.arch=lstm` works over any preset; this
+        # source's own settings are still refused by name
+        run.model = {k: v for k, v in run.model.items() if k in MODEL_FIELDS[arch]}
+    merge_model(run.model, model)
     try:
         run.train = TrainConfig(**{**dataclasses.asdict(run.train), **train_values})
         run.model_config()  # validate the model section now (with the objective), before any data is read
     except ConfigError as err:
         raise ConfigError(f"{err} (in {where})") from None
+
+
+def merge_model(target: dict[str, Any], source: dict[str, Any]) -> None:
+    """`source` (one source's [model] table) onto `target`, later wins: an options table merges key by key;
+    a source that changes the kernel (encoding) without giving its options drops the earlier ones; an old
+    option key (`sliding_window`) replaces its new name given earlier (`attention_options.window`) and the
+    reverse, so the migration never sees both."""
+    for table, (_, selector) in OPTION_TABLES.items():
+        if selector in source and source[selector] != target.get(selector) and table not in source:
+            target.pop(table, None)
+    for key, value in source.items():
+        moved = legacy_option(key)
+        if moved is not None:
+            options = target.get(f"{moved[0]}_options")
+            if isinstance(options, dict) and moved[2] in options:
+                target[f"{moved[0]}_options"] = {k: v for k, v in options.items() if k != moved[2]}
+        if key in OPTION_TABLES and isinstance(value, dict):
+            kind = OPTION_TABLES[key][0]
+            for old in [k for k in target if (m := legacy_option(k)) is not None and m[0] == kind and m[2] in value]:
+                del target[old]
+            if isinstance(target.get(key), dict):
+                value = {**target[key], **value}
+        target[key] = value
 
 
 def parse_value(text: str) -> Any:
@@ -297,6 +329,10 @@ def apply_sets(run: RunConfig, assignments: list[str]) -> None:
         if not sep or not key:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         section, _, name = key.rpartition(".")
+        table = section.partition(".")[2] if section.startswith("model.") else ""
+        if table in OPTION_TABLES:  # model.attention_options.window=128
+            values["model"].setdefault(table, {})[name] = parse_value(value)
+            continue
         if not section:
             in_model, in_train = name in MODEL_KEYS, name in TRAIN_KEYS
             if in_model and in_train:

@@ -14,7 +14,8 @@ from txl.data.display import for_stream, json_text
 from txl.errors import ConfigError, DataError
 from txl.eval.core import metric_value
 from txl.io import write_text
-from txl.models.pretrained import load_model, read_json, write_json
+from txl.models.pretrained import read_json, write_json
+from txl.models.registry import load_model
 from txl.train.state import BEST, LAST, STATE_FILE
 
 if TYPE_CHECKING:

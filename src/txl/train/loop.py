@@ -25,8 +25,8 @@ import torch
 from txl.data.masking import mask_tokens
 from txl.errors import ConfigError, DataError, TrainingError
 from txl.eval.core import EvalResult, autocast, evaluate, evaluate_mlm, metric_value, resolve_precision
-from txl.models.pretrained import build_model
-from txl.models.transformer_xl.config import RNN_ARCHS
+from txl.models.registry import build_model
+from txl.models.rnn.config import RNN_ARCHS
 from txl.nn.memory import Memory
 from txl.train.averaging import WeightAverage
 from txl.train.config import RunConfig

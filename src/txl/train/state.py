@@ -36,7 +36,6 @@ from txl.models.pretrained import (
     atomic_directory,
     check_state_dict,
     first_non_finite,
-    load_config,
     load_tensors,
     read_json,
     recover_directory,
@@ -45,7 +44,8 @@ from txl.models.pretrained import (
     write_json,
     write_model_files,
 )
-from txl.models.transformer_xl.config import RNN_ARCHS
+from txl.models.registry import load_config
+from txl.models.rnn.config import RNN_ARCHS
 from txl.nn.memory import Memory
 from txl.train.config import RunConfig, merge
 from txl.train.optim import Lamb, optimizer_state_join, optimizer_state_split
@@ -200,7 +200,7 @@ def resolve_data(spec_text: str) -> str:
 def load_initial_weights(model, source: str | Path, vocab) -> Path:
     """Fine-tuning (`--init-from`): copy trained weights into a new run's model. The vocabulary must be
     the same one (ids mean the same symbols); the error says how the two differ."""
-    from txl.models.pretrained import load_checkpoint
+    from txl.models.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(source)
     if ckpt.vocab is not None and ckpt.vocab.fingerprint != vocab.fingerprint:

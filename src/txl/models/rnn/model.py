@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from txl.errors import UsageError
-from txl.models.transformer_xl.config import RNN_ARCHS, TransformerXLConfig
+from txl.models.rnn.config import RNN_ARCHS, RecurrentConfig
 from txl.models.transformer_xl.model import TransformerXLOutput
 from txl.nn.memory import Memory, MemoryState, register_pytree
 from txl.nn.regularization import embedding_dropout, locked_dropout
@@ -192,7 +192,7 @@ class SingleHeadAttention(nn.Module):
 class SHABlock(nn.Module):
     """LN -> LSTM -> (LN'd attention over [memory ; segment], residual) -> Boom (residual)."""
 
-    def __init__(self, config: TransformerXLConfig, *, attention: bool):
+    def __init__(self, config: RecurrentConfig, *, attention: bool):
         super().__init__()
         d, eps = config.d_model, config.layer_norm_eps
         self.ln_start = nn.LayerNorm(d, eps=eps)
@@ -230,7 +230,7 @@ class RecurrentLM(nn.Module):
     -100 unscored. `mem_len` (per call, default `model.mem_len`): SHA-RNN's attention memory length;
     for both, 0 = carry nothing across segments."""
 
-    def __init__(self, config: TransformerXLConfig):
+    def __init__(self, config: RecurrentConfig):
         super().__init__()
         if config.arch not in RNN_ARCHS:
             raise UsageError(f"RecurrentLM builds arch 'lstm' or 'sha-rnn', not {config.arch!r}")
@@ -353,7 +353,7 @@ class RecurrentLM(nn.Module):
     @classmethod
     def from_pretrained(cls, directory, *, map_location="cpu", **overrides) -> RecurrentLM:
         """Load what `save_pretrained` or `txl train` wrote (checked as `TransformerXL.from_pretrained`)."""
-        from txl.models.pretrained import load_model
+        from txl.models.registry import load_model
 
         model = load_model(directory, map_location=map_location, **overrides)
         if not isinstance(model, cls):

@@ -19,7 +19,6 @@ Dimension names: b batch, s source length, t target length, d d_model, V target 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +28,7 @@ from torch import Tensor, nn
 
 from txl.errors import ConfigError, UsageError
 from txl.fast import backend_for
+from txl.models.seq2seq.config import EncoderDecoderConfig
 from txl.models.transformer_xl.config import TransformerXLConfig
 from txl.models.transformer_xl.model import Block, FeedForward
 from txl.nn.attention.layer import Attention
@@ -155,7 +155,7 @@ class EncoderDecoder(nn.Module):
     forcing); labels (b, t) the next target token at each position, -100 = not scored.
     """
 
-    def __init__(self, config: TransformerXLConfig):
+    def __init__(self, config: EncoderDecoderConfig):
         super().__init__()
         if config.arch != "encoder-decoder":
             raise ConfigError(f"EncoderDecoder needs config.arch='encoder-decoder', got {config.arch!r}")
@@ -164,16 +164,16 @@ class EncoderDecoder(nn.Module):
         d = config.d_model
         n_encoder = config.n_encoder_layer or config.n_layer
         # The encoder's blocks are the LM's own blocks, bidirectional and without memory.
-        encoder_view = dataclasses.replace(config, arch="decoder", causal=False, n_layer=n_encoder,
-                                           n_encoder_layer=0, source_vocab_size=0)
+        encoder_view = config.encoder_config()
+        decoder_view = config.decoder_config()  # causal self-attention and positions, no memory
         self.target_embed = nn.Embedding(config.vocab_size, d)
         shared = config.share_embeddings and config.source_vocab_size in (0, config.vocab_size)
         self.source_embed = None if shared else nn.Embedding(config.source_vocab_size or config.vocab_size, d)
         self.drop = backend.Dropout(config.dropout)
         self.encoder_pos = backend.positional(encoder_view)
         self.encoder = nn.ModuleList(Block(encoder_view, layer_idx=i, backend=backend) for i in range(n_encoder))
-        self.decoder_pos = backend.positional(config)
-        self.decoder = nn.ModuleList(DecoderBlock(config, layer_idx=i, backend=backend) for i in range(config.n_layer))
+        self.decoder_pos = backend.positional(decoder_view)
+        self.decoder = nn.ModuleList(DecoderBlock(decoder_view, layer_idx=i, backend=backend) for i in range(config.n_layer))
         # pre-LN sums residuals without a norm: both stacks end in one (post-LN output is normalised)
         final = config.pre_lnorm and config.final_norm
         self.encoder_norm = nn.LayerNorm(d, eps=config.layer_norm_eps) if final else nn.Identity()
@@ -237,7 +237,7 @@ class EncoderDecoder(nn.Module):
             raise UsageError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
         key_padding = self.source_padding(input_ids, attention_mask)
         h = self._embed(self.source_embedding, input_ids, self.encoder_pos)
-        state = self.encoder_pos.prepare(k_len=input_ids.shape[1], clamp_len=self.config.clamp_len,
+        state = self.encoder_pos.prepare(k_len=input_ids.shape[1], clamp_len=0,
                                          device=h.device, dtype=h.dtype)
         mask = AttentionMask(causal=False, key_padding=key_padding)
         for i, block in enumerate(self.encoder):
@@ -275,7 +275,7 @@ class EncoderDecoder(nn.Module):
         if key_padding is not None and bool(key_padding.all()):
             key_padding = None
         h = self._embed(self.target_embed, decoder_input_ids, self.decoder_pos, offset=past)
-        state = self.decoder_pos.prepare(k_len=past + decoder_input_ids.shape[1], clamp_len=self.config.clamp_len,
+        state = self.decoder_pos.prepare(k_len=past + decoder_input_ids.shape[1], clamp_len=0,
                                          device=h.device, dtype=h.dtype)
         cross_mask = AttentionMask(causal=False, key_padding=key_padding)
         for i, block in enumerate(self.decoder):
@@ -332,7 +332,7 @@ class EncoderDecoder(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory, *, map_location="cpu", **overrides) -> EncoderDecoder:
-        from txl.models.pretrained import load_model
+        from txl.models.registry import load_model
 
         model = load_model(directory, map_location=map_location, **overrides)
         if not isinstance(model, cls):

@@ -324,7 +324,7 @@ class TransformerXL(nn.Module):
         """Load a directory written by `save_pretrained`, a checkpoint of the trainer, or a run folder
         (its `best`, else `last`). Validates every tensor against config.json and fails with one clear
         `CheckpointError` otherwise."""
-        from txl.models.pretrained import load_model
+        from txl.models.registry import load_model
 
         return load_model(directory, map_location=map_location, **overrides)
 

@@ -21,14 +21,31 @@ g·B global rows O(g·B·n). A block listed twice (random hitting the window) is
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
-from txl.models.transformer_xl.config import TransformerXLConfig
 from txl.nn.attention.masks import AttentionMask
 from txl.nn.attention.pattern import dense_masked_attention, gathered_attention, merge_by_lse, pad_to
 from txl.nn.attention.registry import register
+from txl.nn.options import LayerConfig, Options
 from txl.nn.positional import LayerPositions
+
+
+@dataclass(frozen=True)
+class BigBirdOptions(Options):
+    """`attention_options` of attention='bigbird'."""
+
+    block: int = 64  # tokens per block: the unit of the pattern
+    window: int = 1  # blocks on each side of a query block (causal: before it) it sees; 0 = its own only
+    global_blocks: int = 1  # the first g blocks of the keys see and are seen by all
+    random_blocks: int = 2  # r random (earlier, when causal) blocks per query block, a fixed hash pattern
+
+    def validate(self) -> None:
+        self.at_least(1, "block")
+        self.at_least(0, "window", "global_blocks", "random_blocks")
+
 
 HASH_A, HASH_B, HASH_SEED = 2654435761, 40503, 97  # Knuth's multiplicative hash constants
 
@@ -61,14 +78,15 @@ def rows_visible(mask: AttentionMask, rows: Tensor, q_len: int, k_len: int) -> T
     return visible[:, None]
 
 
-@register("bigbird", "fast", bidirectional=True, score_terms=False, global_mask=True)
+@register("bigbird", "fast", bidirectional=True, score_terms=False, global_mask=True, options=BigBirdOptions)
 class BigBirdAttention(nn.Module):
     """`attention="bigbird"`: window + global + random blocks, gathered per query block."""
 
-    def __init__(self, config: TransformerXLConfig):
+    def __init__(self, config: LayerConfig):
         super().__init__()
-        self.block, self.window = config.bigbird_block, config.bigbird_window
-        self.global_blocks, self.random = config.bigbird_global, config.bigbird_random
+        options = config.attention_options
+        self.block, self.window = options.block, options.window
+        self.global_blocks, self.random = options.global_blocks, options.random_blocks
         self.seed = 0
 
     def random_table(self, query_blocks: Tensor, n_blocks: int, causal: bool) -> Tensor:
@@ -190,7 +208,7 @@ class BigBirdAttention(nn.Module):
         return f"block={self.block}, window={self.window}, global={self.global_blocks}, random={self.random}"
 
 
-@register("bigbird", "eager", bidirectional=True, score_terms=False, global_mask=True)
+@register("bigbird", "eager", bidirectional=True, score_terms=False, global_mask=True, options=BigBirdOptions)
 class BigBirdReference(BigBirdAttention):
     """The same block pattern as a dense (i, n) mask, O(n²): the ground truth for `BigBirdAttention`."""
 

@@ -21,32 +21,44 @@ product, merged by their log-sum-exp. Positions: `rope`, `xpos` (keys rotated be
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
 from txl.errors import ConfigError
-from txl.models.transformer_xl.config import TransformerXLConfig
 from txl.nn.attention.masks import AttentionMask
 from txl.nn.attention.pattern import dense_masked_attention, gathered_attention, merge_by_lse, pad_to
 from txl.nn.attention.registry import refuse, register
+from txl.nn.options import LayerConfig, Options
 from txl.nn.positional import LayerPositions
 
 
-def check_compressed(config: TransformerXLConfig) -> None:
+@dataclass(frozen=True)
+class CompressedOptions(Options):
+    """`attention_options` of attention='compressed'."""
+
+    ratio: int = 4  # keys/values compressed ratio:1 by a strided convolution
+
+    def validate(self) -> None:
+        self.at_least(1, "ratio")
+
+
+def check_compressed(config: LayerConfig) -> None:
     if config.same_length:
         raise ConfigError("config.same_length is not available with attention='compressed' "
                           "(a compressed row spans several distances)")
 
 
-@register("compressed", "fast", bidirectional=True, score_terms=False, check=check_compressed)
+@register("compressed", "fast", bidirectional=True, score_terms=False, check=check_compressed, options=CompressedOptions)
 class CompressedAttention(nn.Module):
     """`attention="compressed"`: strided-convolution-compressed keys/values + the own block raw."""
 
     query_chunk = 2048  # queries per step over the compressed columns: memory O(chunk·n/r), not O(n²/r)
 
-    def __init__(self, config: TransformerXLConfig):
+    def __init__(self, config: LayerConfig):
         super().__init__()
-        r, d = config.compress_ratio, config.d_head
+        r, d = config.attention_options.ratio, config.d_head
         self.ratio = r
         mean_pool = torch.eye(d).repeat(r, 1) / r  # (r·d, d): the convolution's weight, one d×d per offset
         self.key_conv = nn.Parameter(mean_pool.clone())
@@ -108,7 +120,7 @@ class CompressedAttention(nn.Module):
         return f"ratio={self.ratio}"
 
 
-@register("compressed", "eager", bidirectional=True, score_terms=False, check=check_compressed)
+@register("compressed", "eager", bidirectional=True, score_terms=False, check=check_compressed, options=CompressedOptions)
 class CompressedReference(CompressedAttention):
     """[compressed ; raw] keys under one dense mask, O(n²/r + n²): the ground truth."""
 

@@ -18,18 +18,30 @@ bidirectional attention (tested). Positions: `rope` (applied to q and k before t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from txl.errors import ConfigError
-from txl.models.transformer_xl.config import TransformerXLConfig
 from txl.nn.attention.masks import NEG, AttentionMask
 from txl.nn.attention.registry import refuse, register
+from txl.nn.options import LayerConfig, Options
 from txl.nn.positional import LayerPositions
 
 
-def check_inducing(config: TransformerXLConfig) -> None:
+@dataclass(frozen=True)
+class InducingOptions(Options):
+    """`attention_options` of attention='inducing'."""
+
+    points: int = 32  # m learned summaries the queries attend to
+
+    def validate(self) -> None:
+        self.at_least(1, "points")
+
+
+def check_inducing(config: LayerConfig) -> None:
     if config.causal:
         raise ConfigError(
             "config.attention='inducing' cannot be causal: every inducing point summarises all positions, "
@@ -37,13 +49,13 @@ def check_inducing(config: TransformerXLConfig) -> None:
         )
 
 
-@register("inducing", "eager", causal=False, bidirectional=True, score_terms=False, check=check_inducing)
+@register("inducing", "eager", causal=False, bidirectional=True, score_terms=False, check=check_inducing, options=InducingOptions)
 class InducingPointAttention(nn.Module):
     """`attention="inducing"`: queries attend to `inducing_points` learned summaries of the keys."""
 
-    def __init__(self, config: TransformerXLConfig):
+    def __init__(self, config: LayerConfig):
         super().__init__()
-        self.points = nn.Parameter(torch.randn(config.n_head, config.inducing_points, config.d_head))
+        self.points = nn.Parameter(torch.randn(config.n_head, config.attention_options.points, config.d_head))
 
     def summary_weights(self, k: Tensor, key_padding: Tensor | None) -> Tensor:
         """A (b, h, m, n): how each inducing point spreads over the keys."""

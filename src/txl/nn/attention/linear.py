@@ -20,11 +20,13 @@ dropatt (no probabilities are formed), no same_length window.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from txl.models.transformer_xl.config import TransformerXLConfig
 from txl.nn.attention.masks import AttentionMask
 from txl.nn.attention.performer import (
     FEATURE_EPS,
@@ -33,7 +35,15 @@ from txl.nn.attention.performer import (
     quadratic_linear_attention,
 )
 from txl.nn.attention.registry import check_no_probabilities, refuse, register
+from txl.nn.options import LayerConfig, Options
 from txl.nn.positional import LayerPositions
+
+
+@dataclass(frozen=True)
+class LinearOptions(Options):
+    """`attention_options` of attention='linear'."""
+
+    feature: Literal["elu", "relu"] = "elu"  # elu = elu+1 (Katharopoulos); relu = Performer's generalised kernel
 
 
 def feature_map(x: Tensor, kind: str) -> Tensor:
@@ -47,15 +57,15 @@ def feature_map(x: Tensor, kind: str) -> Tensor:
     return x.clamp_min(0.0).add_(FEATURE_EPS)  # relu (its backward would read the shifted output)
 
 
-@register("linear", "fast", bidirectional=True, score_terms=False, check=check_no_probabilities)
+@register("linear", "fast", bidirectional=True, score_terms=False, check=check_no_probabilities, options=LinearOptions)
 class LinearAttention(nn.Module):
     """`attention="linear"`: φ(q)·φ(k) attention by chunked prefix sums (causal) or global sums."""
 
     chunk_size = 128  # queries per causal step (as the Performer's)
 
-    def __init__(self, config: TransformerXLConfig):
+    def __init__(self, config: LayerConfig):
         super().__init__()
-        self.feature = config.linear_feature
+        self.feature = config.attention_options.feature
 
     def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
                 need_weights: bool = False):
@@ -81,7 +91,7 @@ class LinearAttention(nn.Module):
         return f"feature={self.feature}"
 
 
-@register("linear", "eager", bidirectional=True, score_terms=False, check=check_no_probabilities)
+@register("linear", "eager", bidirectional=True, score_terms=False, check=check_no_probabilities, options=LinearOptions)
 class LinearReference(LinearAttention):
     """The same kernel as a masked (i, n) matrix of φ(q)·φ(k): the ground truth for the prefix sums."""
 

@@ -21,7 +21,7 @@ projection and are rejected by the config.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,13 +30,22 @@ from torch import nn
 from txl.errors import ConfigError, UsageError
 from txl.nn.attention.masks import AttentionMask
 from txl.nn.attention.registry import refuse, register
+from txl.nn.options import LayerConfig, Options
 from txl.nn.positional import LayerPositions
 
-if TYPE_CHECKING:  # annotations only: the config module imports the registries
-    from txl.models.transformer_xl.config import TransformerXLConfig
+
+@dataclass(frozen=True)
+class LinformerOptions(Options):
+    """`attention_options` of attention='linformer'."""
+
+    k: int = 256  # rows the keys/values are projected to along the sequence
+    max_len: int = 512  # longest input the projections cover (their number of columns)
+
+    def validate(self) -> None:
+        self.at_least(1, "k", "max_len")
 
 
-def check_linformer(config: TransformerXLConfig) -> None:
+def check_linformer(config: LayerConfig) -> None:
     if config.causal:
         raise ConfigError(
             "config.attention='linformer' cannot be causal: projecting keys along the sequence mixes "
@@ -45,13 +54,13 @@ def check_linformer(config: TransformerXLConfig) -> None:
         )
 
 
-@register("linformer", "eager", causal=False, bidirectional=True, score_terms=False, check=check_linformer)
+@register("linformer", "eager", causal=False, bidirectional=True, score_terms=False, check=check_linformer, options=LinformerOptions)
 class LinformerAttention(nn.Module):
     """`attention="linformer"` (bidirectional only): keys/values projected to `linformer_k` rows."""
 
-    def __init__(self, config: TransformerXLConfig):
+    def __init__(self, config: LayerConfig):
         super().__init__()
-        rows, max_len = config.linformer_k, config.linformer_max_len
+        rows, max_len = config.attention_options.k, config.attention_options.max_len
         self.key_projection = nn.Parameter(torch.randn(rows, max_len) * max_len**-0.5)  # E
         self.value_projection = nn.Parameter(torch.randn(rows, max_len) * max_len**-0.5)  # F
 

@@ -16,15 +16,31 @@ Positions: `rope`, `xpos` (rotations after hashing), `sinusoidal`, `learned`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from txl.models.transformer_xl.config import TransformerXLConfig
 from txl.nn.attention.buckets import bucketed_attention, bucketed_reference
 from txl.nn.attention.masks import AttentionMask
 from txl.nn.attention.registry import register
+from txl.nn.options import LayerConfig, Options
 from txl.nn.positional import LayerPositions
+
+
+@dataclass(frozen=True)
+class LSHOptions(Options):
+    """`attention_options` of attention='lsh'."""
+
+    bucket_window: int = 64  # keys per query within its bucket (the sorted chunk length)
+    buckets: int = 32  # hash buckets per round (even: random rotations ±)
+    hashes: int = 2  # hash rounds: a query sees the union of its buckets over the rounds
+
+    def validate(self) -> None:
+        self.at_least(1, "bucket_window", "buckets", "hashes")
+        if self.buckets % 2:
+            self.fail("buckets", f"must be even (random rotations ±), got {self.buckets}")
 
 
 def lsh_buckets(x: Tensor, rotations: Tensor) -> Tensor:
@@ -33,16 +49,16 @@ def lsh_buckets(x: Tensor, rotations: Tensor) -> Tensor:
     return torch.cat([rotated, -rotated], dim=-1).argmax(-1)
 
 
-@register("lsh", "fast", bidirectional=True, score_terms=False)
+@register("lsh", "fast", bidirectional=True, score_terms=False, options=LSHOptions)
 class LSHAttention(nn.Module):
     """`attention="lsh"`: shared-QK attention within angular-LSH buckets, n_hashes rounds."""
 
     unused_query_projection = True  # shared QK: the layer's q_proj gets no gradient (DDP must know)
 
-    def __init__(self, config: TransformerXLConfig):
+    def __init__(self, config: LayerConfig):
         super().__init__()
-        self.window = config.bucket_window
-        rotations = torch.randn(config.lsh_hashes, config.d_head, config.lsh_buckets // 2)
+        self.window = config.attention_options.bucket_window
+        rotations = torch.randn(config.attention_options.hashes, config.d_head, config.attention_options.buckets // 2)
         self.register_buffer("rotations", rotations)
 
     def buckets(self, k: Tensor) -> Tensor:
@@ -62,7 +78,7 @@ class LSHAttention(nn.Module):
         return f"buckets={2 * half}, hashes={rounds}, window={self.window}"
 
 
-@register("lsh", "eager", bidirectional=True, score_terms=False)
+@register("lsh", "eager", bidirectional=True, score_terms=False, options=LSHOptions)
 class LSHReference(LSHAttention):
     """The union of the rounds' bucket patterns as a dense mask: the ground truth for `LSHAttention`."""
 

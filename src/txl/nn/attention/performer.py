@@ -39,17 +39,28 @@ the chunked prefix sums are tested against.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from txl.nn.attention.masks import AttentionMask
 from txl.nn.attention.registry import check_no_probabilities, refuse, register
+from txl.nn.options import LayerConfig, Options
 from txl.nn.positional import LayerPositions
 
-if TYPE_CHECKING:  # annotations only: the config module imports the registries
-    from txl.models.transformer_xl.config import TransformerXLConfig
+
+@dataclass(frozen=True)
+class PerformerOptions(Options):
+    """`attention_options` of attention='performer'."""
+
+    features: int = 256  # random features: more = closer to softmax, cost O(n·features·d_head)
+    redraw_interval: int = 1000  # redraw the features every N training forwards; 0 = never
+
+    def validate(self) -> None:
+        self.at_least(1, "features", high=65536)
+        self.at_least(0, "redraw_interval", high=1 << 40)
+
 
 FEATURE_EPS = 1e-6  # google-research/performer fast_attention: numerical_stabilizer
 
@@ -201,16 +212,16 @@ def padded_keys(phi_k: Tensor, key_scale: Tensor, key_padding: Tensor) -> tuple[
     return phi_k, torch.where(real, key_scale, smallest)
 
 
-@register("performer", "fast", bidirectional=True, score_terms=False, check=check_no_probabilities)
+@register("performer", "fast", bidirectional=True, score_terms=False, check=check_no_probabilities, options=PerformerOptions)
 class PerformerAttention(nn.Module):
     """`attention="performer"`: FAVOR+ with chunked causal prefix sums (or bidirectional sums)."""
 
     chunk_size = 128  # queries per causal step: bounds the intra-chunk matrix at chunk² per head
 
-    def __init__(self, config: TransformerXLConfig):
+    def __init__(self, config: LayerConfig):
         super().__init__()
-        self.redraw_interval = config.performer_redraw_interval
-        self.register_buffer("features", orthogonal_gaussian(config.performer_features, config.d_head))
+        self.redraw_interval = config.attention_options.redraw_interval
+        self.register_buffer("features", orthogonal_gaussian(config.attention_options.features, config.d_head))
         self.forwards_since_redraw = 0
 
     @torch.no_grad()
@@ -250,7 +261,7 @@ class PerformerAttention(nn.Module):
         return f"features={m}, d_head={d}, redraw_interval={self.redraw_interval}"
 
 
-@register("performer", "eager", bidirectional=True, score_terms=False, check=check_no_probabilities)
+@register("performer", "eager", bidirectional=True, score_terms=False, check=check_no_probabilities, options=PerformerOptions)
 class PerformerReference(PerformerAttention):
     """The same random-feature kernel as a masked quadratic product: the ground truth for the prefix sums."""
 

@@ -17,13 +17,16 @@ probabilities, a window) raises `UsageError` naming itself. `impl` is "eager" fo
 PyTorch, readable top to bottom) and "fast" for a faster kernel tested against it; a kernel class
 (an `nn.Module`, for kernels with parameters or buffers) is built once per layer with the config.
 
-`register` also says what a kernel can take (causal, bidirectional, score terms) and can add a check
-of the config options it reads (`check=fn`, `fn(config)` raising `ConfigError`); `TransformerXLConfig`
-runs them when it is built (`check_config`).
+`register` also says what a kernel can take (causal, bidirectional, score terms), declares its
+options (`options=SlidingOptions`, a `txl.nn.options.Options` dataclass that validates itself; the
+config holds one as `config.attention_options` and the kernel reads it there) and can add a check of
+how they combine with the rest of the config (`check=fn`, `fn(config)` raising `ConfigError`); a model
+config runs them when it is built (`check_config`).
 
-This module imports nothing from txl, so kernels (which import it) never form an import cycle; the
-built-in kernels are imported on first use by `load_builtin_kernels`. A kernel registered from
-anywhere, e.g. a user's script or a test file, is usable as `TransformerXLConfig(attention=name)`.
+This module imports only `txl.errors` and `txl.nn.options`, so kernels (which import it) never form an
+import cycle; the built-in kernels are imported on first use by `load_builtin_kernels`. A kernel
+registered from anywhere, e.g. a user's script or a test file, options included, is usable as
+`TransformerXLConfig(attention=name, attention_options={...})`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from txl.errors import ConfigError, UsageError, did_you_mean
+from txl.nn.options import NoOptions, Options
 
 Kernel = Callable[..., Any]
 
@@ -50,6 +56,7 @@ class KernelSpec:
     global_mask: bool = False  # takes a per-token global mask (`AttentionMask.global_mask`)
     memory_tokens: bool = False  # takes learned memory tokens before the keys (`AttentionMask.memory_tokens`)
     cross_attention: bool = True  # bidirectional over a separate source too (queries not the last keys)
+    options: type[Options] = NoOptions  # what `config.attention_options` holds for this kernel
 
 
 SPECS: dict[str, KernelSpec] = {}
@@ -72,17 +79,25 @@ def register(
     global_mask: bool = False,
     memory_tokens: bool = False,
     cross_attention: bool = True,
+    options: type[Options] | None = None,
 ) -> Callable[[Kernel], Kernel]:
     """Decorator: make `kernel` the `impl` ("eager" or "fast") of attention `name`. The keyword
-    arguments describe what the kernel can take (`KernelSpec`); the last registration of a name sets them."""
+    arguments describe what the kernel can take (`KernelSpec`); the last registration of a name sets them.
+    `options`: the kernel's options dataclass (None: keep the one an earlier registration of `name`
+    gave, else `NoOptions`)."""
     if impl not in IMPLS:
         raise ValueError(f"kernel impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+    if options is not None and not (isinstance(options, type) and issubclass(options, Options)):
+        raise TypeError(f"register({name!r}, options=...) takes a txl.nn.options.Options subclass, got {options!r}")
 
     def add(kernel: Kernel) -> Kernel:
+        chosen = options or (SPECS[name].options if name in SPECS else NoOptions)
+        if chosen is not NoOptions:
+            chosen.where = "config.attention_options"
         KERNELS[(name, impl)] = kernel
         SPECS[name] = KernelSpec(causal=causal, bidirectional=bidirectional, score_terms=score_terms, check=check,
                                  global_mask=global_mask, memory_tokens=memory_tokens,
-                                 cross_attention=cross_attention)
+                                 cross_attention=cross_attention, options=chosen)
         return kernel
 
     return add
@@ -98,19 +113,28 @@ def kernel_names() -> list[str]:
     return sorted({name for name, _ in KERNELS})
 
 
+def kernel_options() -> dict[str, type[Options]]:
+    """name -> the options dataclass of every registered kernel."""
+    load_builtin_kernels()
+    return {name: spec.options for name, spec in SPECS.items()}
+
+
+def check_attention_name(attention: str) -> None:
+    """`attention` names a registered kernel, else one `ConfigError` with a did-you-mean."""
+    names = kernel_names()
+    if attention not in names:
+        hint = did_you_mean(attention, names) or f" (registered: {', '.join(names)})"
+        raise ConfigError(f"config.attention={attention!r} is not a registered attention kernel{hint}")
+
+
 def resolve_kernel(attention: str, impl: str) -> Kernel:
     """The kernel for `attention` and `impl`; "auto" takes "fast" when there is one, else "eager"."""
-    from txl.errors import ConfigError, did_you_mean
-
     load_builtin_kernels()
     if impl == "auto":
         impl = "fast" if (attention, "fast") in KERNELS else "eager"
     if (attention, impl) in KERNELS:
         return KERNELS[(attention, impl)]
-    names = kernel_names()
-    if attention not in names:
-        hint = did_you_mean(attention, names) or f" (registered: {', '.join(names)})"
-        raise ConfigError(f"config.attention={attention!r} is not a registered attention kernel{hint}")
+    check_attention_name(attention)
     available = sorted(i for a, i in KERNELS if a == attention)
     raise ConfigError(
         f"config.attention_impl={impl!r} is not available for attention={attention!r} "
@@ -130,8 +154,6 @@ def refuse(
     """The one home of a kernel's refusals of what it cannot honour in a call, each one line naming
     the kernel (`UsageError`): `padding=True` refuses a padding mask; `same_length` (a reason, "" for
     none) refuses a `same_length` window; `weights` (why) refuses `output_attentions`."""
-    from txl.errors import UsageError
-
     if padding and mask.key_padding is not None:
         raise UsageError(f"attention={name!r} does not take a padding mask (attention_mask); use attention='full'")
     if same_length is not None and mask.window is not None:
@@ -148,8 +170,6 @@ def no_padding(name: str, mask: Any) -> None:
 def check_no_probabilities(config: Any) -> None:
     """Config checks of a kernel that never forms a score matrix (linear, performer): no same_length
     window, no dropout on probabilities."""
-    from txl.errors import ConfigError
-
     if config.same_length:
         raise ConfigError(f"config.same_length needs a windowed score matrix; attention={config.attention!r} has none")
     if config.dropatt > 0:
@@ -159,9 +179,9 @@ def check_no_probabilities(config: Any) -> None:
 
 def check_config(config: Any) -> None:
     """Whether the config's attention kernel exists and can run it: causal or bidirectional, its
-    positional encoding, and the kernel's own option checks. Raises `ConfigError` naming the field."""
-    from txl.errors import ConfigError
-    from txl.nn.positional import POSITIONAL_ENCODINGS
+    positional encoding, and the kernel's own checks of how its options combine with the config.
+    Raises `ConfigError` naming the field."""
+    from txl.nn.positional import POSITIONAL_ENCODINGS  # torch: only once a config is checked
 
     resolve_kernel(config.attention, config.attention_impl)
     spec = SPECS[config.attention]

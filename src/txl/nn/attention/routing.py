@@ -17,15 +17,31 @@ They are a buffer saved with the model. `attention_impl="eager"` is the dense re
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from txl.models.transformer_xl.config import TransformerXLConfig
 from txl.nn.attention.buckets import bucketed_attention, bucketed_reference
 from txl.nn.attention.masks import AttentionMask
 from txl.nn.attention.registry import register
+from txl.nn.options import LayerConfig, Options
 from txl.nn.positional import LayerPositions
+
+
+@dataclass(frozen=True)
+class RoutingOptions(Options):
+    """`attention_options` of attention='routing'."""
+
+    bucket_window: int = 64  # keys per query within its cluster (the sorted chunk length)
+    clusters: int = 16  # k-means centroids per layer
+    decay: float = 0.999  # EMA decay of the centroids (updated in training)
+
+    def validate(self) -> None:
+        self.at_least(1, "bucket_window", "clusters")
+        if not 0.0 <= self.decay < 1.0:
+            self.fail("decay", f"must be in [0, 1), got {self.decay}")
 
 
 def nearest_centroid(x: Tensor, centroids: Tensor) -> Tensor:
@@ -34,16 +50,16 @@ def nearest_centroid(x: Tensor, centroids: Tensor) -> Tensor:
     return torch.einsum("bhnd,hcd->bhnc", unit, centroids.float()).argmax(-1)[:, :, None]
 
 
-@register("routing", "fast", bidirectional=True, score_terms=False)
+@register("routing", "fast", bidirectional=True, score_terms=False, options=RoutingOptions)
 class RoutingAttention(nn.Module):
     """`attention="routing"`: shared-QK attention within online k-means clusters."""
 
     unused_query_projection = True  # shared QK: the layer's q_proj gets no gradient (DDP must know)
 
-    def __init__(self, config: TransformerXLConfig):
+    def __init__(self, config: LayerConfig):
         super().__init__()
-        self.window, self.decay = config.bucket_window, config.routing_decay
-        centroids = F.normalize(torch.randn(config.n_head, config.routing_clusters, config.d_head), dim=-1)
+        self.window, self.decay = config.attention_options.bucket_window, config.attention_options.decay
+        centroids = F.normalize(torch.randn(config.n_head, config.attention_options.clusters, config.d_head), dim=-1)
         self.register_buffer("centroids", centroids)
 
     def buckets(self, k: Tensor, training: bool) -> Tensor:
@@ -77,7 +93,7 @@ class RoutingAttention(nn.Module):
         return f"clusters={self.centroids.shape[1]}, window={self.window}, decay={self.decay}"
 
 
-@register("routing", "eager", bidirectional=True, score_terms=False)
+@register("routing", "eager", bidirectional=True, score_terms=False, options=RoutingOptions)
 class RoutingReference(RoutingAttention):
     """The cluster pattern as a dense mask: the ground truth for `RoutingAttention`."""
 

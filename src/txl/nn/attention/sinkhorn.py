@@ -22,18 +22,35 @@ same_length. Positions: `rope`, `xpos`, `sinusoidal`, `learned`.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
 from txl.errors import ConfigError
-from txl.models.transformer_xl.config import TransformerXLConfig
 from txl.nn.attention.masks import NEG, AttentionMask
 from txl.nn.attention.pattern import dense_masked_attention, gathered_attention, pad_to
 from txl.nn.attention.registry import refuse, register
+from txl.nn.options import LayerConfig, Options
 from txl.nn.positional import LayerPositions
 
 
-def check_sinkhorn(config: TransformerXLConfig) -> None:
+@dataclass(frozen=True)
+class SinkhornOptions(Options):
+    """`attention_options` of attention='sinkhorn'."""
+
+    block: int = 64  # tokens per block
+    iters: int = 8  # Sinkhorn balancing steps (bidirectional; causal normalises rows only)
+    temperature: float = 0.75
+
+    def validate(self) -> None:
+        self.at_least(1, "block", "iters")
+        if not 0.0 < self.temperature < math.inf:
+            self.fail("temperature", f"must be > 0, got {self.temperature}")
+
+
+def check_sinkhorn(config: LayerConfig) -> None:
     if config.same_length:
         raise ConfigError("config.same_length is not available with attention='sinkhorn' (a sorted block "
                           "mixes keys at many distances)")
@@ -53,13 +70,14 @@ def sinkhorn(logits: Tensor, allowed: Tensor, iters: int) -> Tensor:
     return log_p.exp() * allowed
 
 
-@register("sinkhorn", "fast", bidirectional=True, score_terms=False, check=check_sinkhorn)
+@register("sinkhorn", "fast", bidirectional=True, score_terms=False, check=check_sinkhorn, options=SinkhornOptions)
 class SinkhornAttention(nn.Module):
     """`attention="sinkhorn"`: own block + a learned soft-sorted block per query block."""
 
-    def __init__(self, config: TransformerXLConfig):
+    def __init__(self, config: LayerConfig):
         super().__init__()
-        self.block, self.iters, self.temperature = config.sinkhorn_block, config.sinkhorn_iters, config.sinkhorn_temperature
+        options = config.attention_options
+        self.block, self.iters, self.temperature = options.block, options.iters, options.temperature
         self.sort_weight = nn.Parameter(torch.eye(config.d_head))  # W of the sorting network
 
     def sort_matrix(self, k_blocks: Tensor, n: int, causal: bool) -> Tensor:
@@ -121,7 +139,7 @@ class SinkhornAttention(nn.Module):
         return f"block={self.block}, iters={self.iters}, temperature={self.temperature}"
 
 
-@register("sinkhorn", "eager", bidirectional=True, score_terms=False, check=check_sinkhorn)
+@register("sinkhorn", "eager", bidirectional=True, score_terms=False, check=check_sinkhorn, options=SinkhornOptions)
 class SinkhornReference(SinkhornAttention):
     """[every sorted block ; raw keys] under one dense mask: the ground truth for `SinkhornAttention`."""
 

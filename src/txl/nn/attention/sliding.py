@@ -5,7 +5,7 @@ optional dilation per head and global tokens.
 Positions count over [memory ; segment]; queries are the last i of the n key positions (the kernel
 convention of `txl.nn.attention`).
 
-- **Local window** (`sliding_window` = w, `sliding_dilation` = s per head): the query at position p
+- **Local window** (`SlidingOptions`: `window` = w, `dilation` = s per head): the query at position p
   sees the keys p, p-s, p-2s, …, p-(w-1)s. Dilation widens a head's reach to w·s at the same cost
   (Longformer §3.1 uses it on a few heads of the upper layers). L layers reach L·w·s positions, and
   the memory extends that further across segments, as in Transformer-XL.
@@ -26,7 +26,7 @@ convention of `txl.nn.attention`).
   O(R·n)), and a pair joined only through a chosen key gets the content score alone (its distance is
   not on the band the positional API computes). With every token chosen the kernel is full attention.
   Not combinable with `global_tokens` (put the first tokens in the mask).
-- **Bidirectional** (`causal=false`): each query sees `sliding_window` keys on each side, itself
+- **Bidirectional** (`causal=false`): each query sees `window` keys on each side, itself
   counted once (2w-1 keys; dilated like the causal window). The blocks' keys then run past their last
   query, where xl/shaw/alibi/t5 terms are not defined by the positional API: the bidirectional
   window takes encodings without score terms (rope, learned, sinusoidal), checked with the config.
@@ -57,7 +57,7 @@ and is the ground truth the fast kernel is tested against.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -68,16 +68,27 @@ from txl.nn.attention.eager import eager_attention
 from txl.nn.attention.masks import AttentionMask, additive_mask, distances
 from txl.nn.attention.pattern import gathered_attention, merge_by_lse
 from txl.nn.attention.registry import no_padding, register
+from txl.nn.options import LayerConfig, Options
 from txl.nn.positional import LayerPositions
-
-if TYPE_CHECKING:  # annotations only: the config module imports the registries
-    from txl.models.transformer_xl.config import TransformerXLConfig
 
 UNBOUNDED = 2**31  # a window longer than any sequence (strided heads of the sparse kernel)
 
 
-def head_dilations(config: TransformerXLConfig) -> tuple[int, ...]:
-    dilation = config.sliding_dilation or (1,)
+@dataclass(frozen=True)
+class SlidingOptions(Options):
+    """`attention_options` of attention='sliding'."""
+
+    window: int = 256  # keys each query sees, itself included (counted in dilated steps)
+    dilation: tuple[int, ...] = ()  # per head (or one value for all); () = 1: no gaps
+    global_tokens: int = 0  # the first g positions of each segment attend to and are seen by all
+
+    def validate(self) -> None:
+        self.at_least(1, "window", "dilation")
+        self.at_least(0, "global_tokens")
+
+
+def head_dilations(config: LayerConfig) -> tuple[int, ...]:
+    dilation = config.attention_options.dilation or (1,)
     return dilation * config.n_head if len(dilation) == 1 else dilation
 
 
@@ -509,19 +520,24 @@ _NO_POSITIONS = _NoPositions()
 # Kernels chosen by config.attention = "sliding".
 
 
-def check_sliding(config: TransformerXLConfig) -> None:
+def shaw_values(config: LayerConfig) -> bool:
+    """Whether Shaw's value-side term is on (one pattern for all heads needed)."""
+    return config.pos_encoding == "shaw" and config.position_options.values
+
+
+def check_sliding(config: LayerConfig) -> None:
     from txl.nn.positional import POSITIONAL_ENCODINGS
 
-    dilation = config.sliding_dilation
+    dilation = config.attention_options.dilation
     if dilation and (len(dilation) not in (1, config.n_head) or min(dilation) < 1):
         raise ConfigError(
-            f"config.sliding_dilation needs one value >= 1 for all heads or one per head "
+            f"config.attention_options.dilation needs one value >= 1 for all heads or one per head "
             f"(n_head={config.n_head}), got {list(dilation)}"
         )
-    if config.shaw_values and len(set(dilation)) > 1:
+    if shaw_values(config) and len(set(dilation)) > 1:
         raise ConfigError(
-            "config.shaw_values needs every head on one attention pattern; it is not available with "
-            "attention='sparse' or mixed sliding_dilation"
+            "config.position_options.values (shaw) needs every head on one attention pattern; it is not "
+            "available with attention='sparse' or mixed sliding dilation"
         )
     if config.attention == "sliding" and not config.causal and POSITIONAL_ENCODINGS[config.pos_encoding].score_terms:
         # the band's blocks get score terms for queries that are the last rows of their keys only
@@ -532,17 +548,18 @@ def check_sliding(config: TransformerXLConfig) -> None:
 
 
 @register("sliding", "fast", bidirectional=True, check=check_sliding, global_mask=True, memory_tokens=True,
-          cross_attention=False)  # (a window needs the queries among the keys)
+          cross_attention=False, options=SlidingOptions)  # (a window needs the queries among the keys)
 class SlidingWindowAttention(nn.Module):
     """`attention="sliding"`: Longformer's sliding window (Beltagy et al. 2020), O(n·w); causal, or
     bidirectional (`causal=false`: the window on both sides); global tokens by `global_mask`."""
 
     name = "sliding"
 
-    def __init__(self, config: TransformerXLConfig):
+    def __init__(self, config: LayerConfig):
         super().__init__()
-        self.head_windows = [(config.sliding_window, s) for s in head_dilations(config)]
-        self.global_tokens = config.global_tokens
+        options = config.attention_options
+        self.head_windows = [(options.window, s) for s in head_dilations(config)]
+        self.global_tokens = options.global_tokens
 
     def check_mask(self, mask: AttentionMask) -> None:
         no_padding(self.name, mask)
@@ -575,7 +592,7 @@ class SlidingWindowAttention(nn.Module):
 
 
 @register("sliding", "eager", bidirectional=True, check=check_sliding, global_mask=True, memory_tokens=True,
-          cross_attention=False)  # (a window needs the queries among the keys)
+          cross_attention=False, options=SlidingOptions)  # (a window needs the queries among the keys)
 class SlidingWindowReference(SlidingWindowAttention):
     """The same pattern as a dense mask (O(n²)): the ground truth for `SlidingWindowAttention`."""
 

@@ -1,7 +1,7 @@
 """Fixed sparse attention, the "strided" pattern of Child et al. 2019 (Sparse Transformers, arXiv
 1904.10509, §4.2), as two kinds of heads (their "interleaved" variant: each head one pattern).
 
-With stride l (`sparse_stride`), the query at position p sees, in
+With stride l (`SparseOptions.stride`), the query at position p sees, in
 
 - a **local** head (the first ceil(h/2) heads): A¹ = {p-l, …, p}, the l+1 most recent keys (both ends
   included, as the paper's t = max(0, i-l) … i);
@@ -19,47 +19,55 @@ its terms at distances that are multiples of l). `attention_impl="eager"` is the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from torch import nn
 
 from txl.errors import ConfigError
 from txl.nn.attention.registry import register
-from txl.nn.attention.sliding import UNBOUNDED, SlidingWindowAttention, SlidingWindowReference
-
-if TYPE_CHECKING:  # annotations only: the config module imports the registries
-    from txl.models.transformer_xl.config import TransformerXLConfig
+from txl.nn.attention.sliding import UNBOUNDED, SlidingWindowAttention, SlidingWindowReference, shaw_values
+from txl.nn.options import LayerConfig, Options
 
 
-def sparse_head_windows(config: TransformerXLConfig) -> list[tuple[int, int]]:
+@dataclass(frozen=True)
+class SparseOptions(Options):
+    """`attention_options` of attention='sparse'."""
+
+    stride: int = 128  # l: local window and stride; the paper picks l ≈ sqrt(context)
+
+    def validate(self) -> None:
+        self.at_least(1, "stride")
+
+
+def sparse_head_windows(config: LayerConfig) -> list[tuple[int, int]]:
     """(window, dilation) per head: local heads first, then strided heads."""
     local = (config.n_head + 1) // 2
-    stride = config.sparse_stride
+    stride = config.attention_options.stride
     return [(stride + 1, 1)] * local + [(UNBOUNDED, stride)] * (config.n_head - local)
 
 
-def check_sparse(config: TransformerXLConfig) -> None:
+def check_sparse(config: LayerConfig) -> None:
     if config.n_head < 2:
         raise ConfigError("config.attention='sparse' needs n_head >= 2 (half local, half strided heads)")
-    if config.shaw_values:
+    if shaw_values(config):
         raise ConfigError(
-            "config.shaw_values needs every head on one attention pattern; it is not available with "
-            "attention='sparse' or mixed sliding_dilation"
+            "config.position_options.values (shaw) needs every head on one attention pattern; it is not "
+            "available with attention='sparse' or mixed sliding dilation"
         )
 
 
-@register("sparse", "fast", check=check_sparse)
+@register("sparse", "fast", check=check_sparse, options=SparseOptions)
 class SparseStridedAttention(SlidingWindowAttention):
     """`attention="sparse"`: local + strided heads (Child et al. 2019), block-banded, no n×n matrix."""
 
     name = "sparse"
 
-    def __init__(self, config: TransformerXLConfig):
+    def __init__(self, config: LayerConfig):
         nn.Module.__init__(self)
         self.head_windows = sparse_head_windows(config)
         self.global_tokens = 0
 
 
-@register("sparse", "eager", check=check_sparse)
+@register("sparse", "eager", check=check_sparse, options=SparseOptions)
 class SparseStridedReference(SparseStridedAttention, SlidingWindowReference):
     """The same pattern as a dense mask (O(n²)): the ground truth for `SparseStridedAttention`."""

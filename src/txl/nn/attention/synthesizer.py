@@ -22,24 +22,38 @@ absolute encodings enter through the input.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from txl.models.transformer_xl.config import TransformerXLConfig
 from txl.nn.attention.masks import AttentionMask, distances
 from txl.nn.attention.pattern import dense_masked_attention, gathered_attention, pad_to
 from txl.nn.attention.registry import register
+from txl.nn.options import LayerConfig, Options
 from txl.nn.positional import LayerPositions
 
 
-@register("synthesizer", "fast", bidirectional=True, score_terms=False)
+@dataclass(frozen=True)
+class SynthesizerOptions(Options):
+    """`attention_options` of attention='synthesizer'."""
+
+    mode: Literal["dense", "random"] = "dense"  # scores synthesised per query (dense) or learned by distance (random)
+    max_len: int = 256  # distances a query can see (its window, itself included)
+
+    def validate(self) -> None:
+        self.at_least(1, "max_len")
+
+
+@register("synthesizer", "fast", bidirectional=True, score_terms=False, options=SynthesizerOptions)
 class SynthesizerAttention(nn.Module):
     """`attention="synthesizer"`: dense (per-query MLP) or random (learned) scores by distance."""
 
-    def __init__(self, config: TransformerXLConfig):
+    def __init__(self, config: LayerConfig):
         super().__init__()
-        self.mode, self.max_len, self.causal = config.synthesizer_mode, config.synthesizer_max_len, config.causal
+        self.mode, self.max_len, self.causal = config.attention_options.mode, config.attention_options.max_len, config.causal
         width = self.max_len if config.causal else 2 * self.max_len - 1
         d = config.d_head
         if self.mode == "dense":
@@ -104,7 +118,7 @@ class SynthesizerAttention(nn.Module):
         return f"mode={self.mode}, max_len={self.max_len}"
 
 
-@register("synthesizer", "eager", bidirectional=True, score_terms=False)
+@register("synthesizer", "eager", bidirectional=True, score_terms=False, options=SynthesizerOptions)
 class SynthesizerReference(SynthesizerAttention):
     """The synthetic scores over every key as a dense (i, n) matrix: the ground truth."""
 
