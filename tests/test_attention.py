@@ -83,10 +83,10 @@ PADDED = {  # name -> config overrides: bidirectional encoders and causal models
     "full-fast, bidirectional": dict(causal=False, mem_len=0, pos_encoding="rope", attention_impl="fast"),
     "performer, bidirectional": dict(causal=False, mem_len=0, attention="performer", pos_encoding="sinusoidal"),
     "linformer, bidirectional": dict(causal=False, mem_len=0, attention="linformer", pos_encoding="learned",
-                                     linformer_k=8, linformer_max_len=32),
+                                     attention_options=dict(k=8, max_len=32)),
     "full-eager, causal": dict(mem_len=0, attention_impl="eager", backend="reference"),
     "full-fast, causal": dict(mem_len=0, attention_impl="fast"),
-    "full-fast, causal, shaw": dict(mem_len=0, pos_encoding="shaw", max_relative_distance=6),
+    "full-fast, causal, shaw": dict(mem_len=0, pos_encoding="shaw", position_options=dict(max_distance=6)),
     "performer, causal": dict(mem_len=0, attention="performer", pos_encoding="rope"),
 }
 
@@ -133,8 +133,8 @@ def test_left_padding_with_relative_positions_equals_alone(tiny):
 
 
 @pytest.mark.parametrize(("overrides", "match"), [
-    (dict(attention="sliding", sliding_window=4, mem_len=0), "attention='sliding' does not take a padding mask"),
-    (dict(attention="sparse", sparse_stride=4, mem_len=0), "attention='sparse' does not take a padding mask"),
+    (dict(attention="sliding", attention_options=dict(window=4), mem_len=0), "attention='sliding' does not take a padding mask"),
+    (dict(attention="sparse", attention_options=dict(stride=4), mem_len=0), "attention='sparse' does not take a padding mask"),
 ])
 def test_kernels_that_cannot_pad_say_so(tiny, overrides, match):
     model = TransformerXL(tiny(**overrides))
@@ -201,7 +201,7 @@ def test_kernels_without_probabilities_say_so(tiny):
 
 @pytest.mark.parametrize("attention", ["sliding", "sparse"])
 def test_windowed_kernels_give_the_dense_references_probabilities(attention, tiny):
-    config = tiny(attention=attention, sliding_window=3, sparse_stride=3)
+    config = tiny(attention=attention, attention_options=dict(window=3) if attention == "sliding" else dict(stride=3))
     torch.manual_seed(0)
     fast = TransformerXL(config).eval()
     eager = TransformerXL(config.replace(attention_impl="eager", backend="reference")).eval()
@@ -264,15 +264,15 @@ def test_attention_mask_validates_its_window():
 # Every registered kernel (parametrised from the registry, so a new one cannot escape these)
 
 KERNEL_NAMES = kernel_registry.kernel_names()
-KERNEL_OPTIONS = {"sliding": {"sliding_window": 4}, "sparse": {"sparse_stride": 3}, "performer": {"performer_features": 32},
-                  "linformer": {"linformer_k": 8, "linformer_max_len": 32}}
+KERNEL_OPTIONS = {"sliding": {"window": 4}, "sparse": {"stride": 3}, "performer": {"features": 32},
+                  "linformer": {"k": 8, "max_len": 32}}
 
 
 def kernel_config(tiny, name: str, **overrides):
     spec = kernel_registry.SPECS[name]
     causal = spec.causal
     return tiny(attention=name, pos_encoding="rope", causal=causal, mem_len=8 if causal else 0,
-                **KERNEL_OPTIONS.get(name, {}), **overrides)
+                attention_options=KERNEL_OPTIONS.get(name, {}), **overrides)
 
 
 @pytest.mark.parametrize("name", KERNEL_NAMES)

@@ -22,7 +22,7 @@ def _saved(tmp_path, **overrides):
 
 
 @pytest.mark.parametrize("overrides", [{}, {"cutoffs": (10, 30), "div_val": 2}, {"pos_encoding": "alibi"},
-                                       {"pos_encoding": "shaw", "shaw_values": True}])
+                                       {"pos_encoding": "shaw", "position_options": {"values": True}}])
 def test_save_load_round_trip_gives_identical_outputs(tmp_path, overrides):
     model, path = _saved(tmp_path, **overrides)
     assert sorted(p.name for p in path.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]

@@ -20,7 +20,7 @@ SMALL = dict(vocab_size=50, n_layer=2, d_model=16, n_head=2, d_head=8, d_inner=3
         ("vocab_size", 0),
         ("mem_len", -1),
         ("clamp_len", -1),
-        ("max_relative_distance", -2),
+        ("position_options", {"max_distance": -2}),  # pos_encoding="shaw" (below)
         ("dropout", 1.0),
         ("dropatt", -0.1),
         ("init_std", 0.0),
@@ -43,6 +43,8 @@ def test_invalid_field_raises_value_error_naming_it(field, value):
     kwargs = {**SMALL, field: value}
     if field == "tie_projs":
         kwargs["cutoffs"] = (20,)
+    if field == "position_options":
+        kwargs["pos_encoding"] = "shaw"
     with pytest.raises(ValueError, match=field):
         TransformerXLConfig(**kwargs)
 
@@ -53,7 +55,7 @@ def test_invalid_field_raises_value_error_naming_it(field, value):
         (dict(same_length=True, mem_len=0), "same_length"),
         (dict(div_val=2), "div_val"),
         (dict(pos_encoding="rope", d_head=7), "d_head"),
-        (dict(shaw_values=True), "shaw_values"),
+        (dict(position_options={"values": True}), "position_options.values"),
         (dict(untie_r=True, pos_encoding="alibi"), "untie_r"),
         (dict(cutoffs=(10, 20, 40), div_val=8, d_embed=64), "div_val"),
     ],

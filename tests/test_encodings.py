@@ -47,7 +47,7 @@ def test_t5_buckets_equal_the_hugging_face_t5_reference(bidirectional):
 
 
 def test_t5_bias_after_scaling_is_the_table_entry_and_shared_by_layers():
-    model = build(pos_encoding="t5", t5_buckets=8, t5_max_distance=16)
+    model = build(pos_encoding="t5", position_options=dict(buckets=8, max_distance=16))
     encoding = model.pos
     q = torch.randn(1, 4, 5, 8)
     first = encoding.layer(0, {}).score_bias(q, k_len=9)
@@ -58,10 +58,10 @@ def test_t5_bias_after_scaling_is_the_table_entry_and_shared_by_layers():
 
 
 def test_t5_config_checks():
-    with pytest.raises(ConfigError, match="config.t5_buckets"):
-        build(pos_encoding="t5", t5_buckets=2)
-    with pytest.raises(ConfigError, match="config.t5_max_distance"):
-        build(pos_encoding="t5", t5_max_distance=0)
+    with pytest.raises(ConfigError, match="config.position_options.buckets"):
+        build(pos_encoding="t5", position_options=dict(buckets=2))
+    with pytest.raises(ConfigError, match="config.position_options.max_distance"):
+        build(pos_encoding="t5", position_options=dict(max_distance=0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -69,7 +69,7 @@ def test_t5_config_checks():
 
 
 def test_xpos_score_depends_on_distance_only_and_decays_as_zeta_power():
-    model = build(pos_encoding="xpos", xpos_scale_base=4)
+    model = build(pos_encoding="xpos", position_options=dict(scale_base=4))
     encoding = model.pos
     d = 8
     state = encoding.prepare(k_len=12, clamp_len=0, device=torch.device("cpu"), dtype=torch.float32)
@@ -102,8 +102,8 @@ def test_xpos_is_causal_only_and_needs_even_heads():
 
 
 def test_hierarchical_positions_below_the_table_size_equal_the_plain_table():
-    model = build(pos_encoding="learned", max_positions=8, hierarchical=0.4)
-    plain = build(pos_encoding="learned", max_positions=8)
+    model = build(pos_encoding="learned", position_options=dict(max_positions=8, hierarchical=0.4))
+    plain = build(pos_encoding="learned", position_options=dict(max_positions=8))
     plain.load_state_dict(model.state_dict())
     torch.testing.assert_close(model.pos.positions(8), model.pos.table)
     x = torch.randint(0, 61, (2, 8))
@@ -112,7 +112,7 @@ def test_hierarchical_positions_below_the_table_size_equal_the_plain_table():
 
 
 def test_hierarchical_positions_beyond_the_table_follow_su_decomposition():
-    model = build(pos_encoding="learned", max_positions=4, hierarchical=0.3)
+    model = build(pos_encoding="learned", position_options=dict(max_positions=4, hierarchical=0.3))
     e = model.pos.table.detach()
     u = (e - 0.3 * e[0]) / 0.7
     got = model.pos.positions(16).detach()
@@ -126,10 +126,10 @@ def test_hierarchical_positions_beyond_the_table_follow_su_decomposition():
 
 def test_position_merge_modes():
     x = torch.randn(2, 6, 32)
-    mul = build(pos_encoding="learned", position_merge="mul")
+    mul = build(pos_encoding="learned", position_options=dict(merge="mul"))
     e = mul.pos.table[:6]
     torch.testing.assert_close(mul.pos.embed(x), x * (e + 1))
-    concat = build(pos_encoding="learned", position_merge="concat")
+    concat = build(pos_encoding="learned", position_options=dict(merge="concat"))
     assert concat.pos.merge_proj.weight.shape == (32, 64)
     torch.manual_seed(0)
     fresh = type(concat)(concat.config)  # freshly initialised: concat starts as add
@@ -138,10 +138,10 @@ def test_position_merge_modes():
 
 
 @pytest.mark.parametrize(("overrides", "field"), [
-    ({"pos_encoding": "rope", "hierarchical": 0.4}, "hierarchical"),
-    ({"pos_encoding": "learned", "hierarchical": 1.0}, "hierarchical"),
-    ({"pos_encoding": "sinusoidal", "position_merge": "mul"}, "position_merge"),
-    ({"pos_encoding": "learned", "position_merge": "stack"}, "position_merge"),
+    ({"pos_encoding": "rope", "position_options": {"hierarchical": 0.4}}, "position_options.hierarchical"),
+    ({"pos_encoding": "learned", "position_options": {"hierarchical": 1.0}}, "position_options.hierarchical"),
+    ({"pos_encoding": "sinusoidal", "position_options": {"merge": "mul"}}, "position_options.merge"),
+    ({"pos_encoding": "learned", "position_options": {"merge": "stack"}}, "position_options.merge"),
 ])
 def test_learned_options_are_checked_by_name(overrides, field):
     with pytest.raises(ConfigError, match=f"config.{field}"):
@@ -153,7 +153,7 @@ def test_learned_options_are_checked_by_name(overrides, field):
 
 
 def test_bidirectional_shaw_uses_signed_clipped_distances_on_keys_and_values():
-    config = build(pos_encoding="shaw", causal=False, mem_len=0, max_relative_distance=2, shaw_values=True).config
+    config = build(pos_encoding="shaw", causal=False, mem_len=0, position_options=dict(max_distance=2, values=True)).config
     encoding = build_positional(config)
     with torch.no_grad():
         for p in encoding.parameters():

@@ -28,7 +28,7 @@ VARIANTS = {
     "clamp_len": {"clamp_len": 5},
     "pre_lnorm": {"pre_lnorm": True},
 }
-EXTRA = {"shaw": {"max_relative_distance": 6}}  # clipping active inside the span
+EXTRA = {"shaw": {"position_options": {"max_distance": 6}}}  # clipping active inside the span
 
 
 def pair(**overrides) -> tuple[TransformerXL, TransformerXL]:
@@ -121,7 +121,7 @@ def test_packed_kv_never_reads_a_base_that_autograd_does_not_track():
 
 @pytest.mark.parametrize("overrides", [
     {"untie_r": True},
-    {"pos_encoding": "shaw", "shaw_values": True, "max_relative_distance": 4},
+    {"pos_encoding": "shaw", "position_options": {"values": True, "max_distance": 4}},
     {"cutoffs": (20, 40), "div_val": 2},
     {"mem_len": 0},
 ])

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from txl import ConfigError, TransformerXLConfig, UsageError
+from txl import ConfigError, EncoderDecoderConfig, TransformerXLConfig, UsageError
 from txl.models.transformer_xl.model import TransformerXL
 from txl.nn.attention.bigbird import BigBirdAttention, BigBirdReference
 from txl.nn.attention.buckets import bucket_ranks
@@ -35,16 +35,16 @@ BASE = dict(vocab_size=61, n_layer=2, d_model=32, n_head=4, d_head=8, d_inner=48
 # Small pattern sizes so that a 16-24 token test crosses block, bucket and window boundaries. A kernel
 # missing here runs with its defaults.
 OPTIONS = {
-    "sliding": dict(sliding_window=5),
-    "sparse": dict(sparse_stride=3),
-    "linformer": dict(linformer_k=8, linformer_max_len=32),
-    "bigbird": dict(bigbird_block=3, bigbird_window=1, bigbird_global=1, bigbird_random=1),
-    "lsh": dict(lsh_buckets=4, lsh_hashes=2, bucket_window=3),
-    "routing": dict(routing_clusters=3, bucket_window=3),
-    "sinkhorn": dict(sinkhorn_block=3),
-    "compressed": dict(compress_ratio=3),
-    "synthesizer": dict(synthesizer_max_len=6),
-    "inducing": dict(inducing_points=5),
+    "sliding": dict(window=5),
+    "sparse": dict(stride=3),
+    "linformer": dict(k=8, max_len=32),
+    "bigbird": dict(block=3, window=1, global_blocks=1, random_blocks=1),
+    "lsh": dict(buckets=4, hashes=2, bucket_window=3),
+    "routing": dict(clusters=3, bucket_window=3),
+    "sinkhorn": dict(block=3),
+    "compressed": dict(ratio=3),
+    "synthesizer": dict(max_len=6),
+    "inducing": dict(points=5),
 }
 NAMES = kernel_names()
 CAUSAL = [name for name in NAMES if SPECS[name].causal]
@@ -53,9 +53,11 @@ BOTH_IMPLS = [name for name in NAMES if (name, "fast") in KERNELS and (name, "ea
 
 
 def config_for(name: str, *, causal: bool = True, **overrides) -> TransformerXLConfig:
+    """The kernel `name` on BASE; keyword arguments that are the kernel's options go to attention_options."""
     pos = "xl" if SPECS[name].score_terms and causal else "rope"
     extra = dict(causal=False, mem_len=0) if not causal else {}
-    return TransformerXLConfig(**{**BASE, "attention": name, "pos_encoding": pos, **OPTIONS.get(name, {}),
+    options = {**OPTIONS.get(name, {}), **{k: overrides.pop(k) for k in list(overrides) if k in SPECS[name].options.names()}}
+    return TransformerXLConfig(**{**BASE, "attention": name, "pos_encoding": pos, "attention_options": options,
                                   **extra, **overrides})
 
 
@@ -192,7 +194,7 @@ def test_full_attention_helper_is_the_eager_kernel():
 @pytest.mark.parametrize("causal", [True, False])
 def test_linear_attention_equals_its_feature_map_formula(feature, causal):
     q, k, v = qkv(20, 12 if causal else 20)
-    kernel = LinearAttention(config_for("linear", causal=causal, linear_feature=feature))
+    kernel = LinearAttention(config_for("linear", causal=causal, feature=feature))
     phi = (lambda x: F.elu(x) + 1) if feature == "elu" else F.relu
     weights = phi(q) @ phi(k).transpose(-1, -2)  # (the features' ε moves this by ~1e-6 relative)
     if causal:
@@ -206,8 +208,8 @@ def test_linear_refuses_what_it_cannot_do():
         config_for("linear", dropatt=0.1)
     with pytest.raises(ConfigError, match="config.same_length"):
         config_for("linear", same_length=True)
-    with pytest.raises(ConfigError, match="config.linear_feature"):
-        config_for("linear", linear_feature="softplus")
+    with pytest.raises(ConfigError, match="config.attention_options.feature"):
+        config_for("linear", feature="softplus")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,7 +217,7 @@ def test_linear_refuses_what_it_cannot_do():
 
 
 def test_bigbird_with_a_fixed_random_pattern_equals_its_hand_built_mask():
-    config = config_for("bigbird", bigbird_block=2, bigbird_window=1, bigbird_global=1, bigbird_random=1)
+    config = config_for("bigbird", block=2, window=1, global_blocks=1, random_blocks=1)
     fast = BigBirdAttention(config)
     table = {1: [0], 2: [0], 3: [1], 4: [0], 5: [3], 6: [2], 7: [4], 8: [1], 9: [6]}
     fixed = lambda blocks, n_blocks, causal: torch.tensor([table.get(int(t), [-1]) for t in blocks])  # noqa: E731
@@ -238,8 +240,8 @@ def test_bigbird_with_a_fixed_random_pattern_equals_its_hand_built_mask():
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_bigbird_with_a_window_covering_everything_is_full_attention(causal):
-    config = config_for("bigbird", causal=causal, bigbird_block=3, bigbird_window=8, bigbird_global=0,
-                        bigbird_random=0)
+    config = config_for("bigbird", causal=causal, block=3, window=8, global_blocks=0,
+                        random_blocks=0)
     n, i = (24, 15) if causal else (20, 20)
     q, k, v = qkv(n, i)
     torch.testing.assert_close(attend(BigBirdAttention(config), q, k, v, AttentionMask(causal=causal)),
@@ -273,7 +275,7 @@ def shared_qk_attention(k, v, visible):
 
 @pytest.mark.parametrize("kernel", [LSHAttention, LSHReference])
 def test_lsh_with_a_fixed_hash_equals_its_dense_masked_computation(kernel):
-    config = config_for("lsh", lsh_hashes=2, bucket_window=2)
+    config = config_for("lsh", hashes=2, bucket_window=2)
     lsh = kernel(config)
     n = 16
     # Round 0: parity buckets; round 1: position // 4. Fixed hashes, so the pattern is known.
@@ -290,7 +292,7 @@ def test_lsh_with_a_fixed_hash_equals_its_dense_masked_computation(kernel):
 
 
 def test_lsh_with_one_bucket_and_a_window_covering_everything_is_full_shared_qk_attention():
-    config = config_for("lsh", lsh_hashes=3, bucket_window=64)
+    config = config_for("lsh", hashes=3, bucket_window=64)
     lsh = LSHAttention(config)
     lsh.rotations.zero_()  # every key hashes to bucket 0 in every round
     _, k, v = qkv(20, 20)
@@ -305,7 +307,7 @@ def test_bucket_ranks_count_positions_within_each_bucket():
 
 
 def test_routing_with_fixed_centroids_routes_to_the_nearest_and_learns_only_in_training():
-    config = config_for("routing", routing_clusters=2, bucket_window=64, routing_decay=0.5)
+    config = config_for("routing", clusters=2, bucket_window=64, decay=0.5)
     routing = RoutingAttention(config)
     axis = torch.zeros(4, 2, 8)
     axis[:, 0, 0], axis[:, 1, 1] = 1.0, 1.0  # centroid 0 = e0, centroid 1 = e1
@@ -323,7 +325,7 @@ def test_routing_with_fixed_centroids_routes_to_the_nearest_and_learns_only_in_t
 
 
 def test_routing_with_one_cluster_is_full_shared_qk_attention():
-    routing = RoutingAttention(config_for("routing", routing_clusters=1, bucket_window=64))
+    routing = RoutingAttention(config_for("routing", clusters=1, bucket_window=64))
     _, k, v = qkv(20, 20)
     expected = shared_qk_attention(k, v, AttentionMask().visible(20, 20, k.device)[0, 0])
     torch.testing.assert_close(attend(routing, k, k, v), expected, atol=1e-5, rtol=1e-5)
@@ -336,7 +338,7 @@ def test_routing_with_one_cluster_is_full_shared_qk_attention():
 @pytest.mark.parametrize("kernel", [SinkhornAttention, SinkhornReference])
 @pytest.mark.parametrize("causal", [True, False])
 def test_sinkhorn_with_a_fixed_permutation_equals_its_dense_masked_computation(kernel, causal):
-    config = config_for("sinkhorn", causal=causal, sinkhorn_block=3)
+    config = config_for("sinkhorn", causal=causal, block=3)
     sink = kernel(config)
     n = 18  # 6 blocks
     target = [None, 0, 0, 1, 2, 0] if causal else [3, 5, 0, 4, 1, 2]  # block t also sees block target[t]
@@ -357,7 +359,7 @@ def test_sinkhorn_with_a_fixed_permutation_equals_its_dense_masked_computation(k
 
 
 def test_sinkhorn_with_one_block_covering_everything_is_full_attention():
-    sink = SinkhornAttention(config_for("sinkhorn", sinkhorn_block=32))
+    sink = SinkhornAttention(config_for("sinkhorn", block=32))
     q, k, v = qkv(20, 12)
     torch.testing.assert_close(attend(sink, q, k, v), full_attention(q, k, v), atol=1e-5, rtol=1e-5)
 
@@ -376,7 +378,7 @@ def test_sinkhorn_balancing_gives_a_doubly_stochastic_matrix():
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_compressed_at_ratio_one_with_identity_convolution_is_full_attention(causal):
-    kernel = CompressedAttention(config_for("compressed", causal=causal, compress_ratio=1))
+    kernel = CompressedAttention(config_for("compressed", causal=causal, ratio=1))
     n, i = (20, 13) if causal else (16, 16)
     q, k, v = qkv(n, i)
     torch.testing.assert_close(attend(kernel, q, k, v, AttentionMask(causal=causal)),
@@ -384,7 +386,7 @@ def test_compressed_at_ratio_one_with_identity_convolution_is_full_attention(cau
 
 
 def test_compressed_rows_are_the_strided_convolution_and_only_past_blocks_are_seen():
-    kernel = CompressedAttention(config_for("compressed", compress_ratio=3))
+    kernel = CompressedAttention(config_for("compressed", ratio=3))
     torch.nn.init.normal_(kernel.key_conv)
     torch.nn.init.normal_(kernel.value_conv)
     q, k, v = qkv(12, 12)
@@ -406,7 +408,7 @@ def test_compressed_rows_are_the_strided_convolution_and_only_past_blocks_are_se
 
 @pytest.mark.parametrize("mode", ["dense", "random"])
 def test_synthesizer_scores_come_from_the_query_or_a_table_by_distance(mode):
-    kernel = SynthesizerAttention(config_for("synthesizer", synthesizer_mode=mode, synthesizer_max_len=4))
+    kernel = SynthesizerAttention(config_for("synthesizer", mode=mode, max_len=4))
     q, k, v = qkv(10, 10)
     rows = kernel.rows(q)  # (b, h, i, 4)
     scores = torch.full((2, 4, 10, 10), float("-inf"))
@@ -426,18 +428,18 @@ def test_synthesizer_scores_come_from_the_query_or_a_table_by_distance(mode):
 
 
 @pytest.mark.parametrize(("overrides", "field"), [
-    (dict(attention="lsh", lsh_buckets=5), "lsh_buckets"),
-    (dict(attention="lsh", lsh_hashes=0), "lsh_hashes"),
-    (dict(attention="routing", bucket_window=0), "bucket_window"),
-    (dict(attention="routing", routing_decay=1.0), "routing_decay"),
-    (dict(attention="bigbird", bigbird_block=0), "bigbird_block"),
-    (dict(attention="bigbird", bigbird_random=-1), "bigbird_random"),
-    (dict(attention="sinkhorn", sinkhorn_temperature=0.0), "sinkhorn_temperature"),
+    (dict(attention="lsh", attention_options=dict(buckets=5)), "attention_options.buckets"),
+    (dict(attention="lsh", attention_options=dict(hashes=0)), "attention_options.hashes"),
+    (dict(attention="routing", attention_options=dict(bucket_window=0)), "attention_options.bucket_window"),
+    (dict(attention="routing", attention_options=dict(decay=1.0)), "attention_options.decay"),
+    (dict(attention="bigbird", attention_options=dict(block=0)), "attention_options.block"),
+    (dict(attention="bigbird", attention_options=dict(random_blocks=-1)), "attention_options.random_blocks"),
+    (dict(attention="sinkhorn", attention_options=dict(temperature=0.0)), "attention_options.temperature"),
     (dict(attention="sinkhorn", same_length=True), "same_length"),
-    (dict(attention="compressed", compress_ratio=0), "compress_ratio"),
+    (dict(attention="compressed", attention_options=dict(ratio=0)), "attention_options.ratio"),
     (dict(attention="compressed", same_length=True), "same_length"),
-    (dict(attention="synthesizer", synthesizer_mode="factorized"), "synthesizer_mode"),
-    (dict(attention="synthesizer", synthesizer_max_len=0), "synthesizer_max_len"),
+    (dict(attention="synthesizer", attention_options=dict(mode="factorized")), "attention_options.mode"),
+    (dict(attention="synthesizer", attention_options=dict(max_len=0)), "attention_options.max_len"),
 ])
 def test_bad_kernel_options_are_rejected_by_name(overrides, field):
     with pytest.raises(ConfigError, match=f"config.{field}"):
@@ -469,7 +471,7 @@ def test_kernels_that_cannot_pad_or_give_probabilities_say_so(name):
 
 
 def test_inducing_points_that_each_pick_one_key_give_full_bidirectional_attention():
-    kernel = InducingPointAttention(config_for("inducing", causal=False, inducing_points=12))
+    kernel = InducingPointAttention(config_for("inducing", causal=False, points=12))
     perm = torch.randperm(12)
     kernel.summary_weights = lambda k, padding: torch.eye(12)[perm].expand(k.shape[0], k.shape[1], -1, -1)
     q, k, v = qkv(12, 12)
@@ -478,7 +480,7 @@ def test_inducing_points_that_each_pick_one_key_give_full_bidirectional_attentio
 
 
 def test_inducing_points_summarise_keys_and_ignore_padding():
-    kernel = InducingPointAttention(config_for("inducing", causal=False, inducing_points=3))
+    kernel = InducingPointAttention(config_for("inducing", causal=False, points=3))
     q, k, v = qkv(10, 10)
     a = torch.einsum("hmd,bhjd->bhmj", kernel.points, k).mul(8**-0.5).softmax(-1)
     expected = ((q @ (a @ k).transpose(-1, -2)) * 8**-0.5).softmax(-1) @ (a @ v)
@@ -505,8 +507,8 @@ def chosen_tokens(i: int) -> torch.Tensor:
 
 @pytest.mark.parametrize(("causal", "n", "i"), [(True, 23, 23), (True, 31, 17), (False, 22, 22)])
 def test_bigbird_global_mask_equals_its_dense_reference_and_a_hand_built_mask(causal, n, i):
-    config = config_for("bigbird", causal=causal, bigbird_block=3, bigbird_window=0, bigbird_global=0,
-                        bigbird_random=0)  # own block only, so the chosen tokens are all that reaches further
+    config = config_for("bigbird", causal=causal, block=3, window=0, global_blocks=0,
+                        random_blocks=0)  # own block only, so the chosen tokens are all that reaches further
     fast, eager = kernel_pair(config)
     chosen = chosen_tokens(i)
     mask = AttentionMask(causal=causal, global_mask=chosen)
@@ -546,7 +548,7 @@ def sliding_visible(n: int, i: int, *, window: int, dilation: int, causal: bool,
 @pytest.mark.parametrize(("causal", "n", "i"), [(True, 23, 23), (True, 31, 17), (False, 22, 22), (False, 40, 40)])
 @pytest.mark.parametrize("dilation", [1, 2])
 def test_sliding_global_mask_equals_its_dense_reference_and_a_hand_built_mask(causal, n, i, dilation):
-    config = config_for("sliding", causal=causal, sliding_window=3, sliding_dilation=(dilation,))
+    config = config_for("sliding", causal=causal, window=3, dilation=(dilation,))
     fast, eager = kernel_pair(config)
     chosen = chosen_tokens(i)
     mask = AttentionMask(causal=causal, global_mask=chosen)
@@ -564,8 +566,8 @@ def test_sliding_global_mask_equals_its_dense_reference_and_a_hand_built_mask(ca
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("impl", ["eager", "fast"])
 def test_sliding_global_mask_all_false_is_plain_sliding_and_all_true_is_full_attention(causal, impl):
-    kernel = KERNELS[("sliding", impl)](config_for("sliding", causal=causal, sliding_window=3,
-                                                   sliding_dilation=(1, 2, 1, 3)))
+    kernel = KERNELS[("sliding", impl)](config_for("sliding", causal=causal, window=3,
+                                                   dilation=(1, 2, 1, 3)))
     n, i = (31, 17) if causal else (22, 22)
     q, k, v = qkv(n, i)
     none, every = torch.zeros(2, i, dtype=torch.bool), torch.ones(2, i, dtype=torch.bool)
@@ -582,7 +584,7 @@ def test_sliding_chosen_rows_take_every_position_term_and_all_chosen_is_full_att
     """Causal, with an encoding's score terms: a chosen query's row is full attention over every earlier
     key with all position terms (fast = dense reference), so with every token chosen the kernel is
     full attention; a pair joined only by a chosen key keeps the content score."""
-    config = config_for("sliding", pos_encoding=pos, shaw_values=pos == "shaw", sliding_window=3)
+    config = config_for("sliding", pos_encoding=pos, position_options={"values": True} if pos == "shaw" else None, window=3)
     model = build(config)
     n, i = 31, 17
     positions = model.pos.layer(0, model.pos.prepare(k_len=n, clamp_len=0, device=torch.device("cpu"),
@@ -609,8 +611,8 @@ def test_sliding_chosen_rows_take_every_position_term_and_all_chosen_is_full_att
 def test_bidirectional_sliding_sees_the_window_on_both_sides(impl, window, dilation):
     """`causal=false`: each query sees `window` keys on each side of it (itself counted once),
     dilated; a window longer than the sequence is full bidirectional attention."""
-    kernel = KERNELS[("sliding", impl)](config_for("sliding", causal=False, sliding_window=window,
-                                                   sliding_dilation=(dilation,)))
+    kernel = KERNELS[("sliding", impl)](config_for("sliding", causal=False, window=window,
+                                                   dilation=(dilation,)))
     q, k, v = qkv(40, 40)
     visible = sliding_visible(40, 40, window=window, dilation=dilation, causal=False)
     scores = (q @ k.transpose(-1, -2)) * 8**-0.5
@@ -631,8 +633,8 @@ def test_bidirectional_sliding_refuses_score_terms_and_global_tokens_with_a_mask
 
 @pytest.mark.parametrize("name", ["bigbird", "sliding"])
 def test_global_mask_in_a_model_reaches_far_and_stays_causal(name):
-    narrow = dict(bigbird_block=2, bigbird_window=0, bigbird_global=0, bigbird_random=0) if name == "bigbird" else \
-        dict(sliding_window=2)
+    narrow = dict(block=2, window=0, global_blocks=0, random_blocks=0) if name == "bigbird" else \
+        dict(window=2)
     model = build(config_for(name, n_layer=1, **narrow))
     x = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(4))
     chosen = torch.zeros(2, 16, dtype=torch.long)
@@ -690,7 +692,7 @@ def test_every_kernel_pads_exactly_or_refuses_by_name(name, impl):
 
 
 def test_compressed_query_chunks_change_nothing(monkeypatch):
-    fast, eager = kernel_pair(config_for("compressed", compress_ratio=3))
+    fast, eager = kernel_pair(config_for("compressed", ratio=3))
     q, k, v = qkv(31, 17)
     whole = attend(fast, q, k, v)
     monkeypatch.setattr(CompressedAttention, "query_chunk", 5)  # 17 queries in 4 chunks
@@ -732,7 +734,7 @@ def test_memory_tokens_equal_a_dense_softmax_over_tokens_memory_and_segment(pos,
     (no position term, no u), always visible; the other columns are the encoding's usual scores."""
     if not causal and pos in ("xl", "alibi"):
         pytest.skip(f"{pos} is causal only")
-    model = build(config_for("full", causal=causal, pos_encoding=pos, shaw_values=pos == "shaw"))
+    model = build(config_for("full", causal=causal, pos_encoding=pos, position_options={"values": True} if pos == "shaw" else None))
     state = model.pos.prepare(k_len=n, clamp_len=0, device=torch.device("cpu"), dtype=torch.float32)
     positions = model.pos.layer(0, state)
     q, k, v = qkv(n, i)
@@ -843,12 +845,12 @@ def test_memory_tokens_in_the_bidirectional_encoder_with_padding():
 
 
 @pytest.mark.parametrize(("causal", "n", "i"), [(True, 31, 17), (True, 23, 23), (False, 22, 22)])
-@pytest.mark.parametrize("options", [dict(), dict(sliding_dilation=(1, 2, 1, 3)), dict(global_tokens=2),
+@pytest.mark.parametrize("options", [dict(), dict(dilation=(1, 2, 1, 3)), dict(global_tokens=2),
                                      dict(chosen=True)])
 def test_sliding_with_memory_tokens_equals_its_dense_reference(causal, n, i, options):
     options = dict(options)
     chosen = chosen_tokens(i) if options.pop("chosen", False) else None
-    fast, eager = kernel_pair(config_for("sliding", causal=causal, sliding_window=3, **options))
+    fast, eager = kernel_pair(config_for("sliding", causal=causal, window=3, **options))
     q, k, v = qkv(n, i, grad=True)
     k_all, v_all, _ = with_tokens(q, k, v, 3)
     mask = AttentionMask(causal=causal, memory_tokens=3, global_mask=chosen)
@@ -863,7 +865,7 @@ def test_sliding_with_memory_tokens_and_a_window_covering_everything_is_full_att
     q, k, v = qkv(22, 22)
     k_all, v_all, _ = with_tokens(q, k, v, 3)
     mask = AttentionMask(causal=causal, memory_tokens=3)
-    kernel = KERNELS[("sliding", "fast")](config_for("sliding", causal=causal, sliding_window=40))
+    kernel = KERNELS[("sliding", "fast")](config_for("sliding", causal=causal, window=40))
     torch.testing.assert_close(attend(kernel, q, k_all, v_all, mask), attend(eager_attention, q, k_all, v_all, mask),
                                atol=1e-5, rtol=1e-5)
 
@@ -874,7 +876,7 @@ def test_memory_tokens_are_refused_by_kernels_that_cannot_take_them():
     with pytest.raises(ConfigError, match="config.memory_tokens must be >= 0"):
         config_for("full", memory_tokens=-1)
     with pytest.raises(ConfigError, match="config.memory_tokens must be 0 with arch='encoder-decoder'"):
-        TransformerXLConfig(**{**BASE, "mem_len": 0}, arch="encoder-decoder", memory_tokens=2, pos_encoding="rope")
+        EncoderDecoderConfig(**{k: v for k, v in BASE.items() if k != "mem_len"}, memory_tokens=2, pos_encoding="rope")
 
 
 @pytest.mark.parametrize(("name", "window", "weights"), [
@@ -909,7 +911,7 @@ def test_kernel_refusals_name_the_kernel_and_the_reason(name, window, weights):
 @pytest.mark.parametrize("dilation", [(), (1, 2, 1, 3)])
 def test_sliding_with_everything_at_once_equals_its_dense_reference(window, dilation):
     """xl positions, memory, a same_length window, mixed dilations, memory tokens and chosen tokens."""
-    config = config_for("sliding", sliding_window=3, sliding_dilation=dilation)
+    config = config_for("sliding", window=3, dilation=dilation)
     model = build(config)
     n, i = 31, 17
     positions = model.pos.layer(0, model.pos.prepare(k_len=n, clamp_len=0, device=torch.device("cpu"),

@@ -130,7 +130,7 @@ def test_train_bidirectional_sliding_mlm_from_the_cli_then_eval(tmp_path, corpus
     code, log = finish(txl("train", "--config", str(config), "--out", str(tmp_path / "run"), "--quiet", *sets))
     assert code == 0, log
     saved = json.loads((tmp_path / "run" / "best" / "config.json").read_text())
-    assert (saved["attention"], saved["causal"], saved["sliding_window"]) == ("sliding", False, 4)
+    assert (saved["attention"], saved["causal"], saved["attention_options"]["window"]) == ("sliding", False, 4)
     code, out = finish(txl("eval", str(tmp_path / "run"), "--json", "--max-tokens", "300"))
     assert code == 0, out
     result = json.loads(out[out.index("{"):])

@@ -31,13 +31,13 @@ VARIANTS["untie_r"] = {"untie_r": True}
 def test_segments_with_memory_equal_one_long_pass(pos, variant):
     extra = VARIANTS[variant]
     if pos == "shaw":
-        extra = {**extra, "max_relative_distance": 5}  # clipping active inside the 16-token span
+        extra = {**extra, "position_options": {"max_distance": 5}}  # clipping active inside the 16-token span
     model = build(pos_encoding=pos, **extra)
     assert two_segments_vs_one_pass(model) < 1e-5
 
 
 def test_shaw_value_side_is_segment_invariant():
-    model = build(pos_encoding="shaw", shaw_values=True, max_relative_distance=6)
+    model = build(pos_encoding="shaw", position_options=dict(values=True, max_distance=6))
     assert two_segments_vs_one_pass(model) < 1e-5
 
 

@@ -21,7 +21,7 @@ def test_absolute_positions_show_temporal_confusion(pos):
 def test_learned_positions_reject_too_long_input():
     from txl.errors import UsageError
 
-    model = build(pos_encoding="learned", max_positions=8)
+    model = build(pos_encoding="learned", position_options=dict(max_positions=8))
     with pytest.raises(UsageError, match="max_positions"):
         model(torch.zeros(1, 9, dtype=torch.long))
 

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from helpers import make_corpus, train_losses
-from txl import TransformerXLConfig
+from txl import EncoderDecoderConfig, RecurrentConfig, TransformerXLConfig
 from txl.cli.main import main
 from txl.errors import CheckpointError, ConfigError, UsageError
-from txl.models.pretrained import build_model, load_model, load_tensors
+from txl.models.pretrained import load_tensors
+from txl.models.registry import build_model, load_model
 from txl.models.rnn.model import (
     DropConnectLSTM,
     RecurrentLM,
@@ -25,10 +26,10 @@ from txl.models.rnn.model import (
 ARCHS = ["lstm", "sha-rnn"]
 
 
-def rnn_config(arch: str, **overrides) -> TransformerXLConfig:
+def rnn_config(arch: str, **overrides) -> RecurrentConfig:
     base = dict(arch=arch, vocab_size=53, n_layer=3, d_model=16, d_inner=24 if arch == "lstm" else 64, mem_len=64,
                 dropout=0.0)
-    return TransformerXLConfig(**{**base, **overrides})
+    return RecurrentConfig(**{**base, **overrides})
 
 
 def build(arch: str, seed: int = 0, **overrides) -> RecurrentLM:
@@ -294,7 +295,7 @@ def test_transformer_settings_are_refused_for_rnn_archs(arch, field, value):
 def test_rnn_fields_are_checked(field):
     if field in ("dropout_embed", "dropout_input"):  # the decoder reads them too (tests/test_regularization.py)
         with pytest.raises(ConfigError, match=f"config.{field} only applies to arch='decoder', 'lstm' or 'sha-rnn'"):
-            TransformerXLConfig(arch="encoder-decoder", mem_len=0, **{field: 0.1})
+            EncoderDecoderConfig(**{field: 0.1})
     else:
         with pytest.raises(ConfigError, match=f"config.{field} only applies to arch='lstm' or 'sha-rnn'"):
             TransformerXLConfig(**{field: 0.1})
@@ -313,7 +314,7 @@ def test_switching_a_preset_to_an_rnn_arch():
 
     run = build_run_config(preset="tiny", sets=["model.arch=lstm"])
     config = run.model_config(vocab_size=50)
-    assert config.arch == "lstm" and config.d_model == 128 and config.n_head == TransformerXLConfig().n_head
+    assert config.arch == "lstm" and config.d_model == 128 and "n_head" not in config.to_dict()
     with pytest.raises(ConfigError, match="config.n_head does not apply to arch='lstm'"):
         build_run_config(preset="tiny", sets=["model.arch=lstm", "model.n_head=2"])
 

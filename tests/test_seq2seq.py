@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from txl import ConfigError, TransformerXLConfig, UsageError
+from txl import ConfigError, EncoderDecoderConfig, TransformerXLConfig, UsageError
 from txl.generate.seq2seq import beam_search, greedy, length_penalty, sample
 from txl.models.seq2seq import EncoderDecoder
 
@@ -15,10 +15,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 BOS, EOS, PAD = 1, 2, 0
 
 
-def config(**overrides) -> TransformerXLConfig:
-    base = dict(arch="encoder-decoder", vocab_size=23, n_layer=2, n_encoder_layer=3, d_model=32, n_head=4,
-                d_head=8, d_inner=48, mem_len=0, pos_encoding="sinusoidal", dropout=0.0)
-    return TransformerXLConfig(**{**base, **overrides})
+def config(**overrides) -> EncoderDecoderConfig:
+    base = dict(vocab_size=23, n_layer=2, n_encoder_layer=3, d_model=32, n_head=4,
+                d_head=8, d_inner=48, pos_encoding="sinusoidal", dropout=0.0)
+    return EncoderDecoderConfig(**{**base, **overrides})
 
 
 def build(seed=0, **overrides) -> EncoderDecoder:

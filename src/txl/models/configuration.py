@@ -38,9 +38,13 @@ UPPER_BOUNDS: dict[str, int] = {
 CONFIGS: dict[str, type[ModelConfig]] = {}  # arch -> its config class, in registration order
 
 
+ARCH_ORDER = ("decoder", "encoder-decoder", "lstm", "sha-rnn")  # how messages list them (others after)
+
+
 def archs_with(name: str) -> list[str]:
     """The architectures whose config has a field `name`."""
-    return [arch for arch, cls in CONFIGS.items() if name in cls.field_names()]
+    found = [arch for arch, cls in CONFIGS.items() if name in cls.field_names()]
+    return sorted(found, key=lambda arch: ARCH_ORDER.index(arch) if arch in ARCH_ORDER else len(ARCH_ORDER))
 
 
 def quoted(names: list[str]) -> str:
@@ -60,6 +64,10 @@ def model_config(*archs: str):
 
         @functools.wraps(init)
         def __init__(self, *args: Any, **kwargs: Any) -> None:
+            arch = kwargs.get("arch", archs[0])
+            if isinstance(arch, str) and arch in CONFIGS and arch not in archs:
+                raise ConfigError(f"config.arch={arch!r} is a {CONFIGS[arch].__name__}, not a {cls.__name__}; build "
+                                  f"it with {CONFIGS[arch].__name__} (txl.models.registry.config_from_dict chooses by arch)")
             for key in kwargs:
                 if key not in names:
                     raise ConfigError(cls.unknown_key(key, kwargs))
@@ -163,12 +171,7 @@ class ModelConfig:
         """A config from a dict of either shape (the old flat one is migrated: `txl.models.migration`)."""
         if not isinstance(data, dict):
             raise ConfigError(f"config must be a JSON object, got {type(data).__name__}")
-        data = migrate(data)
-        arch = data.get("arch", cls.ARCHS[0])
-        if isinstance(arch, str) and arch in CONFIGS and arch not in cls.ARCHS:
-            raise ConfigError(f"config.arch={arch!r} is a {CONFIGS[arch].__name__}, not a {cls.__name__}; read it "
-                              "with txl.models.registry.config_from_dict")
-        return cls(**data)
+        return cls(**migrate(data))
 
     def to_json(self, path: str | Path | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"

@@ -77,12 +77,13 @@ class NoOptions(Options):
 
 
 def resolve_options(value: Any, *, kind: str, chosen: str, registry: Mapping[str, type[Options]]) -> Options:
-    """`value` (None, a dict, or an Options instance) as the options of `kind=chosen` (e.g.
-    attention='sliding'), whose class `registry[chosen]` is. An option that belongs to another entry
+    """`value` (None, a dict, or an Options instance) as the options of the kernel (`kind="attention"`) or
+    encoding (`kind="position"`) named `chosen`, whose class `registry[chosen]` is. An option that belongs to another entry
     is refused by name; an instance of another entry's class is taken only when it holds that class's
     defaults (switching kernels with `config.replace(attention=...)`)."""
     cls = registry[chosen]
     where = f"config.{kind}_options"
+    selector = "pos_encoding" if kind == "position" else kind
     if value is None:
         return cls()
     if isinstance(value, cls):
@@ -92,10 +93,10 @@ def resolve_options(value: Any, *, kind: str, chosen: str, registry: Mapping[str
             return cls()
         owner = next((name for name, c in registry.items() if c is type(value)), type(value).__name__)
         changed = {k: v for k, v in value.to_dict().items() if v != getattr(type(value)(), k)}
-        raise ConfigError(f"{where} holds options of {kind}={owner!r} ({changed}), not of {kind}={chosen!r}; "
+        raise ConfigError(f"{where} holds options of {selector}={owner!r} ({changed}), not of {selector}={chosen!r}; "
                           f"give {kind}_options for {chosen!r} or remove them")
     if not isinstance(value, Mapping):
-        raise ConfigError(f"{where} must be a table of the options of {kind}={chosen!r} "
+        raise ConfigError(f"{where} must be a table of the options of {selector}={chosen!r} "
                           f"(e.g. {{}}), got {type(value).__name__}")
     known = cls.names()
     for key in value:
@@ -103,9 +104,9 @@ def resolve_options(value: Any, *, kind: str, chosen: str, registry: Mapping[str
             continue
         owners = [name for name, c in registry.items() if isinstance(key, str) and key in c.names()]
         if owners:
-            raise ConfigError(f"{where}.{key} is an option of {kind}={owners[0]!r}, not of {kind}={chosen!r}; "
-                              f"set {kind}={owners[0]!r} or remove it")
-        takes = f"{kind}={chosen!r} takes " + (", ".join(known) if known else "no options")
+            raise ConfigError(f"{where}.{key} is an option of {selector}={owners[0]!r}, not of {selector}={chosen!r}; "
+                              f"set {selector}={owners[0]!r} or remove it")
+        takes = f"{selector}={chosen!r} takes " + (", ".join(known) if known else "no options")
         hint = did_you_mean(str(key), known) or f" ({takes})"
         raise ConfigError(f"unknown option {where}.{str(key)[:100]}{hint}")
     return cls(**value)
