@@ -13,7 +13,11 @@ Per key of the old shape:
 
 1. an option of a kernel or an encoding (`sliding_window`, `t5_buckets`, ... : `OPTION_KEYS`) moves into
    `attention_options` / `position_options` under its new name when that kernel or encoding is the
-   selected one; otherwise it is dropped when it holds the old default;
+   selected one. Otherwise it is dropped, as the old config ignored it (`sliding_window=8` with
+   attention='full' was accepted and never read), except the five the old checks refused for another
+   kernel or encoding (`CHECKED_BEFORE`: sliding_dilation, global_tokens, hierarchical, position_merge,
+   shaw_values), which are dropped only when they hold the old default. For a recurrent LM (no kernel at
+   all) every one is dropped only when it holds the old default, as the old checks refused any other value;
 2. a field the architecture's new config does not have (`KEPT`; e.g. `universal` for the
    encoder-decoder, `n_head` for the LSTM) is dropped when it holds the old default (or, for the
    encoder-decoder, the only value the old checks allowed: mem_len = 0);
@@ -89,6 +93,8 @@ OPTION_KEYS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "inducing_points": ("attention", ("inducing",), "points"),
 }
 SELECTOR = {"attention": ("attention", "full"), "position": ("pos_encoding", "xl")}
+# Options the old config refused when their kernel or encoding was not selected (every other one it ignored).
+CHECKED_BEFORE = frozenset({"sliding_dilation", "global_tokens", "hierarchical", "position_merge", "shaw_values"})
 
 # The old keys each architecture's new config keeps as fields (besides attention_options and
 # position_options, which the Transformer families gained). tests/test_migration.py checks them against
@@ -149,7 +155,10 @@ def migrate(data: Any) -> Any:
                                       f"the old name of the second); keep one")
                 out[options_key] = {**options, new: value}
                 del out[key]
-            elif _is_default(key, value, arch):
+            elif kept is not None and selector not in kept:  # a recurrent LM: the old checks refused any value
+                if _is_default(key, value, arch):
+                    del out[key]
+            elif key not in CHECKED_BEFORE or _is_default(key, value, arch):
                 del out[key]
         elif kept is not None and key in LEGACY_DEFAULTS and key not in kept and _is_default(key, value, arch):
             del out[key]

@@ -104,8 +104,10 @@ def resolve_options(value: Any, *, kind: str, chosen: str, registry: Mapping[str
             continue
         owners = [name for name, c in registry.items() if isinstance(key, str) and key in c.names()]
         if owners:
-            raise ConfigError(f"{where}.{key} is an option of {selector}={owners[0]!r}, not of {selector}={chosen!r}; "
-                              f"set {selector}={owners[0]!r} or remove it")
+            named = " or ".join(repr(owner) for owner in owners)
+            fix = f"{selector}={owners[0]!r}" if len(owners) == 1 else f"{selector} to one of them"
+            raise ConfigError(f"{where}.{key} is an option of {selector}={named}, not of {selector}={chosen!r}; "
+                              f"set {fix} or remove it")
         takes = f"{selector}={chosen!r} takes " + (", ".join(known) if known else "no options")
         hint = did_you_mean(str(key), known) or f" ({takes})"
         raise ConfigError(f"unknown option {where}.{str(key)[:100]}{hint}")
