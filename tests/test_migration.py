@@ -109,8 +109,8 @@ def test_old_keys_in_set_are_migrated_and_the_new_ones_work_too():
     with pytest.raises(ConfigError, match=r"config.global_tokens is now attention_options.global_tokens, an option "
                                           r"of attention='sliding'.*\(in --set model.global_tokens=2\)"):
         build_run_config(preset="tiny", sets=["model.global_tokens=2"])
-    with pytest.raises(ConfigError, match="config.attention_options.window is an option of attention='sliding' or "
-                                          "'bigbird', not of attention='full'; set attention to one of them or remove it"):
+    with pytest.raises(ConfigError, match="config.attention_options.window is an option of attention='bigbird' or "
+                                          "'sliding', not of attention='full'; set attention to one of them or remove it"):
         build_run_config(preset="tiny", sets=["model.attention_options.window=3"])
     later = build_run_config(preset="tiny", sets=["model.attention=sliding", "model.attention_options.window=3",
                                                   "model.sliding_window=4"])  # one name after the other: the last

@@ -102,7 +102,7 @@ def resolve_options(value: Any, *, kind: str, chosen: str, registry: Mapping[str
     for key in value:
         if key in known:
             continue
-        owners = [name for name, c in registry.items() if isinstance(key, str) and key in c.names()]
+        owners = sorted(name for name, c in registry.items() if isinstance(key, str) and key in c.names())
         if owners:
             named = " or ".join(repr(owner) for owner in owners)
             fix = f"{selector}={owners[0]!r}" if len(owners) == 1 else f"{selector} to one of them"
