@@ -1,9 +1,9 @@
 """BigBird (Zaheer et al. 2020, "Big Bird: Transformers for Longer Sequences", arXiv 2007.14062, §2 and
-appendix D "block sparsity"): keys and queries in blocks of B (`bigbird_block`); query block t sees
+appendix D "block sparsity"): keys and queries in blocks of B (`block`); query block t sees
 
-- **window**: blocks t-w … t+w (`bigbird_window` = w; causal: t-w … t, keys after the query hidden),
-- **global**: the first g blocks (`bigbird_global`), which also see every key themselves (ITC),
-- **random**: r blocks (`bigbird_random`) chosen by a fixed hash of (t, slot) — causal: among the
+- **window**: blocks t-w … t+w (`window` = w; causal: t-w … t, keys after the query hidden),
+- **global**: the first g blocks (`global_blocks`), which also see every key themselves (ITC),
+- **random**: r blocks (`random_blocks`) chosen by a fixed hash of (t, slot) — causal: among the
   blocks before t — so the pattern is the same at training and evaluation and for every length
   (a memory extends it without changing it: segment invariance holds).
 

@@ -1,7 +1,7 @@
 """Memory-compressed attention (Liu et al. 2018, "Generating Wikipedia by Summarizing Long Sequences",
 ICLR, arXiv 1801.10198, §4.2.2 "memory-compressed attention").
 
-Keys and values are compressed `compress_ratio` (r) : 1 along the sequence by a strided convolution
+Keys and values are compressed `ratio` (r) : 1 along the sequence by a strided convolution
 (kernel r, stride r, learned, shared by the heads; initialised to mean pooling), and every query
 attends over the compressed keys — O(n²/r) instead of O(n²). Causal "by blocks": positions are cut
 into blocks of r from key position 0 of [memory ; segment]; the query at p sees

@@ -2,7 +2,7 @@
 A Framework for Attention-based Permutation-Invariant Neural Networks", ICML, arXiv 1810.00825, §3.2),
 for the bidirectional encoder (`causal=False`).
 
-m = `inducing_points` learned vectors I (per layer and head) first attend to the n keys, and the
+m = `points` learned vectors I (per layer and head) first attend to the n keys, and the
 queries then attend to what the inducing points gathered:
 
     A = softmax(I Kᵀ / sqrt(d))            (m × n; padding keys excluded)
@@ -51,7 +51,7 @@ def check_inducing(config: LayerConfig) -> None:
 
 @register("inducing", "eager", causal=False, bidirectional=True, score_terms=False, check=check_inducing, options=InducingOptions)
 class InducingPointAttention(nn.Module):
-    """`attention="inducing"`: queries attend to `inducing_points` learned summaries of the keys."""
+    """`attention="inducing"`: queries attend to `points` learned summaries of the keys."""
 
     def __init__(self, config: LayerConfig):
         super().__init__()

@@ -5,8 +5,8 @@ Transformers with Linear Attention", arXiv 2006.16236), and the Performer's gene
 softmax(q·k) is replaced by a feature-map kernel φ(q)·φ(k), deterministic here (no random features):
 
     out_i = Σ_j φ(q_i)·φ(k_j) v_j / Σ_j φ(q_i)·φ(k_j)
-    φ(x) = elu(x) + 1      (`linear_feature="elu"`, Katharopoulos et al. eq. 7)
-    φ(x) = relu(x) + ε     (`linear_feature="relu"`, the Performer's generalised kernel f = ReLU)
+    φ(x) = elu(x) + 1      (`feature="elu"`, Katharopoulos et al. eq. 7)
+    φ(x) = relu(x) + ε     (`feature="relu"`, the Performer's generalised kernel f = ReLU)
 
 Causal (the LM, with memory): the prefix sums S = Σ_{j≤i} φ(k_j) v_jᵀ, z = Σ_{j≤i} φ(k_j) of the
 Performer's chunked code (`txl.nn.attention.performer.causal_linear_attention`, shared, with every key's

@@ -2,7 +2,7 @@
 for the bidirectional encoder (`causal=False`): no causal mask, no memory. The plain bidirectional
 attention it is measured against is `attention="full"` with `causal=False`.
 
-Linformer projects the n keys and values *along the sequence axis* to k rows (`linformer_k`) with
+Linformer projects the n keys and values *along the sequence axis* to k rows (`k`) with
 learned matrices E, F (k × n), then attends over those k rows:
 
     head = softmax(q (E K)ᵀ / sqrt(d)) (F V)          O(n·k) instead of O(n²)
@@ -12,7 +12,7 @@ projection per query would bring back an n×n cost. The config therefore rejects
 `attention="linformer"` with `causal=True` (one error naming the reason).
 
 E and F are per layer and shared by the heads (the paper's "headwise sharing"), one for keys and one
-for values. They are built for `linformer_max_len` positions; a shorter input uses their first n
+for values. They are built for `max_len` positions; a shorter input uses their first n
 columns (the same as zero-padding the sequence), a longer one is an error. Initialised N(0, 1/n_max) so
 a projected row starts at the scale of a single key. Positional encodings: `rope` (rotation applied
 before the projection), `sinusoidal`, `learned`; score terms (xl, shaw, alibi) cannot survive the
@@ -56,7 +56,7 @@ def check_linformer(config: LayerConfig) -> None:
 
 @register("linformer", "eager", causal=False, bidirectional=True, score_terms=False, check=check_linformer, options=LinformerOptions)
 class LinformerAttention(nn.Module):
-    """`attention="linformer"` (bidirectional only): keys/values projected to `linformer_k` rows."""
+    """`attention="linformer"` (bidirectional only): keys/values projected to `k` rows."""
 
     def __init__(self, config: LayerConfig):
         super().__init__()
@@ -70,7 +70,7 @@ class LinformerAttention(nn.Module):
         if n > max_len:
             raise UsageError(
                 f"attention='linformer' was built for {max_len} positions but the input has {n}; "
-                "shorten the input or raise linformer_max_len"
+                "shorten the input or raise attention_options.max_len"
             )
         refuse("linformer", mask, need_weights=need_weights, weights="it attends over projected rows, not keys")
         q_content, k_content = positions.content(q, k)

@@ -2,10 +2,10 @@
 
 Shared-QK attention over hash buckets: each position's unit key k/|k| is hashed by a random rotation
 R (d × b/2) to h(x) = argmax([xR ; -xR]) (angular LSH, the paper's §2 "hashing attention"), in
-`lsh_hashes` independent rounds of `lsh_buckets` buckets. A query sees the `bucket_window` most recent
+`hashes` independent rounds of `buckets` buckets. A query sees the `bucket_window` most recent
 keys of its bucket (itself only if nothing else), in each round, and the union over the rounds —
 Reformer's "sorted chunks attending to their own and the previous chunk", made strictly causal and
-exact (see `txl.nn.attention.buckets`). O(n·bucket_window·lsh_hashes) time and memory; causal with memory
+exact (see `txl.nn.attention.buckets`). O(n·bucket_window·hashes) time and memory; causal with memory
 (the memory's keys are hashed like the segment's), or bidirectional.
 
 The rotations are a buffer drawn once per layer and saved with the model (the paper redraws them

@@ -3,7 +3,7 @@ arXiv 2009.14794): softmax attention estimated with positive orthogonal random f
 memory linear in the sequence length.
 
     softmax(q·k / sqrt(d)) ∝ exp(q'·k') ≈ φ(q')·φ(k'),   q' = q / d^(1/4),  k' = k / d^(1/4)
-    φ(x)_r = exp(ω_r·x - |x|²/2)   for r = 1 … m  (`performer_features`)
+    φ(x)_r = exp(ω_r·x - |x|²/2)   for r = 1 … m  (`features`)
 
 with ω_1 … ω_m blocks of d orthogonal directions whose norms are drawn like Gaussian vectors' (the
 paper's "positive orthogonal random features", Lemma 1 and §2.4; the 1/sqrt(m) factor cancels in the
@@ -25,7 +25,7 @@ As in the reference implementation, a small constant is added to the features (`
 denominator can never be 0.
 
 Features: one ω per layer, shared by the heads, a persistent buffer (saved with the model, so a
-checkpoint evaluates identically). In training they are redrawn every `performer_redraw_interval`
+checkpoint evaluates identically). In training they are redrawn every `redraw_interval`
 forward passes (0 = never); `redraw_features(model)` redraws every layer at once (e.g. for a trainer
 that counts optimizer steps instead). The forward counter is not saved: a resumed run restarts it.
 

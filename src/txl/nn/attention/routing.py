@@ -2,7 +2,7 @@
 with Routing Transformers", TACL, arXiv 2003.05997).
 
 Shared-QK attention within clusters found by online k-means: each position's unit key k/|k| is routed
-to its nearest of `routing_clusters` centroids µ (per layer and head, unit vectors), and attends
+to its nearest of `clusters` centroids µ (per layer and head, unit vectors), and attends
 within its cluster (§4: "queries and keys are assigned to their nearest centroid ... attention is
 restricted to the cluster"). The paper balances clusters by taking the top-w members of each; here
 clusters are balanced the Reformer way instead: a query sees the `bucket_window` most recent keys of
@@ -11,7 +11,7 @@ With √n clusters of √n tokens (the paper's choice) the cost is O(n^1.5); wit
 O(n·bucket_window).
 
 Centroids are updated in training by an exponential moving average of the unit keys assigned to
-them (§4, decay `routing_decay`), without gradient, and renormalised; evaluation never changes them.
+them (§4, decay `decay`), without gradient, and renormalised; evaluation never changes them.
 They are a buffer saved with the model. `attention_impl="eager"` is the dense reference.
 """
 

@@ -1,10 +1,10 @@
 """Sparse Sinkhorn attention (Tay, Bahri, Yang, Metzler & Juan 2020, "Sparse Sinkhorn Attention", ICML,
 arXiv 2002.11296).
 
-Positions are cut into blocks of B (`sinkhorn_block`) from key position 0 of [memory ; segment]. A
+Positions are cut into blocks of B (`block`) from key position 0 of [memory ; segment]. A
 meta sorting network scores every (query block t, key block s) pair from block summaries (the mean
-key of a block): logits[t, s] = (σ_t W) · σ_s / sqrt(d) / τ (`sinkhorn_temperature`), with W a learned
-d×d matrix per layer. Sinkhorn normalisation (`sinkhorn_iters` alternating row/column steps in log
+key of a block): logits[t, s] = (σ_t W) · σ_s / sqrt(d) / τ (`temperature`), with W a learned
+d×d matrix per layer. Sinkhorn normalisation (`iters` alternating row/column steps in log
 space, §3.2) turns the logits into a soft permutation P, and block t's "sorted" keys and values are
 Σ_s P[t, s] K_s, Σ_s P[t, s] V_s. Each query attends to its own block (local) and its sorted block:
 O(n·B + (n/B)²·B·d) instead of O(n²).

@@ -2,15 +2,15 @@
 Self-Attention for Transformer Models", ICML, arXiv 2005.00743): attention weights that are not
 query-key dot products.
 
-- **dense** (`synthesizer_mode="dense"`, §3.1): each query synthesises its own row of scores with a
+- **dense** (`mode="dense"`, §3.1): each query synthesises its own row of scores with a
   two-layer network, B_i = W_2 relu(W_1 x_i + b_1) + b_2 (x_i = the query's projection, per head;
   W shared by the heads);
-- **random** (`synthesizer_mode="random"`, §3.2): one learned score row per head, R, the same for
+- **random** (`mode="random"`, §3.2): one learned score row per head, R, the same for
   every query (input-independent).
 
 The paper's rows index absolute positions 0 … ℓ-1 of a fixed-length input. Here they index the
 *distance* to the key (0 … L-1 for a causal LM, -(L-1) … L-1 bidirectionally, L =
-`synthesizer_max_len`): the same parameter count, but a memory extends it (two segments with memory
+`max_len`): the same parameter count, but a memory extends it (two segments with memory
 equal one pass) and any length runs; keys further than L are not seen, so a layer costs O(n·L).
 Output = softmax(B) V over the visible keys.
 
