@@ -52,6 +52,9 @@ the mask is one additive tensor shared by the batch and the heads (cheaper than 
 
 `SlidingWindowReference` (`attention_impl="eager"`) builds the same pattern as a dense mask, O(n²),
 and is the ground truth the fast kernel is tested against.
+
+Size: over 500 lines because the banded kernel (dilation, global, chosen and memory tokens) and its dense
+reference stay in one file, the ground truth beside the kernel it checks, as every kernel file here.
 """
 
 from __future__ import annotations
