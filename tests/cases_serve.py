@@ -59,7 +59,7 @@ def _(ctx):
 def _(ctx):
     import torch
 
-    from txl.models.pretrained import load_checkpoint
+    from txl.models.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(ctx.run_copy())
     with torch.no_grad():

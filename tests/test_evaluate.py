@@ -21,7 +21,8 @@ from txl.eval.core import (
     evaluate_vanilla,
     load_per_token,
 )
-from txl.models.pretrained import load_checkpoint, resolve_checkpoint
+from txl.models.checkpoint import load_checkpoint
+from txl.models.pretrained import resolve_checkpoint
 from txl.train import Trainer
 from txl.train.config import build_run_config
 

@@ -352,7 +352,7 @@ def test_a_sparse_1_gb_config_json_is_refused_by_its_size_unread(run, tmp_path):
     path = run / "last" / "config.json"
     with open(path, "r+b") as f:
         f.truncate(2**30)
-    script = ("import sys\nfrom txl.models.pretrained import load_model\nfrom txl.errors import CheckpointError\n"
+    script = ("import sys\nfrom txl.models.registry import load_model\nfrom txl.errors import CheckpointError\n"
               "try:\n    load_model(sys.argv[1])\nexcept CheckpointError as err:\n    print(err)\n"
               # VmHWM, not ru_maxrss: the latter keeps the forking pytest worker's high-water mark at exec
               "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')))\n")

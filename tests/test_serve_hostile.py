@@ -424,7 +424,7 @@ def test_eight_failures_in_a_row_make_health_say_failing(served, monkeypatch):
 
 
 def nan_checkpoint(run_dir: Path, target: Path) -> Path:
-    from txl.models.pretrained import load_checkpoint
+    from txl.models.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(run_dir)
     with torch.no_grad():
@@ -443,7 +443,7 @@ def test_nan_weights_are_refused_at_start_in_one_line(run_dir, tmp_path, capsys,
 
 def test_nan_scores_at_request_time_are_one_line_not_a_traceback(run_dir, tmp_path, capfd):
     """Weights that pass the start-up check may still overflow; a NaN never reaches the JSON."""
-    from txl.models.pretrained import load_checkpoint
+    from txl.models.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(nan_checkpoint(run_dir, tmp_path / "nan"))
     run = ServedRun(name="nan", ckpt=ckpt, card={"metric": "bpc"}, tgt_len=16, window=16, eval_mem_len=16)
