@@ -66,7 +66,9 @@ class EncoderDecoderConfig(ModelConfig):
     init_std: float = 0.02  # positional parameters (the rest: Xavier, as tensor2tensor and fairseq)
     layer_norm_eps: float = 1e-5
 
-    causal: ClassVar[bool] = True  # its decoder is a left-to-right LM (what generic code asks of a config)
+    # Facts of the architecture, not options (what code serving every architecture asks of a config):
+    causal: ClassVar[bool] = True  # its decoder is a left-to-right LM
+    mem_len: ClassVar[int] = 0  # no segment memory
 
     @classmethod
     def unknown_key(cls, key: Any, given: dict[str, Any]) -> str:
