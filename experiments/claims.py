@@ -133,7 +133,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def parameter_count(sets: list[str], vocab_size: int) -> int:
     import torch
 
-    from txl.models.pretrained import build_model
+    from txl.models.registry import build_model
     from txl.train.config import build_run_config
 
     run = build_run_config(preset=PRESET, sets=sets)
@@ -205,7 +205,7 @@ def _eval_key(item: dict, args: argparse.Namespace, mode: str, mem: int | None) 
 def evaluate_run(item: dict, args: argparse.Namespace) -> dict:
     """{"mems": {m: bpc}, "window": bpc or None}; per-token NLL arrays saved beside the run."""
     from txl.eval.core import evaluate_checkpoint
-    from txl.models.pretrained import load_checkpoint
+    from txl.models.checkpoint import load_checkpoint
 
     run_dir = Path(item["run_dir"])
     cache_path = run_dir / "claims_eval.json"
