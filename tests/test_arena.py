@@ -49,9 +49,11 @@ def build(seed=0, **overrides) -> TransformerXL:
     return model
 
 
-def layer_inputs(pos: str, *, n: int, i: int, heads: int = 4, d: int = 8, seed: int = 0, **extra):
+def layer_inputs(pos: str, *, n: int, i: int, heads: int = 4, d: int = 8, seed: int = 0, shaw_values: bool = False,
+                 **extra):
     """q (2, h, i, d), k, v (2, h, n, d) and the LayerPositions of a random positional encoding."""
-    config = tiny(pos_encoding=pos, n_head=heads, d_head=d, max_relative_distance=7, **extra)
+    shaw = {"position_options": {"max_distance": 7, "values": shaw_values}} if pos == "shaw" else {}
+    config = tiny(pos_encoding=pos, n_head=heads, d_head=d, **shaw, **extra)
     torch.manual_seed(seed)
     encoding = build_positional(config)
     with torch.no_grad():
@@ -151,9 +153,9 @@ def test_global_tokens_see_and_are_seen_by_all():
 @pytest.mark.parametrize(
     "variant",
     [
-        {"attention": "sliding", "sliding_window": 7},
-        {"attention": "sliding", "sliding_window": 3, "sliding_dilation": (1, 2, 2, 3)},
-        {"attention": "sparse", "sparse_stride": 3},
+        {"attention": "sliding", "attention_options": {"window": 7}},
+        {"attention": "sliding", "attention_options": {"window": 3, "dilation": (1, 2, 2, 3)}},
+        {"attention": "sparse", "attention_options": {"stride": 3}},
     ],
     ids=["sliding", "dilated", "sparse"],
 )
@@ -173,7 +175,7 @@ def test_windowed_models_are_segment_invariant_and_match_their_reference(variant
 
 def test_sliding_model_with_window_covering_everything_equals_full_model():
     full = build()
-    sliding = build(attention="sliding", sliding_window=64)
+    sliding = build(attention="sliding", attention_options={"window": 64})
     sliding.load_state_dict(full.state_dict())
     x = torch.randint(0, 61, (2, 24))
     with torch.no_grad():
@@ -256,7 +258,7 @@ def test_performer_is_strictly_causal_and_stable_in_low_precision():
     k[0, 0, 30] = features[0] * d**0.25  # the worst key: its logit for feature 0 is |ω_0|²/2
     assert feature_logits(k, features).max() > 100  # exp() of this is inf in float32
     q, v = torch.randn(1, 1, 40, d), torch.randn(1, 1, 40, d)
-    kernel = PerformerAttention(tiny(attention="performer", pos_encoding="rope", d_head=d, performer_features=64))
+    kernel = PerformerAttention(tiny(attention="performer", pos_encoding="rope", d_head=d, attention_options={"features": 64}))
     kernel.features.copy_(features)
     positions = build_positional(tiny(pos_encoding="sinusoidal")).layer(0, {})
     outs = {}
@@ -276,7 +278,7 @@ def test_performer_is_strictly_causal_and_stable_in_low_precision():
 
 
 def test_performer_redraws_features_every_interval_in_training_only():
-    model = build(attention="performer", pos_encoding="rope", performer_redraw_interval=2)
+    model = build(attention="performer", pos_encoding="rope", attention_options={"redraw_interval": 2})
     kernel = model.blocks[0].attn.kernel
     x = torch.randint(0, 61, (1, 8))
     start = kernel.features.clone()
@@ -322,9 +324,9 @@ def test_linformer_used_causally_raises_one_clear_error():
         ({"causal": False, "pos_encoding": "rope"}, "mem_len"),
         ({"attention": "sparse", "causal": False, "mem_len": 0, "pos_encoding": "rope"}, "causal"),
         ({"attention": "sliding", "causal": False, "mem_len": 0, "pos_encoding": "shaw"}, "pos_encoding"),
-        ({"global_tokens": 2}, "global_tokens"),
-        ({"attention": "sliding", "sliding_dilation": (1, 2)}, "sliding_dilation"),
-        ({"attention": "sliding", "sliding_window": 0}, "sliding_window"),
+        ({"attention_options": {"global_tokens": 2}}, "attention_options.global_tokens"),
+        ({"attention": "sliding", "attention_options": {"dilation": (1, 2)}}, "attention_options.dilation"),
+        ({"attention": "sliding", "attention_options": {"window": 0}}, "attention_options.window"),
         ({"attention": "sparse", "n_head": 1}, "attention"),
         ({"cmem_len": 8, "mem_len": 0}, "cmem_len"),
         ({"cmem_len": 8, "cmem_ratio": 0}, "cmem_ratio"),
@@ -338,7 +340,7 @@ def test_impossible_arena_combinations_are_rejected_by_name(overrides, field):
 
 ENCODERS = {
     "full": {"attention": "full", "pos_encoding": "rope"},
-    "linformer": {"attention": "linformer", "pos_encoding": "learned", "linformer_k": 8, "linformer_max_len": 16},
+    "linformer": {"attention": "linformer", "pos_encoding": "learned", "attention_options": {"k": 8, "max_len": 16}},
     "performer": {"attention": "performer", "pos_encoding": "sinusoidal"},
 }
 
@@ -359,7 +361,7 @@ def test_bidirectional_encoder_sees_both_directions_and_takes_no_memory(name):
 
 def test_linformer_rejects_inputs_longer_than_its_projection():
     model = build(causal=False, mem_len=0, **ENCODERS["linformer"])
-    with pytest.raises(UsageError, match="linformer_max_len"):
+    with pytest.raises(UsageError, match="attention_options.max_len"):
         model(torch.zeros(1, 17, dtype=torch.long))
 
 
@@ -419,9 +421,9 @@ def test_compressive_memory_lengths_and_reconstruction_loss_trains_only_the_comp
 
 
 VARIANTS = {
-    "sliding": {"attention": "sliding", "sliding_window": 5, "sliding_dilation": (1, 1, 2, 2), "global_tokens": 1},
-    "sparse": {"attention": "sparse", "sparse_stride": 3},
-    "performer": {"attention": "performer", "pos_encoding": "rope", "performer_redraw_interval": 5},
+    "sliding": {"attention": "sliding", "attention_options": {"window": 5, "dilation": (1, 1, 2, 2), "global_tokens": 1}},
+    "sparse": {"attention": "sparse", "attention_options": {"stride": 3}},
+    "performer": {"attention": "performer", "pos_encoding": "rope", "attention_options": {"redraw_interval": 5}},
     "compressive": {"cmem_len": 8, "cmem_ratio": 2},
     "linformer-mlm": {"causal": False, "mem_len": 0, **ENCODERS["linformer"]},
     "performer-mlm": {"causal": False, "mem_len": 0, **ENCODERS["performer"]},
