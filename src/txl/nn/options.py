@@ -127,6 +127,8 @@ class LayerConfig(Protocol):
     dropatt: float
     causal: bool
     same_length: bool
+    untie_r: bool  # xl: per-layer u, v biases
+    memory_tokens: int  # learned keys/values in front of every layer's keys (the layer owns them)
     init_std: float
     attention: str
     attention_impl: str
