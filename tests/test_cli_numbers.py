@@ -193,8 +193,8 @@ def test_beam_search_refuses_sizes_and_penalties_it_cannot_use():
 
     from txl.errors import UsageError
     from txl.generate.seq2seq import MAX_BEAM, beam_search
-    from txl.models.seq2seq.model import EncoderDecoder
     from txl.models.seq2seq.config import EncoderDecoderConfig
+    from txl.models.seq2seq.model import EncoderDecoder
 
     config = EncoderDecoderConfig(n_layer=1, n_encoder_layer=1, d_model=16, n_head=2, d_head=8,
                                   d_inner=32, vocab_size=12, pos_encoding="sinusoidal", dropout=0.0)
