@@ -1,4 +1,4 @@
-"""txl keeps freed memory in the process on glibc (txl/fast/allocator.py): set once, reported, and off on request."""
+"""txl keeps freed memory in the process on glibc (txl/allocator.py): set once, reported, and off on request."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 PROBE = """
 import json
-from txl.fast.allocator import freed_memory_kept, keep_freed_memory
+from txl.allocator import freed_memory_kept, keep_freed_memory
 before = freed_memory_kept()
 first, second = keep_freed_memory(), keep_freed_memory()
 from txl.bench.common import machine
@@ -44,7 +44,7 @@ def test_system_malloc_leaves_the_c_library_alone():
 
 @pytest.mark.skipif(not GLIBC, reason="glibc only")
 def test_every_txl_command_sets_it():
-    code = ("import sys, txl.cli.main, txl.fast.allocator as a; txl.cli.main.main(['data', 'list']); "
+    code = ("import sys, txl.cli.main, txl.allocator as a; txl.cli.main.main(['data', 'list']); "
             "print('kept' if a.freed_memory_kept() else 'not kept', file=sys.stderr)")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TXL_SYSTEM_MALLOC": ""},
                          capture_output=True, text=True, check=True)

@@ -169,7 +169,7 @@ def probe_main(payload: dict) -> int:
     import torch
 
     from txl.bench.common import peak_rss_mb, rss_mb
-    from txl.fast.allocator import keep_freed_memory
+    from txl.allocator import keep_freed_memory
 
     keep_freed_memory()  # as every `txl` command does
     args = argparse.Namespace(**payload)

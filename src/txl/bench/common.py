@@ -323,9 +323,9 @@ def machine() -> dict[str, Any]:
     version = hf_available()
     if version:
         info["transformers"] = version
-    from txl.fast.allocator import freed_memory_kept
+    from txl.allocator import freed_memory_kept
 
-    info["allocator"] = ("glibc, freed memory kept (txl's default, txl/fast/allocator.py)" if freed_memory_kept()
+    info["allocator"] = ("glibc, freed memory kept (txl's default, txl/allocator.py)" if freed_memory_kept()
                          else "the C library's defaults")
     return info
 

@@ -17,7 +17,7 @@ def main(argv: list[str]) -> int:
     kind, payload = argv[0], json.loads(argv[1])
     import torch
 
-    from txl.fast.allocator import keep_freed_memory
+    from txl.allocator import keep_freed_memory
 
     keep_freed_memory()  # as every `txl` command does
 

@@ -122,9 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Exit codes: 0 done, 2 a user error or a refused argument (one line on stderr), 1 an internal error (a bug: the
     traceback is kept), 130 interrupted, 141 stdout closed early (`txl data list | head -1`)."""
     from txl.errors import TxlError
-    from txl.fast.allocator import keep_freed_memory
+    from txl.allocator import keep_freed_memory
 
-    keep_freed_memory()  # large per-step tensors reuse the heap instead of fresh mmap pages (txl/fast/allocator.py)
+    keep_freed_memory()  # large per-step tensors reuse the heap instead of fresh mmap pages (txl/allocator.py)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         build_parser(only="").print_help()  # bare `txl` explains itself; it starts nothing
