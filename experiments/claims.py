@@ -204,7 +204,7 @@ def _eval_key(item: dict, args: argparse.Namespace, mode: str, mem: int | None) 
 
 def evaluate_run(item: dict, args: argparse.Namespace) -> dict:
     """{"mems": {m: bpc}, "window": bpc or None}; per-token NLL arrays saved beside the run."""
-    from txl.eval.core import evaluate_checkpoint
+    from txl.eval.api import evaluate_checkpoint
     from txl.models.checkpoint import load_checkpoint
 
     run_dir = Path(item["run_dir"])

@@ -674,7 +674,7 @@ def stage_train(check: Check) -> None:
 def stage_eval(check: Check) -> None:
     import torch
 
-    from txl.eval.core import forward_segment
+    from txl.eval.segments import forward_segment
     from txl.nn.memory import Memory
 
     shape = shapes()[check.args.eval_shape]

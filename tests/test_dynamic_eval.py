@@ -13,7 +13,7 @@ from helpers import make_corpus
 from tiny_models import build
 from txl.cli.main import main
 from txl.errors import UsageError
-from txl.eval.core import evaluate
+from txl.eval.segments import evaluate
 from txl.eval.dynamic import evaluate_dynamic
 
 

@@ -14,13 +14,10 @@ import torch
 from txl.cli.main import main
 from txl.data import parse_spec
 from txl.errors import CheckpointError
-from txl.eval.core import (
-    context_nll,
-    evaluate,
-    evaluate_checkpoint,
-    evaluate_vanilla,
-    load_per_token,
-)
+from txl.eval.api import evaluate_checkpoint
+from txl.eval.report import load_per_token
+from txl.eval.segments import evaluate
+from txl.eval.vanilla import context_nll, evaluate_vanilla
 from txl.models.checkpoint import load_checkpoint
 from txl.models.pretrained import resolve_checkpoint
 from txl.train import Trainer
@@ -131,13 +128,13 @@ def test_memory_covering_the_split_equals_one_full_pass(ckpt, run_dir):
 def test_row_groups_and_in_place_memory_change_nothing(ckpt, run_dir, monkeypatch):
     """Long-memory evaluation runs streams in row groups that overwrite one memory in place; forced
     down to one row per group, it must score every token as the plain allocating forward does."""
-    import txl.eval.core
+    import txl.eval.segments
 
     _, tokens = _valid(ckpt, run_dir, 600)
     settings = dict(metric="bpc", batch_size=4, tgt_len=8, mem_len=24)
     expected = np.zeros(len(tokens) - 1, np.float32)
     evaluate(ckpt.model, tokens, per_token=expected, **settings)
-    monkeypatch.setattr(txl.eval.core, "EVAL_GROUP_ELEMENTS", 1)  # one row per group
+    monkeypatch.setattr(txl.eval.segments, "EVAL_GROUP_ELEMENTS", 1)  # one row per group
     grouped = np.zeros(len(tokens) - 1, np.float32)
     evaluate(ckpt.model, tokens, per_token=grouped, **settings)
     np.testing.assert_allclose(grouped, expected, atol=1e-6)

@@ -421,7 +421,7 @@ def test_paper_evaluation_command_on_a_wikitext103_format_directory(imported, tm
 
     import numpy as np
 
-    from txl.eval.core import evaluate
+    from txl.eval.segments import evaluate
     from txl.models.transformer_xl.model import TransformerXL
 
     tok, out = imported

@@ -13,7 +13,7 @@ from helpers import finish, train_losses, txl, write_config
 from tiny_models import build
 from txl.data.masking import mask_tokens
 from txl.errors import ConfigError, UsageError
-from txl.eval.core import evaluate_mlm
+from txl.eval.mlm import evaluate_mlm
 from txl.models.pretrained import load_tensors
 from txl.train import LAST
 from txl.train.config import build_run_config

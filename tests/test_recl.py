@@ -15,7 +15,7 @@ from txl import TransformerXLConfig
 from txl.cli.main import main
 from txl.data import Vocab
 from txl.errors import UsageError
-from txl.eval.core import context_nll, evaluate_vanilla
+from txl.eval.vanilla import context_nll, evaluate_vanilla
 from txl.eval.recl import choose_positions, compute_recl, parse_contexts, recl_markdown, top_r
 from txl.models.transformer_xl.model import TransformerXL
 

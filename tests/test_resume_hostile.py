@@ -390,7 +390,7 @@ def test_a_damaged_setting_in_the_runs_records_ends_eval_in_one_line(run, key, v
 def test_the_runs_largest_eval_mem_len_is_bounded_by_the_text(run):
     """eval_mem_len at its maximum (2**24, a valid run setting): memory never holds more than the text it read,
     so the evaluator works with that (65 tokens here), not with 16M-key segments one row at a time."""
-    from txl.eval.core import evaluate_checkpoint
+    from txl.eval.api import evaluate_checkpoint
 
     for path, section in ((run / "last" / "trainer_state.json", "run"), (run / "run.json", "config")):
         data = json.loads(path.read_text())

@@ -88,7 +88,7 @@ def test_evaluation_in_row_groups_keeps_the_state(arch, monkeypatch):
     """`evaluate` runs wide batches in row groups and joins their memories: the recurrent kind survives."""
     import numpy as np
 
-    from txl.eval import core as ev
+    from txl.eval import segments as ev
 
     model = build(arch)
     tokens = np.random.default_rng(0).integers(0, model.config.vocab_size, 400)

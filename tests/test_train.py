@@ -276,7 +276,7 @@ def test_a_run_cut_by_its_minutes_ends_its_cosine_at_eta_min(tmp_path, corpus, m
 
 @pytest.mark.parametrize("fast", [True, False])
 def test_precision_auto_is_bf16_only_where_the_device_has_fast_bf16(fast, tmp_path, corpus, monkeypatch):
-    import txl.eval.core as evaluate
+    import txl.eval.precision as evaluate
 
     monkeypatch.setattr(evaluate, "fast_bf16", lambda device: fast)
     cpu = torch.device("cpu")
@@ -294,7 +294,7 @@ def test_precision_auto_is_bf16_only_where_the_device_has_fast_bf16(fast, tmp_pa
 def test_cpu_bf16_is_chosen_only_when_the_probe_finds_it_faster(fp32_seconds, bf16_seconds, chosen, monkeypatch):
     """bf16 instructions are not enough on a CPU (AVX512-BF16 without AMX ran bf16 products at 0.5x fp32
     here): `auto` times both once per process and takes bf16 only when it is >= 1.25x faster."""
-    import txl.eval.core as evaluate
+    import txl.eval.precision as evaluate
 
     calls = []
     monkeypatch.setattr(evaluate, "bf16_instructions", lambda device: True)
@@ -323,7 +323,7 @@ def test_auto_precision_is_one_decision_across_ranks():
 
 
 def test_matmul_probe_times_each_dtype_and_restores_the_threads():
-    import txl.eval.core as evaluate
+    import txl.eval.precision as evaluate
 
     threads = torch.get_num_threads()
     seconds = evaluate.matmul_seconds((torch.float32, torch.bfloat16), size=64, repeats=2)

@@ -11,7 +11,7 @@ What is timed, in one process, the two sides alternating (median of `steps` roun
   exactly L keys (itself included) — the vanilla window's attention length. The memory is filled
   before timing, so every timed segment is the steady state. Time per token = segment time / T.
 - vanilla: one forward over B windows of L tokens (mem_len 0), each scoring only its last token,
-  exactly `txl.eval.core.context_nll`. Time per token = forward time / B.
+  exactly `txl.eval.vanilla.context_nll`. Time per token = forward time / B.
 
 Both score real next-token NLL (labels given, logits not kept) on the same random token stream, with
 the same model and attention kernel. Weights are random (timing does not depend on them) unless
@@ -90,7 +90,7 @@ def measure(model, attn_len: int, *, tgt_len: int, windows: int = 0, warmup: int
     import numpy as np
     import torch
 
-    from txl.eval.core import _window_nll, default_window_batch
+    from txl.eval.vanilla import _window_nll, default_window_batch
 
     device = next(model.parameters()).device
     windows = windows or default_window_batch(attn_len)

@@ -34,7 +34,7 @@ TITLE = "Evaluation throughput and peak memory against mem_len"
 def make_eval_step(name: str, shape: Shape, precision: str, *, mem_len: int, seed: int = 0) -> Callable[[], None]:
     import torch
 
-    from txl.eval.core import forward_segment
+    from txl.eval.segments import forward_segment
     from txl.nn.memory import Memory
 
     generator = torch.Generator().manual_seed(seed)

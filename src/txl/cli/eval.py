@@ -1,7 +1,7 @@
 """`txl eval`, `txl generate` and `txl recl`: argument parsing and printing.
 
 Kept free of torch at import time (`txl --help` imports every subcommand's `configure`); the work is
-done by `txl.eval.core`, `txl.generate.decoder` and `txl.eval.recl`, imported when a command runs.
+done by `txl.eval`, `txl.generate.decoder` and `txl.eval.recl`, imported when a command runs.
 """
 
 from __future__ import annotations
@@ -182,7 +182,8 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.text and args.split not in ("valid", "all"):
         raise UsageError(f"--text scores the whole file; drop --split {args.split}")
     sweep = _int_list(args.sweep_mem, "--sweep-mem") if args.sweep_mem else None
-    from txl.eval.core import evaluate_checkpoint, result_table, save_per_token
+    from txl.eval.api import evaluate_checkpoint
+    from txl.eval.report import result_table, save_per_token
     from txl.models.checkpoint import load_checkpoint
 
     device = _device(args.device)
@@ -271,8 +272,9 @@ def _run_sweep(args: argparse.Namespace, ckpt, mem_lens: list[int], common: dict
 
     import torch
 
-    from txl.cli.plot import plain
-    from txl.eval.core import evaluate_checkpoint, plot_sweep, resolve_precision, sweep_markdown
+    from txl.eval.api import evaluate_checkpoint
+    from txl.eval.precision import resolve_precision
+    from txl.eval.report import plain, plot_sweep, sweep_markdown
 
     results = []
     for mem_len in mem_lens:
@@ -514,7 +516,8 @@ def run_recl(args: argparse.Namespace) -> int:
     if names is not None and len(names) != len(args.checkpoint):
         raise UsageError(f"--names gives {len(names)} labels for {len(args.checkpoint)} checkpoints")
 
-    from txl.eval.core import metric_value, open_eval_corpus
+    from txl.eval.corpus import open_eval_corpus
+    from txl.eval.result import metric_value
     from txl.eval.recl import (
         compute_recl,
         context_losses,

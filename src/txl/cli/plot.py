@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from txl.errors import OutputError, UsageError, describe_os_error
+from txl.eval.report import plain
 from txl.io import METRICS_LIMIT, read_text, save_figure
 
 KEYS = ("loss", "bpc", "ppl", "lr", "tokens_per_second")  # the numbers drawn
@@ -62,13 +63,6 @@ def _is_number(value) -> bool:
 
 def _drawable(key: str, value: float) -> bool:
     return math.isfinite(value) and abs(value) <= DRAWN and (key != "ppl" or value > 0)  # ppl: a log axis
-
-
-def plain(text: str) -> str:
-    """`text` as matplotlib draws it literally: a `$` starts mathtext there (a run named `$\\x$` raised a
-    parse error, `cost $5 and $6` lost its dollars), so each one is escaped. For run names, checkpoint
-    labels and titles, which come from users and directory names."""
-    return text.replace("$", "\\$")
 
 
 def run_metric(run_dir: str | Path, records: list[dict]) -> str:

@@ -2,7 +2,7 @@
 Transformer-XL, Krause et al. 2019, "Dynamic Evaluation of Transformer Language Models"): the model
 keeps learning from the text it has just scored.
 
-The split is read as one stream, segment by segment with memory, as `txl.eval.core.evaluate` reads it
+The split is read as one stream, segment by segment with memory, as `txl.eval.segments.evaluate` reads it
 with one stream: each segment is scored with the current weights first, and only then used for one
 gradient step on its own mean loss (the memory is detached, so the step sees this segment only). No
 token is ever scored by weights that have seen it or anything after it. The step is Krause et al.'s
@@ -27,14 +27,9 @@ import numpy as np
 import torch
 
 from txl.errors import UsageError
-from txl.eval.core import (
-    EvalResult,
-    _check_per_token,
-    attention_length,
-    autocast,
-    check_segment_settings,
-    runtime_settings,
-)
+from txl.eval.precision import autocast
+from txl.eval.result import EvalResult, attention_length
+from txl.eval.segments import _check_per_token, check_segment_settings, runtime_settings
 
 
 def check_dynamic(lr: float, decay: float) -> None:

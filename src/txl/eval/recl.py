@@ -18,7 +18,7 @@ b(c, t) <= l_i(c, t): all models are measured against the same baseline, which i
 How l_i(c, t) is obtained for a Transformer-XL (docs/recl.md has the reasoning):
 
 - mode "window" (default, the definition literally): a fresh forward over exactly the c previous tokens,
-  no memory, scoring only the last one (`txl.eval.core.context_nll`). Nothing outside the c tokens can
+  no memory, scoring only the last one (`txl.eval.vanilla.context_nll`). Nothing outside the c tokens can
   reach the prediction. Costs one forward of c tokens per scored position, so positions are sampled.
 - mode "memory" (the paper's "attention length"): segments with memory mem_len = c and same_length,
   so every query attends to exactly c keys per layer; lower layers' memories carry older information,
@@ -222,7 +222,9 @@ def context_losses(
     l(max_context, t) for longer c (a vanilla Transformer's fixed context; see `fixed_context`)."""
     import torch
 
-    from txl.eval.core import context_nll, evaluate, resolve_precision
+    from txl.eval.precision import resolve_precision
+    from txl.eval.segments import evaluate
+    from txl.eval.vanilla import context_nll
 
     if mode not in MODES:
         raise UsageError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -340,7 +342,7 @@ def recl_markdown(result: ReclResult, *, metric: str = "ppl") -> str:
         lines += ["", "Fixed context (absolute positions, no memory: a vanilla Transformer reads at most its training "
                   "segment): " + ", ".join(f"{name} {cap}" for name, cap in fixed.items())
                   + "; longer contexts repeat its loss at that length (`--vanilla-context full` feeds them whole)."]
-    from txl.eval.core import metric_value
+    from txl.eval.result import metric_value
 
     lines += ["", f"{metric} at each context length (all {result.positions:,} scored positions):", "",
               "| model | " + " | ".join(str(c) for c in result.contexts) + " |",
@@ -364,8 +366,8 @@ def plot_recl(result: ReclResult, path: str | Path, *, metric: str = "ppl") -> P
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from txl.cli.plot import plain
-    from txl.eval.core import metric_value
+    from txl.eval.report import plain
+    from txl.eval.result import metric_value
 
     path = Path(path)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from txl.data.seq2seq import PairCorpus, eval_batches
-from txl.eval.core import EvalResult, autocast
+from txl.eval.precision import autocast
+from txl.eval.result import EvalResult
 from txl.eval.seq2seq_metrics import exact_match, rouge
 from txl.generate.seq2seq import beam_search, greedy
 

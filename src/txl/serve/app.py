@@ -490,7 +490,7 @@ def create_app(runs: list[ServedRun], limits: Limits | None = None, *, allowed_h
         if (args["text"] is None) == (args["ids"] is None):
             raise ApiError(422, "give exactly one of \"text\" and \"ids\"")
         if args["text"] is not None:
-            from txl.eval.core import encode_text
+            from txl.eval.corpus import encode_text
 
             try:
                 ids = [int(i) for i in encode_text(run.vocab, args["text"])]

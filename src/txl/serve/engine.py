@@ -108,7 +108,7 @@ def _setting(ckpt: LoadedCheckpoint, key: str, *, low: int) -> int | None:
 def model_card(ckpt: LoadedCheckpoint, *, name: str, run_dir: Path) -> dict:
     """What the page shows about a run: config, parameter count, corpus, training curve. Read once at
     start-up from files the server was pointed at; no request can name another file."""
-    from txl.eval.core import checkpoint_metric
+    from txl.eval.corpus import checkpoint_metric
 
     model = ckpt.model
     train = {}

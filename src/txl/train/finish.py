@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from txl.data.display import for_stream, json_text
 from txl.errors import ConfigError, DataError
-from txl.eval.core import metric_value
+from txl.eval.result import metric_value
 from txl.io import write_text
 from txl.models.pretrained import read_json, write_json
 from txl.models.registry import load_model

@@ -24,7 +24,10 @@ import torch
 
 from txl.data.masking import mask_tokens
 from txl.errors import ConfigError, DataError, TrainingError
-from txl.eval.core import EvalResult, autocast, evaluate, evaluate_mlm, metric_value, resolve_precision
+from txl.eval.mlm import evaluate_mlm
+from txl.eval.precision import autocast, resolve_precision
+from txl.eval.result import EvalResult, metric_value
+from txl.eval.segments import evaluate
 from txl.models.registry import build_model
 from txl.models.rnn.config import RNN_ARCHS
 from txl.nn.memory import Memory
@@ -51,7 +54,7 @@ from txl.train.state import (
 
 def shared_precision(chosen: str, dist) -> str:
     """What `auto` became on this rank -> what every rank uses: on a CPU it comes from a timed probe
-    (`txl.eval.core.fast_bf16`) that may differ between processes, so bf16 only if every rank chose it."""
+    (`txl.eval.precision.fast_bf16`) that may differ between processes, so bf16 only if every rank chose it."""
     if dist.world == 1:
         return chosen
     votes = dist.all_sum([float(chosen == "bf16")])[0]

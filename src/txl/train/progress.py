@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from txl.errors import OutputError, describe_os_error
-from txl.eval.core import metric_value
+from txl.eval.result import metric_value
 from txl.io import METRICS_LIMIT, open_append, write_text
 from txl.io.rundir import read_text_nofollow
 

@@ -51,7 +51,7 @@ from txl.train.config import RunConfig, merge
 from txl.train.optim import Lamb, optimizer_state_join, optimizer_state_split
 
 if TYPE_CHECKING:
-    from txl.eval.core import EvalResult
+    from txl.eval.result import EvalResult
     from txl.train.loop import Trainer
 
 LAST, BEST = "last", "best"
