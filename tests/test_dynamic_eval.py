@@ -13,8 +13,8 @@ from helpers import make_corpus
 from tiny_models import build
 from txl.cli.main import main
 from txl.errors import UsageError
-from txl.eval.segments import evaluate
 from txl.eval.dynamic import evaluate_dynamic
+from txl.eval.segments import evaluate
 
 
 def static_per_token(model, tokens, **kwargs):

@@ -13,10 +13,11 @@ import torch
 
 from txl import TransformerXLConfig
 from txl.cli.main import main
+from txl.cli.recl import parse_contexts
 from txl.data import Vocab
 from txl.errors import UsageError
+from txl.eval.recl import choose_positions, compute_recl, recl_markdown, top_r
 from txl.eval.vanilla import context_nll, evaluate_vanilla
-from txl.eval.recl import choose_positions, compute_recl, parse_contexts, recl_markdown, top_r
 from txl.models.transformer_xl.model import TransformerXL
 
 

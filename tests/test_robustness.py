@@ -1690,7 +1690,7 @@ def test_an_unexpected_exception_keeps_its_traceback_and_asks_for_a_report(monke
     import txl.cli.plot
     from txl.cli.main import main
 
-    monkeypatch.setattr(txl.cli.plot, "run_cli", lambda args: 1 / 0)  # stands for any bug
+    monkeypatch.setattr(txl.cli.plot, "run", lambda args: 1 / 0)  # stands for any bug
     code = main(["plot", "RUN"])
     err = capsys.readouterr().err
     assert code == 1 and "Traceback" in err and "ZeroDivisionError" in err

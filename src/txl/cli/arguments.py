@@ -18,6 +18,8 @@ import argparse
 import math
 from collections.abc import Callable
 
+from txl.errors import UsageError
+
 # Shared ceilings, so commands agree on them.
 MAX_THREADS = 1024  # torch threads; 1e9 made libgomp abort the process trying to allocate 216 GB of stacks
 MAX_LENGTH = 16_777_216  # tokens: the largest length a model txl builds takes (config.mem_len's bound)
@@ -129,3 +131,56 @@ def integer_list(low: int | None = None, high: int | None = None, *, at_most: in
 def threads(*, auto: bool = True) -> Callable[[str], int]:
     """Torch threads: 1 to MAX_THREADS, and 0 (torch's choice) when `auto`."""
     return integer(0 if auto else 1, MAX_THREADS, meaning="0 = torch's choice" if auto else "")
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared by the commands that read a checkpoint (eval, generate, recl, serve)
+
+PRECISIONS = ("fp32", "bf16", "fp16", "auto")
+# Lengths (tokens) and counts a command takes are bounded where they are parsed: an int of 30 digits
+# would otherwise overflow deep inside torch (OverflowError) instead of being named here.
+MAX_SCORED = 1 << 62  # --max-tokens, --positions
+BEAM_SIZE = integer(1, MAX_BEAM)
+LENGTH_PENALTY = real(0, MAX_LENGTH_PENALTY)
+
+
+def resolve_device(name: str) -> str:
+    """--device auto|cpu|cuda as a torch device name (auto: a GPU when there is one)."""
+    if name == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda but no CUDA device is available; use --device cpu")
+    return name
+
+
+def add_checkpoint(parser: argparse.ArgumentParser, nargs: str | None = None) -> None:
+    parser.add_argument("checkpoint", nargs=nargs, metavar="CKPT",
+                        help="a checkpoint directory (config.json + model.safetensors + vocab.json) or a "
+                             "`txl train` run directory (uses RUN/best, else RUN/last)")
+
+
+def shown_number(value: int) -> str:
+    return f"{value:.3g}" if abs(value) >= 10**15 else str(value)
+
+
+def check_nonnegative(args: argparse.Namespace, *names: str, limit: int = MAX_LENGTH) -> None:
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None and value < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+        if value is not None and value > limit:
+            raise UsageError(f"--{name.replace('_', '-')} must be <= {limit:,}, got {shown_number(value)}")
+
+
+def check_positive(args: argparse.Namespace, *names: str, limit: int = MAX_LENGTH) -> None:
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if value is not None and value > limit:
+            raise UsageError(f"--{name.replace('_', '-')} must be <= {limit:,}, got {shown_number(value)}")

@@ -1,7 +1,7 @@
 """The `txl` command line: one entry point, one subcommand per job.
 
-Each subcommand's arguments are declared by a `configure(parser)` function and carried out by a
-`run(args) -> int` function, both named here as "module:function" strings and imported only when the
+Each subcommand is one module of `txl.cli` (named in COMMANDS) with two functions: `configure(parser)`
+declares its arguments and `run(args) -> int` carries it out. A module is imported only when its
 subcommand runs, so `txl --help` stays fast. User errors (`TxlError`) print one line and exit non-zero;
 `--debug` shows the traceback instead.
 """
@@ -16,54 +16,20 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
-# name -> (help, "module:configure", "module:run")
-COMMANDS: dict[str, tuple[str, str, str]] = {
-    "train": (
-        "train a model (no flags: the demo, preset tiny on the built-in corpus, into runs/)",
-        "txl.cli.train:configure_cli",
-        "txl.cli.train:run_cli",
-    ),
-    "data": (
-        "corpora: list, download, prepare (tokenize once into memory-mapped arrays), stats",
-        "txl.cli.data:configure",
-        "txl.cli.data:run",
-    ),
-    "eval": (
-        "score a checkpoint on a split (bpc/ppl) with long memory, the vanilla baseline, or a memory sweep",
-        "txl.cli.eval:configure_eval",
-        "txl.cli.eval:run_eval",
-    ),
-    "generate": (
-        "continue a prompt with a checkpoint, reusing memory; streams text to stdout",
-        "txl.cli.eval:configure_generate",
-        "txl.cli.eval:run_generate",
-    ),
-    "recl": (
-        "relative effective context length of a group of checkpoints (Dai et al. 2019, appendix C)",
-        "txl.cli.eval:configure_recl",
-        "txl.cli.eval:run_recl",
-    ),
-    "plot": (
-        "PNG training curves (loss, bpc/ppl, lr, tokens/s) from one or more run directories",
-        "txl.cli.plot:configure_cli",
-        "txl.cli.plot:run_cli",
-    ),
-    "bench": (
-        "benchmarks: train, eval, generate, mfu, kernel, curve, eval-speedup, attention-scaling, all",
-        "txl.cli.bench:configure",
-        "txl.cli.bench:run",
-    ),
-    "serve": (
-        "a local playground page: streamed generation, attention over memory, loss vs memory length",
-        "txl.cli.serve:configure",
-        "txl.cli.serve:run",
-    ),
-    "import-hf": (
-        "convert a Hugging Face TransfoXL checkpoint (a directory, or a hub repo id such as "
-        "transfo-xl/transfo-xl-wt103) with its vocab.pkl, read without unpickling",
-        "txl.models.hf_import:configure_cli",
-        "txl.models.hf_import:run_cli",
-    ),
+# name -> (help, the module under txl.cli that declares it). Every command module has the same two
+# functions: `configure(parser)` declares its arguments, `run(args) -> int` carries it out.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("train a model (no flags: the demo, preset tiny on the built-in corpus, into runs/)", "train"),
+    "data": ("corpora: list, download, prepare (tokenize once into memory-mapped arrays), stats", "data"),
+    "eval": ("score a checkpoint on a split (bpc/ppl) with long memory, the vanilla baseline, or a memory sweep",
+             "eval"),
+    "generate": ("continue a prompt with a checkpoint, reusing memory; streams text to stdout", "generate"),
+    "recl": ("relative effective context length of a group of checkpoints (Dai et al. 2019, appendix C)", "recl"),
+    "plot": ("PNG training curves (loss, bpc/ppl, lr, tokens/s) from one or more run directories", "plot"),
+    "bench": ("benchmarks: train, eval, generate, mfu, kernel, curve, eval-speedup, attention-scaling, all", "bench"),
+    "serve": ("a local playground page: streamed generation, attention over memory, loss vs memory length", "serve"),
+    "import-hf": ("convert a Hugging Face TransfoXL checkpoint (a directory, or a hub repo id such as "
+                  "transfo-xl/transfo-xl-wt103) with its vocab.pkl, read without unpickling", "import_hf"),
 }
 
 
@@ -78,9 +44,9 @@ def _version() -> str:
         return __version__
 
 
-def _load(ref: str) -> Callable:
-    module, _, name = ref.partition(":")
-    return getattr(importlib.import_module(module), name)
+def _load(command: str, function: str) -> Callable:
+    """`configure` or `run` of a command's module, imported only now (`txl --help` stays fast)."""
+    return getattr(importlib.import_module(f"txl.cli.{COMMANDS[command][1]}"), function)
 
 
 class ArgumentMistake(Exception):
@@ -110,19 +76,19 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
     parser.add_argument("--version", action="version", version=f"txl {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (help_text, configure, _run) in COMMANDS.items():
+    for name, (help_text, _module) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         if only is None or only == name:
-            _load(configure)(p)
+            _load(name, "configure")(p)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit codes: 0 done, 2 a user error or a refused argument (one line on stderr), 1 an internal error (a bug: the
     traceback is kept), 130 interrupted, 141 stdout closed early (`txl data list | head -1`)."""
-    from txl.errors import TxlError
     from txl.allocator import keep_freed_memory
+    from txl.errors import TxlError
 
     keep_freed_memory()  # large per-step tensors reuse the heap instead of fresh mmap pages (txl/allocator.py)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -139,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    run = _load(COMMANDS[args.command][2])
+    run = _load(args.command, "run")
     prefix = f"txl {args.command}"
     try:
         return int(run(args) or 0)

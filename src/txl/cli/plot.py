@@ -156,13 +156,13 @@ def _save(fig, out: Path) -> Path:
     return out
 
 
-def configure_cli(parser: argparse.ArgumentParser) -> None:
+def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("runs", nargs="+", help="run directories (the --out of `txl train`)")
     parser.add_argument("--out", help="PNG path (default: RUN_DIR/curves.png for one run, curves.png otherwise)")
     parser.add_argument("--title", help="figure title (default: the run names)")
 
 
-def run_cli(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     out = args.out or (Path(args.runs[0]) / "curves.png" if len(args.runs) == 1 else Path("curves.png"))
     notes: list[str] = []
     path = plot_runs(args.runs, out, title=args.title, notes=notes)

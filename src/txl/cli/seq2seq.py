@@ -89,7 +89,7 @@ def _cell(text: str, width: int = 80) -> str:
 
 def run_generate(args: argparse.Namespace) -> int:
     """One output per source line of --input (blank lines skipped), decoded in batches."""
-    from txl.cli.eval import _device
+    from txl.cli.arguments import resolve_device
     from txl.data.seq2seq import collate
     from txl.generate.decoder import check_sampling, check_seed
     from txl.generate.seq2seq import beam_search, greedy, sample
@@ -110,7 +110,7 @@ def run_generate(args: argparse.Namespace) -> int:
     sources = [line for line in text.splitlines() if line.strip()]
     if not sources:
         raise UsageError(f"input file {args.input} has no sources (one per line)")
-    device = _device(args.device)
+    device = resolve_device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device=device, require_vocab=True)
     if ckpt.model.config.arch != "encoder-decoder":
         raise UsageError(f"{ckpt.path} is a language model: continue text with --prompt, not --input")

@@ -74,14 +74,14 @@ def run(args: argparse.Namespace) -> int:
                          "pip install 'txl[serve]'") from None
     import torch
 
-    from txl.cli.eval import _device
+    from txl.cli.arguments import resolve_device
     from txl.serve.app import LOOPBACK_HOSTS, MB, Limits, create_app
     from txl.serve.connections import Guard, connection_cap, server_config
     from txl.serve.engine import open_run
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = _device(args.device)
+    device = resolve_device(args.device)
     runs = [open_run(path, device=device) for path in args.runs]
     if len(runs) == 2 and runs[0].name == runs[1].name:
         runs[1].name += " (2)"

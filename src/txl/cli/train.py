@@ -22,7 +22,7 @@ MAX_NPROC = 1024  # processes; more than a machine txl trains on has cores (laun
 MAX_MINUTES = 525_600  # a year of wall clock
 
 
-def configure_cli(parser: argparse.ArgumentParser) -> None:
+def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", help=f"one of: {', '.join(preset_names())} (default: tiny)")
     parser.add_argument("--config", metavar="FILE", help="a TOML file with [model] and [train] sections")
     parser.add_argument("--data", metavar="SPEC",
@@ -57,7 +57,7 @@ def configure_cli(parser: argparse.ArgumentParser) -> None:
                              "names in it are replaced)")
 
 
-def run_cli(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.nproc and env_int("WORLD_SIZE", 1) == 1:
         return launch(args.nproc)
     flags = {"data": args.data, "max_steps": args.max_steps, "max_minutes": args.max_minutes, "seed": args.seed,

@@ -39,7 +39,6 @@ from pathlib import Path
 
 import numpy as np
 
-from txl.cli.arguments import shown as _shown
 from txl.errors import DataError, OutputError, UsageError, describe_os_error
 from txl.io import open_regular, save_array, save_figure
 
@@ -140,51 +139,7 @@ def compute_recl(
 # Per-token losses at each context length
 
 
-# Bounds of --contexts and --r: each context is a forward pass per scored position, so 1:1000000000:1
-# meant a billion of them (and a list of a billion ints before the first); lengths past the longest a
-# model txl builds can take (config.mem_len's bound) are refused here, not deep in torch.
-MAX_CONTEXTS = 1_000
-MAX_CONTEXT_LENGTH = 1 << 24
-MAX_RATIOS = 100
 NPY_HEADER_LIMIT = 1 << 16  # bytes of a cached .npy's header (numpy writes ~128)
-
-
-def parse_contexts(text: str) -> list[int]:
-    """"100,200,300" or "100:1000:100" (start:stop:step, stop included) -> increasing ints >= 1."""
-    shown = _shown(text)
-    try:
-        if ":" in text:
-            parts = [int(p) for p in text.split(":")]
-            if len(parts) != 3 or parts[2] < 1:
-                raise ValueError
-            count = max(0, (parts[1] - parts[0]) // parts[2] + 1)  # before making the list
-            if count > MAX_CONTEXTS:
-                raise UsageError(f"--contexts {shown} gives {count:,} lengths; give at most {MAX_CONTEXTS:,} "
-                                 "context lengths (a larger step)")
-            values = list(range(parts[0], parts[1] + 1, parts[2]))
-        else:
-            values = [int(p) for p in text.split(",") if p.strip()]
-    except ValueError:
-        raise UsageError(f"--contexts {shown}: give comma-separated lengths (100,200,300) or "
-                         "start:stop:step (100:1000:100)") from None
-    if len(values) > MAX_CONTEXTS:
-        raise UsageError(f"--contexts gives {len(values):,} lengths; give at most {MAX_CONTEXTS:,} context lengths")
-    if len(values) < 2 or values[0] < 1 or any(b <= a for a, b in zip(values, values[1:])):
-        raise UsageError(f"--contexts {shown}: need at least two increasing lengths >= 1")
-    if values[-1] > MAX_CONTEXT_LENGTH:
-        raise UsageError(f"--contexts: lengths must be <= {MAX_CONTEXT_LENGTH:,}, got {values[-1]:,}")
-    return values
-
-
-def parse_rs(text: str) -> list[float]:
-    shown = _shown(text)
-    try:
-        values = [float(p) for p in text.split(",") if p.strip()]
-    except ValueError:
-        raise UsageError(f"--r {shown}: give comma-separated ratios such as 0.1,0.5,1.0") from None
-    if not values or len(values) > MAX_RATIOS or any(not 0.0 < r <= 1.0 for r in values):  # nan fails too
-        raise UsageError(f"--r {shown}: give 1 to {MAX_RATIOS} ratios, every ratio in (0, 1]")
-    return values
 
 
 def choose_positions(n_tokens: int, max_context: int, count: int = 0, *, max_tokens: int = 0) -> np.ndarray:
@@ -401,8 +356,6 @@ __all__ = [
     "choose_positions",
     "compute_recl",
     "context_losses",
-    "parse_contexts",
-    "parse_rs",
     "plot_recl",
     "recl_markdown",
     "top_r",
