@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from txl.cli.main import main
+from txl.data.pydoc import split_identifier
 from txl.data.seq2seq import PairBatches, PairVocab, collate, open_pair_corpus, read_pairs
 from txl.errors import DataError
-from txl.eval.seq2seq_metrics import exact_match, split_identifier
+from txl.eval.seq2seq_metrics import exact_match
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

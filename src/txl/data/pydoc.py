@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import re
 import sys
 import textwrap
 import warnings
@@ -141,9 +142,13 @@ def pydoc_pairs() -> dict[str, list[tuple[str, str]]]:
 def name_baseline(corpus, split: str, max_pairs: int = 0) -> list[str]:
     """The trivial summary of each pair of `split`: its function's name split into words
     (`read_config_file` -> "read config file"), in the corpus's order."""
-    from txl.eval.seq2seq_metrics import split_identifier
-
     names = {(r["source"], r["target"]): r["name"] for r in pydoc_rows()[split]}
     texts = corpus.references(split)
     texts = texts[:max_pairs] if max_pairs else texts
     return [split_identifier(names.get(pair, "")) for pair in texts]
+
+
+def split_identifier(name: str) -> str:
+    """`read_config_file` / `readConfigFile` -> "read config file": the trivial summary baseline."""
+    words = re.sub(r"([a-z0-9])([A-Z])", r"\1 \2", name.strip("_")).replace("_", " ").split()
+    return " ".join(w.lower() for w in words)

@@ -45,11 +45,3 @@ def rouge(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, flo
             totals[name] += scores[name].fmeasure
     n = max(len(references), 1)
     return {name: total / n for name, total in totals.items()}
-
-
-def split_identifier(name: str) -> str:
-    """`read_config_file` / `readConfigFile` -> "read config file": the trivial summary baseline."""
-    import re
-
-    words = re.sub(r"([a-z0-9])([A-Z])", r"\1 \2", name.strip("_")).replace("_", " ").split()
-    return " ".join(w.lower() for w in words)
