@@ -48,7 +48,7 @@ def plan(options: BenchOptions) -> list[tuple[str, BenchOptions]]:
 
 
 def run_all(options: BenchOptions, *, out_dir: str | Path = "docs") -> dict:
-    from txl.cli.bench import BENCHES, available, has_own_cli, load
+    from txl.bench.registry import BENCHES, available, has_own_cli, load
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -251,7 +251,7 @@ MEASUREMENTS = [
 
 def render(report: dict, plots: list[str], out: Path | None = None) -> str:
     from txl.bench.common import markdown_table
-    from txl.cli.bench import load
+    from txl.bench.registry import load
 
     lines = [
         "# Benchmarks",

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 
 from txl.bench.common import CONFIG_NAMES
+from txl.bench.registry import BENCHES, available, has_own_cli, load
 from txl.cli.arguments import integer, integer_list, threads
 
 # Bounds of the shared flags: far above any useful benchmark, below a run that would never end or a
@@ -16,40 +16,8 @@ MAX_STEPS = 10_000
 MAX_BENCH_LENGTH = 65_536  # --context and --mem-lens, in tokens
 MAX_PROFILE_STEPS = 1_000
 
-# NAME -> module providing TITLE, run(options) and table(result) (see txl/bench/__init__.py).
-BENCHES: dict[str, str] = {
-    "train": "txl.bench.train",
-    "eval": "txl.bench.evaluation",
-    "generate": "txl.bench.generation",
-    "mfu": "txl.bench.mfu",
-    "kernel": "txl.bench.kernel",
-    "curve": "txl.bench.curve",
-    "eval-speedup": "txl.bench.eval_speedup",
-    "attention-scaling": "txl.bench.attention_scaling",
-}
-# The studies that train many models (arena, claims, recipes) are scripts in experiments/, not benchmarks.
-
-
-def available(name: str) -> bool:
-    return importlib.util.find_spec(BENCHES[name]) is not None
-
-
-def load(name: str):
-    from txl.errors import UsageError
-
-    if not available(name):
-        raise UsageError(f"benchmark {name!r} is not part of this install yet (module {BENCHES[name]} missing)")
-    return importlib.import_module(BENCHES[name])
-
-
 def _names(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
-
-
-def has_own_cli(module) -> bool:
-    """A benchmark module that declares its own flags (`configure(parser)`, `run(args) -> int`)
-    instead of the shared ones (`TITLE`, `run(options) -> dict`, `table(result)`)."""
-    return hasattr(module, "configure") and not (hasattr(module, "TITLE") and hasattr(module, "table"))
 
 
 # One line per benchmark for `txl bench --help` (the module docstrings hold the method).
