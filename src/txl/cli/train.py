@@ -16,7 +16,8 @@ from txl.train.distributed import env_int
 from txl.train.finish import finish
 from txl.train.loop import Trainer
 from txl.train.optim import lr_at
-from txl.train.state import LAST, STATE_FILE, open_run_dir, resume_config
+from txl.train.rundir import LAST, open_run_dir
+from txl.train.state import STATE_FILE, resume_config
 
 MAX_NPROC = 1024  # processes; more than a machine txl trains on has cores (launch() also checks this one's)
 MAX_MINUTES = 525_600  # a year of wall clock
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
             if main:
                 lock = open_run_dir(out, resume=False, force=args.force)
         trainer = Trainer(run, out, device=args.device, resume=bool(args.resume), quiet=args.quiet,
-                          init_from=args.init_from, force=args.force)
+                          init_from=args.init_from, force=args.force, lock=lock)  # one lock per run
     except BaseException:
         if lock is not None:
             lock.abandon()  # a failed start leaves the directory as it was

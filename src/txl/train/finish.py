@@ -1,11 +1,15 @@
-"""After training: final scores with the best weights, a sample, result.json and a summary."""
+"""After training: final scores with the best weights, a sample, result.json and a summary.
+
+What it reads of a run is `FinishingRun` (the `Trainer` has it): no import of the trainer's module.
+"""
 
 from __future__ import annotations
 
 import math
 import shlex
 import sys
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -16,10 +20,25 @@ from txl.eval.result import metric_value
 from txl.io import write_text
 from txl.models.pretrained import read_json, write_json
 from txl.models.registry import load_model
-from txl.train.state import BEST, LAST, STATE_FILE
+from txl.train.rundir import BEST, LAST
+from txl.train.state import STATE_FILE
 
-if TYPE_CHECKING:
-    from txl.train.loop import Trainer
+
+class FinishingRun(Protocol):
+    """What the end of a run reads of it."""
+
+    out: Path
+    cfg: object  # txl.train.config.TrainConfig
+    dist: object  # txl.train.distributed.Dist
+    model: torch.nn.Module
+    corpus: object
+    metric: str
+    objective: object  # txl.train.objectives.LanguageModelling or a subclass
+    average: object | None  # txl.train.averaging.WeightAverage
+    validates: bool
+    sample_prompt: list[int]
+
+    def evaluate_split(self, split: str, *, max_tokens: int = 0, progress: bool = False): ...
 
 
 def sample_prompt_ids(corpus, cfg) -> list[int]:
@@ -70,7 +89,7 @@ def final_cap(cfg) -> int:
     return cfg.eval_max_tokens if cfg.final_max_tokens is None else cfg.final_max_tokens
 
 
-def finish(trainer: Trainer, summary: dict) -> dict:
+def finish(trainer: FinishingRun, summary: dict) -> dict:
     """Evaluate the final splits with the best weights; write result.json (before the sample, so a
     failing sample cannot lose the scores), then the sample; print a summary and the next commands."""
     cfg = trainer.cfg
@@ -91,8 +110,8 @@ def finish(trainer: Trainer, summary: dict) -> dict:
             continue
         result = trainer.evaluate_split(split, max_tokens=final_cap(cfg), progress=True)
         results[split] = result.to_dict()
-        if trainer.seq2seq and trainer.dist.main:
-            results[split]["decoded"] = decode_final(trainer, split)
+        if trainer.dist.main:  # a sequence-to-sequence run's decoding scores
+            results[split].update(trainer.objective.final_extras(trainer.model, split))
     if best_weights == "average" and live is not None and results:
         # what the average bought: the same splits scored with the live weights of the last step (reported
         # beside the best weights' scores, never chosen by them)
@@ -114,7 +133,7 @@ def finish(trainer: Trainer, summary: dict) -> dict:
         summary["note"] = "the corpus has no valid split: validation was off"
     if trainer.dist.main:
         write_json(trainer.out / "result.json", summary)
-        if cfg.sample_tokens and not trainer.seq2seq:
+        if cfg.sample_tokens and trainer.objective.writes_sample:
             text, ids = write_sample(trainer)
             summary["sample"] = json_text(text)  # valid UTF-8: undecodable bytes as \xNN escapes
             summary["sample_ids"] = ids
@@ -124,20 +143,7 @@ def finish(trainer: Trainer, summary: dict) -> dict:
     return summary
 
 
-def decode_final(trainer: Trainer, split: str) -> list[dict]:
-    """A sequence-to-sequence run's final splits, decoded greedily and with beam search (train.beam_size)."""
-    from txl.eval.seq2seq import decode_split
-
-    cfg = trainer.cfg
-    out = []
-    for beam in sorted({1, cfg.beam_size}):
-        result = decode_split(trainer.model, trainer.corpus, split, beam_size=beam, alpha=cfg.length_penalty,
-                              batch_size=max(cfg.eval_batch_size, 32), device=trainer.dist.device)
-        out.append(result.to_dict())
-    return out
-
-
-def write_sample(trainer: Trainer) -> tuple[str, list[int]]:
+def write_sample(trainer: FinishingRun) -> tuple[str, list[int]]:
     """Continue the checked prompt; write the exact text to sample.txt. Returns (text, token ids)."""
     from txl.generate.decoder import stream_tokens
 
@@ -151,15 +157,14 @@ def write_sample(trainer: Trainer) -> tuple[str, list[int]]:
     return text, prompt + tokens
 
 
-def print_summary(trainer: Trainer, summary: dict) -> None:
+def print_summary(trainer: FinishingRun, summary: dict) -> None:
     metric = summary["metric"]
     cap = final_cap(trainer.cfg)
     out = trainer.out
     print(f"\nrun: {out}  ({summary['parameters']:,} parameters, {summary['steps']} steps, "
           f"{summary['tokens']:,} tokens, {summary['tokens_per_second']:,.0f} tokens/s, stopped by "
           f"{summary['stopped_by']})")
-    mlm = trainer.cfg.objective == "mlm"
-    if summary["final"] and mlm:  # masked LM: scores of the masked tokens
+    if summary["final"] and trainer.objective.name == "mlm":  # masked LM: scores of the masked tokens
         print(f"\n| split | {metric} (masked) | loss (nats) | masked-token accuracy | tokens scored |\n"
               "|---|---|---|---|---|")
         for split, r in summary["final"].items():
@@ -190,15 +195,6 @@ def print_summary(trainer: Trainer, summary: dict) -> None:
     weights = out / BEST if (out / BEST).is_dir() else out / LAST
     print(f"\nwritten: {out / 'result.json'} (scores), {weights} (weights), {out / LAST} (resumable), "
           f"{out / 'metrics.jsonl'} (curves)" + (f", {out / 'sample.txt'}" if summary.get("sample_text") else ""))
-    run = shlex.quote(str(out))
-    steps = [(f"txl eval {run}", "score it again (--split test; --text FILE scores new text)"),
-             (f"txl generate {run} --prompt TEXT", "continue a prompt (--num-samples, --stop, --json)"),
-             (f"txl plot {run}", "training curves as a PNG"),
-             (f"txl train --resume {run} --max-steps N", "train longer")]
-    if mlm:  # an encoder generates no text
-        steps.pop(1)
-    elif trainer.seq2seq:
-        steps[:2] = [(f"txl eval {run} --split test", "loss, token accuracy, exact match, ROUGE, sample outputs"),
-                     (f"txl generate {run} --input FILE", "decode one source per line of FILE")]
+    steps = trainer.objective.next_commands(shlex.quote(str(out)))
     width = max(len(command) for command, _ in steps)
     print("next:\n" + "\n".join(f"  {command.ljust(width)}  # {what}" for command, what in steps))

@@ -1,0 +1,277 @@
+"""What a run trains for: each objective owns its corpus, its batches, its step and its evaluation.
+
+- `LanguageModelling` (train.objective = "lm"): next-token prediction over a token stream, with the
+  model's memory carried from segment to segment (one memory per micro-batch, dropped at an epoch's start
+  and after a non-finite step);
+- `MaskedLanguageModelling` ("mlm"): BERT's 80/10/10 masking of each segment for the bidirectional
+  encoder; only the masked positions are scored;
+- `SequenceToSequence` (a pair corpus: pairs:, reverse, pydoc-summaries): teacher forcing of an
+  encoder-decoder over length-bucketed pair batches, label smoothing in the minimised loss.
+
+The trainer (`txl.train.loop`) asks its objective for a step and a score and never which one it has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from txl.data.masking import mask_tokens
+from txl.errors import ConfigError, DataError
+from txl.eval.mlm import evaluate_mlm
+from txl.eval.precision import autocast
+from txl.eval.result import EvalResult
+from txl.eval.segments import evaluate
+from txl.nn.memory import Memory
+
+
+class LanguageModelling:
+    """Next-token prediction with memory (the reference's training)."""
+
+    name = "lm"
+    writes_sample = True  # the end of the run continues a prompt
+
+    def __init__(self, cfg, corpus, dist, *, vocab_size: int, precision: str, scaler, ddp):
+        self.cfg, self.corpus, self.dist = cfg, corpus, dist
+        self.vocab_size, self.precision, self.scaler, self.ddp = vocab_size, precision, scaler, ddp
+        self.memories: list[Memory | None] = [None] * cfg.grad_accum  # one per micro-batch
+        self.ponder_depth = None  # universal: the last micro-batch's average depth (ACT)
+        self._checked_splits: set[str] = set()
+
+    # -- what the run is built from ----------------------------------------------------------------
+    @staticmethod
+    def open_corpus(spec: str):
+        from txl.data import open_corpus
+
+        return open_corpus(spec)
+
+    @staticmethod
+    def model_config(config, corpus, data: str):
+        if config.arch == "encoder-decoder":
+            raise ConfigError(f"model.arch={config.arch!r} trains on a pair corpus (pairs:, reverse, "
+                              f"pydoc-summaries), not {data!r}; pick one with --data")
+        return config
+
+    def batches(self):
+        from txl.data import StreamIterator
+
+        cfg = self.cfg
+        return StreamIterator(self.corpus.split("train"), batch_size=cfg.batch_size, tgt_len=cfg.tgt_len,
+                              varlen=cfg.varlen, roll=cfg.roll, seed=cfg.seed)
+
+    # -- one step ----------------------------------------------------------------------------------
+    def forget(self) -> None:
+        """Drop the carried memory (an epoch's start; a non-finite step must not carry NaNs on)."""
+        self.memories = [None] * self.cfg.grad_accum
+
+    def check_batch(self, batch) -> None:
+        # inputs[:, 1:] == targets[:, :-1]: the targets and the first column cover every id
+        self.check_token_ids(max(int(batch.targets.max()), int(batch.inputs[:, 0].max())), "train")
+        if batch.step == 0:
+            self.forget()  # memory does not cross epochs
+
+    def tokens(self, batch, scored: int) -> int:
+        """Tokens the step processed over all ranks (not only the scored ones)."""
+        return self.cfg.batch_size * batch.inputs.shape[1]
+
+    def mask(self, inputs, targets):
+        """(inputs, targets, scored count or None): a language model scores every position."""
+        return inputs, targets, None
+
+    def step(self, forward: Callable, batch) -> tuple[float, int]:
+        """Forward/backward over this rank's micro-batches. Returns (summed NLL over this rank's scored
+        tokens, their count); the NLL is NaN when any micro-batch loss was not finite. One host sync."""
+        cfg, device = self.cfg, self.dist.device
+        rows = self.dist.rows(cfg.batch_size)
+        inputs, targets, scored = self.mask(batch.inputs[rows], batch.targets[rows])
+        inputs = inputs.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        micro = inputs.shape[0] // cfg.grad_accum
+        nll_sum = torch.zeros((), dtype=torch.float64, device=device)
+        for j in range(cfg.grad_accum):
+            x, y = inputs[j * micro : (j + 1) * micro], targets[j * micro : (j + 1) * micro]
+            with self._sync(last=j == cfg.grad_accum - 1):
+                with autocast(device, self.precision):
+                    out = forward(x, memory=self.memories[j], labels=y)
+                loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss  # compressive memory
+                self.scaler.scale(loss / cfg.grad_accum).backward()
+            self.memories[j] = out.memory
+            self.ponder_depth = None if out.ponder_depth is None else out.ponder_depth.detach()  # universal
+            # the loss, not the per-token NLL, decides finiteness (a caller may poison either)
+            nll_sum += out.nll.detach().double().sum() + out.loss.detach().double() * 0
+        return float(nll_sum), inputs.shape[0] * inputs.shape[1] if scored is None else scored
+
+    def _sync(self, *, last: bool):
+        """DDP: all-reduce the gradients on the last micro-batch only."""
+        return contextlib.nullcontext() if last or self.dist.world == 1 else self.ddp.no_sync()
+
+    # -- evaluation --------------------------------------------------------------------------------
+    def check_token_ids(self, largest: int, split: str) -> None:
+        """Prepared arrays are unsigned, so only an id >= vocab_size can be wrong (a damaged cache):
+        without this it is an IndexError deep inside the embedding. Costs one max over the batch's
+        B×T ids on the CPU per step, before they move to the device (about 0.02 ms for 22×512, 0.1 ms
+        for 128×384: far below 0.1% of a step); the model forward itself is left alone."""
+        if largest >= self.vocab_size:
+            raise DataError(f"token id {largest} in the {split} split of {self.cfg.data!r} is outside the "
+                            f"vocabulary ({self.vocab_size} ids): the prepared cache is damaged; "
+                            f"run `txl data prepare {self.cfg.data} --force`")
+
+    def _split_tokens(self, split: str, max_tokens: int):
+        tokens = self.corpus.split(split)
+        if split not in self._checked_splits and len(tokens):  # once per split: one pass over <= 5% of the corpus
+            self.check_token_ids(int(tokens[: max_tokens + 1 if max_tokens else None].max()), split)
+            self._checked_splits.add(split)
+        return tokens
+
+    def evaluate(self, model, split: str, *, max_tokens: int = 0, progress: bool = False) -> EvalResult:
+        """The split's loss with memory (every rank scores its rows; the totals are all-reduced)."""
+        cfg, dist = self.cfg, self.dist
+        tokens = self._split_tokens(split, max_tokens)
+        bsz, rows = cfg.eval_batch_size, None
+        if dist.world > 1:
+            bsz = max(bsz // dist.world, 1) * dist.world
+            rows = dist.rows(bsz)
+        result = evaluate(
+            model, tokens, metric=self.corpus.metric, batch_size=bsz, tgt_len=cfg.eval_tgt_len or cfg.tgt_len,
+            mem_len=cfg.eval_mem_len, warm_memory=cfg.eval_warm_memory, max_tokens=max_tokens, device=dist.device,
+            precision=self.precision, rows=rows, progress=progress,
+        )
+        if dist.world > 1:
+            total, count = dist.all_sum([result.loss * result.tokens, result.tokens])
+            result.loss, result.tokens = total / max(count, 1), int(count)
+        result.split = split
+        return result
+
+    def final_extras(self, model, split: str) -> dict:
+        """More scores of a final split, beyond `evaluate`'s (rank 0 only)."""
+        return {}
+
+    def next_commands(self, run: str) -> list[tuple[str, str]]:
+        """What to do with the finished run (the summary's last lines): (command, what it does)."""
+        return [(f"txl eval {run}", "score it again (--split test; --text FILE scores new text)"),
+                (f"txl generate {run} --prompt TEXT", "continue a prompt (--num-samples, --stop, --json)"),
+                (f"txl plot {run}", "training curves as a PNG"),
+                (f"txl train --resume {run} --max-steps N", "train longer")]
+
+
+class MaskedLanguageModelling(LanguageModelling):
+    """BERT's masked LM for the bidirectional encoder (causal=false, no memory)."""
+
+    name = "mlm"
+
+    def mask(self, inputs, targets):
+        # the global RNG: saved in checkpoints, so a resume is exact; labels = the original tokens, no shift
+        vocab = self.vocab_size
+        inputs, targets = mask_tokens(inputs, mask_id=vocab - 1, vocab_size=vocab, rate=self.cfg.mask_prob)
+        return inputs, targets, int((targets != -100).sum())
+
+    def evaluate(self, model, split: str, *, max_tokens: int = 0, progress: bool = False) -> EvalResult:
+        cfg, dist = self.cfg, self.dist
+        tokens = self._split_tokens(split, max_tokens)
+        result = evaluate_mlm(model, tokens, metric=self.corpus.metric, batch_size=cfg.eval_batch_size,
+                              tgt_len=cfg.eval_tgt_len or cfg.tgt_len, mask_prob=cfg.mask_prob, seed=cfg.seed,
+                              max_tokens=max_tokens, device=dist.device, precision=self.precision,
+                              shard=(dist.rank, dist.world))
+        if dist.world > 1:
+            total, count, hits = dist.all_sum([result.loss * result.tokens, result.tokens,
+                                               result.accuracy * result.tokens])
+            result.loss, result.tokens, result.accuracy = total / max(count, 1), int(count), hits / max(count, 1)
+        result.split = split
+        return result
+
+    def next_commands(self, run: str) -> list[tuple[str, str]]:
+        steps = super().next_commands(run)
+        steps.pop(1)  # an encoder generates no text
+        return steps
+
+
+class SequenceToSequence(LanguageModelling):
+    """Teacher forcing of an encoder-decoder on a pair corpus (the decoder reads the target shifted right)."""
+
+    name = "seq2seq"
+    writes_sample = False  # its final splits are decoded instead
+
+    @staticmethod
+    def open_corpus(spec: str):
+        from txl.data.seq2seq import open_pair_corpus
+
+        return open_pair_corpus(spec)
+
+    @staticmethod
+    def model_config(config, corpus, data: str):
+        """An encoder-decoder whose vocabularies are the corpus's."""
+        if config.arch != "encoder-decoder":
+            raise ConfigError(f"{corpus.name} is a sequence-to-sequence corpus: it trains model.arch="
+                              "'encoder-decoder' (e.g. --preset seq2seq-reverse), not a decoder-only LM")
+        vocab = corpus.vocab
+        return config.replace(source_vocab_size=0 if vocab.shared else vocab.source.size,
+                              share_embeddings=config.share_embeddings and vocab.shared)
+
+    def batches(self):
+        from txl.data.seq2seq import PairBatches
+
+        # batch_size pairs per step, bucketed by length
+        return PairBatches(self.corpus.pairs("train"), self.corpus.vocab, batch_size=self.cfg.batch_size,
+                           seed=self.cfg.seed)
+
+    def check_batch(self, batch) -> None:
+        pass  # pair ids are encoded in memory by this run's own vocabulary
+
+    def tokens(self, batch, scored: int) -> int:
+        return scored  # a pair batch: its scored target tokens over all ranks
+
+    def step(self, forward: Callable, batch) -> tuple[float, int]:
+        """Label smoothing in the loss that is minimised, the unsmoothed NLL in the records."""
+        dist, device = self.dist, self.dist.device
+        rows = dist.rows(batch.source.shape[0]) if batch.source.shape[0] >= dist.world else slice(None)
+        tensors = [t[rows].to(device, non_blocking=True) for t in
+                   (batch.source, batch.attention_mask, batch.decoder_input, batch.labels)]
+        micro = max(tensors[0].shape[0] // self.cfg.grad_accum, 1)
+        count = int((tensors[3] != -100).sum())
+        nll_sum = torch.zeros((), dtype=torch.float64, device=device)
+        chunks = list(zip(*(t.split(micro) for t in tensors)))
+        for j, (src, mask, dec, labels) in enumerate(chunks):
+            with self._sync(last=j == len(chunks) - 1):
+                with autocast(device, self.precision):
+                    out = forward(src, mask, dec, labels, label_smoothing=self.cfg.label_smoothing)
+                # mean over the step's scored tokens, whatever their split into micro-batches
+                scale = int((labels != -100).sum()) / max(count, 1)
+                self.scaler.scale(out.loss * scale).backward()
+            nll_sum += out.nll.detach().double().sum() + out.loss.detach().double() * 0
+        return float(nll_sum), count
+
+    def evaluate(self, model, split: str, *, max_tokens: int = 0, progress: bool = False) -> EvalResult:
+        """Teacher-forced NLL and token accuracy (decoding scores come at the end, `final_extras`)."""
+        from txl.eval.seq2seq import teacher_forced
+
+        return teacher_forced(model, self.corpus, split, batch_size=self.cfg.eval_batch_size,
+                              device=self.dist.device, precision=self.precision)
+
+    def final_extras(self, model, split: str) -> dict:
+        """The split decoded greedily and with beam search (train.beam_size)."""
+        from txl.eval.seq2seq import decode_split
+
+        cfg = self.cfg
+        decoded = [decode_split(model, self.corpus, split, beam_size=beam, alpha=cfg.length_penalty,
+                                batch_size=max(cfg.eval_batch_size, 32), device=self.dist.device).to_dict()
+                   for beam in sorted({1, cfg.beam_size})]
+        return {"decoded": decoded}
+
+    def next_commands(self, run: str) -> list[tuple[str, str]]:
+        steps = super().next_commands(run)
+        steps[:2] = [(f"txl eval {run} --split test", "loss, token accuracy, exact match, ROUGE, sample outputs"),
+                     (f"txl generate {run} --input FILE", "decode one source per line of FILE")]
+        return steps
+
+
+OBJECTIVES = {cls.name: cls for cls in (LanguageModelling, MaskedLanguageModelling, SequenceToSequence)}
+
+
+def objective_class(cfg, spec: str) -> type[LanguageModelling]:
+    """A pair corpus trains sequence-to-sequence; any other corpus the configured objective (lm or mlm)."""
+    from txl.data import parse_spec
+    from txl.data.spec import SEQ2SEQ_CORPORA
+
+    return SequenceToSequence if parse_spec(spec).name in SEQ2SEQ_CORPORA else OBJECTIVES[cfg.objective]
