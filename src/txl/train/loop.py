@@ -1,13 +1,15 @@
 """Training: one readable loop that runs the same on a laptop CPU and on many GPUs.
 
-What a step does (the reference's train.py, batch-first and without its global state):
+What a step does (the reference's train.py, batch-first and without its global state), for the language
+modelling objective (`txl.train.objectives` holds it, masked LM and sequence-to-sequence beside it):
   for each micro-batch (rows of the global batch, each with its own memory):
       loss = model(inputs, memory, labels).loss / grad_accum ; backward      (DDP: no_sync but last)
       memory = out.memory                                                    (detached: SG(m))
   skip the update if the loss is not finite; unscale (fp16), clip, optimiser step, lr for the step.
 
-The run's directory and checkpoints live in `txl.train.state`, its records in `txl.train.progress`,
-the end of a run in `txl.train.finish` and the command line in `txl.cli.train`.
+The run's directory lives in `txl.train.rundir`, its checkpoints in `txl.train.checkpoint` (files and
+checks: `txl.train.state`), its records in `txl.train.progress`, the end of a run in `txl.train.finish`
+and the command line in `txl.cli.train`.
 """
 
 from __future__ import annotations
