@@ -17,61 +17,17 @@ checkpoint's vocabulary and the continuation is decoded and written as it is pro
 from __future__ import annotations
 
 import codecs
-import math
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from txl.errors import CheckpointError, DataError, UsageError
-from txl.nn.memory import Memory
+from txl.errors import DataError, UsageError
+from txl.nn.memory import MemoryState
 from txl.nn.options import MAX_LENGTH
-
-
-def filter_logits(logits: Tensor, *, top_k: int = 0, top_p: float = 1.0) -> Tensor:
-    """Mask all but the top-k tokens and the smallest nucleus with probability >= top_p."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1, None]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        probs = sorted_logits.softmax(-1)
-        # drop a token when the tokens before it already reach top_p (the top token always stays)
-        drop = probs.cumsum(-1) - probs >= top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return logits
-
-
-# Below these, logits / temperature overflows float32 and the nucleus test underflows: both would turn
-# the probabilities into NaN. A temperature this small is greedy decoding in all but name.
-MIN_TEMPERATURE = 1e-3
-MIN_TOP_P = 1e-6
-MAX_NEW_TOKENS = 1 << 24
-
-
-def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
-    if max_new_tokens < 1:
-        raise UsageError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if max_new_tokens > MAX_NEW_TOKENS:
-        raise UsageError(f"max_new_tokens must be <= {MAX_NEW_TOKENS:,}, got {max_new_tokens:.3g}")
-    if temperature < 0:
-        raise UsageError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if not (temperature == 0 or MIN_TEMPERATURE <= temperature < math.inf):  # also NaN
-        raise UsageError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {temperature}")
-    if top_k < 0:
-        raise UsageError(f"top_k must be >= 0 (0 = off), got {top_k}")
-    if not 0.0 < top_p <= 1.0:  # also rejects NaN
-        raise UsageError(f"top_p must be in (0, 1], got {top_p}")
-    if top_p < MIN_TOP_P:
-        raise UsageError(f"top_p must be >= {MIN_TOP_P} (a smaller nucleus underflows; use --greedy), got {top_p}")
-
-
-def check_seed(seed: int | None) -> None:
-    if seed is not None and not 0 <= seed < 2**63:
-        raise UsageError(f"seed must be in [0, 2**63), got {seed:.3g}" if seed >= 10**15 else
-                         f"seed must be in [0, 2**63), got {seed}")
+from txl.nn.sampling import check_sampling, check_seed, filter_logits, pick_tokens  # noqa: F401 (re-exported)
 
 
 def check_causal(model) -> None:
@@ -79,6 +35,101 @@ def check_causal(model) -> None:
         return
     raise UsageError("this model is a bidirectional encoder (causal=false, e.g. trained with --objective mlm): "
                      "it predicts masked tokens and cannot generate text; use a causal LM")
+
+
+def check_lengths(model, mem_len: int | None, segment_len: int | None) -> tuple[int, int]:
+    """(mem_len, segment_len) of a decoder: mem_len defaults to the model's, segment_len (the prompt's
+    chunk, and the window re-run at mem_len 0) to max(mem_len, 128); both checked."""
+    mem_len = getattr(model, "mem_len", 0) if mem_len is None else mem_len
+    if mem_len < 0:
+        raise UsageError(f"mem_len must be >= 0, got {mem_len}")
+    if mem_len > MAX_LENGTH:
+        raise UsageError(f"mem_len must be <= {MAX_LENGTH:,}, got {mem_len:.3g}")
+    segment_len = segment_len or max(mem_len, 128)
+    if segment_len < 1:
+        raise UsageError(f"segment_len must be >= 1, got {segment_len}")
+    if segment_len > MAX_LENGTH:
+        raise UsageError(f"segment_len must be <= {MAX_LENGTH:,}, got {segment_len:.3g}")
+    return mem_len, segment_len
+
+
+def prompt_batch(model, input_ids, *, name: str = "input_ids") -> Tensor:
+    """`input_ids` as a (B, T) long tensor of ids in the model's vocabulary (a (T,) prompt is one row)."""
+    prompt = torch.as_tensor(input_ids, dtype=torch.long)
+    if prompt.dim() == 1:
+        prompt = prompt[None]
+    if prompt.numel() == 0 and name == "prompt":
+        raise UsageError("the prompt is empty; give at least one token of text")
+    if prompt.dim() != 2 or prompt.shape[0] == 0 or prompt.shape[1] == 0:
+        raise UsageError(f"{name} must have shape (batch, length) with both >= 1, got {tuple(prompt.shape)}")
+    vocab = model.config.vocab_size
+    if int(prompt.max()) >= vocab or int(prompt.min()) < 0:
+        raise UsageError(f"{name} has token ids outside the model's vocabulary [0, {vocab})")
+    return prompt
+
+
+class Decoder:
+    """A batch of B streams decoded together: `feed` ids, read `logits` (B, V) of the next token, `step`
+    one token per stream. The model is used only through its contract, `model(ids, memory=, mem_len=)`
+    returning `.logits` (B, t, V) and `.memory`, so every causal model decodes here (Transformer-XL,
+    LSTM / SHA-RNN).
+
+    With mem_len > 0 the memory is carried: a feed goes through the model in chunks of `segment_len`
+    tokens on top of the memory, and a step is one forward of one token. With mem_len 0 there is
+    nothing to carry, and every feed re-runs the window of the last `segment_len` tokens. `lock` (a
+    context manager) is held around each forward (`txl serve` interleaves streams on one model);
+    `before_chunk()` runs before each chunk of a feed (serve stops a cancelled request there).
+
+    The logits and the window are copies when they would otherwise be views into a longer buffer (the
+    (B, t, V) output of a prompt's chunk), so a decoder holds no more than its state between calls."""
+
+    def __init__(self, model, *, mem_len: int | None = None, segment_len: int | None = None, lock=None):
+        self.model = model
+        self.mem_len, self.segment_len = check_lengths(model, mem_len, segment_len)
+        self.device = next(model.parameters()).device
+        self.lock = lock if lock is not None else contextlib.nullcontext()
+        self.memory: MemoryState | None = None
+        self.context: Tensor | None = None  # mem_len 0: the window of the last tokens (B, t)
+        self.logits: Tensor | None = None  # (B, V) of the next token
+
+    @torch.no_grad()
+    def feed(self, ids: Tensor, *, before_chunk: Callable[[], object] | None = None) -> Tensor:
+        """ids (B, t) -> the logits (B, V) of the token after them."""
+        ids = ids.to(self.device)
+        if self.mem_len == 0:
+            context = ids if self.context is None else torch.cat([self.context, ids], dim=1)
+            self.context = context[:, -self.segment_len :]
+            if ids.shape[1] > 1:
+                self.context = self.context.clone()
+            if before_chunk is not None:
+                before_chunk()
+            with self.lock:
+                logits = self.model(self.context, mem_len=0).logits
+            self.logits = logits[:, -1].clone() if logits.shape[1] > 1 else logits[:, -1]
+            return self.logits
+        for chunk in ids.split(self.segment_len, dim=1):
+            if before_chunk is not None:
+                before_chunk()
+            with self.lock:
+                out = self.model(chunk, memory=self.memory, mem_len=self.mem_len)
+            self.memory = out.memory
+            self.logits = out.logits[:, -1].clone() if out.logits.shape[1] > 1 else out.logits[:, -1]
+        return self.logits
+
+    def step(self, tokens: Tensor) -> Tensor:
+        """tokens (B,): one new token per stream -> the logits (B, V) of the next one."""
+        return self.feed(tokens[:, None])
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """Dropout off while decoding; the model's mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 @torch.no_grad()
@@ -94,91 +145,40 @@ def stream_tokens(
     segment_len: int | None = None,
     generator: torch.Generator | None = None,
 ) -> Iterator[int]:
-    """Yield new token ids one by one. temperature 0 = greedy."""
+    """Yield new token ids one by one (one prompt: `sample` for one row, yielded as they come). temperature
+    0 = greedy."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     check_causal(model)
-    prompt = torch.as_tensor(prompt, dtype=torch.long).flatten()
-    if prompt.numel() == 0:
-        raise UsageError("the prompt is empty; give at least one token of text")
-    vocab = model.config.vocab_size
-    if int(prompt.max()) >= vocab or int(prompt.min()) < 0:
-        raise UsageError(f"prompt has token ids outside the model's vocabulary [0, {vocab})")
-    device = next(model.parameters()).device
-    mem_len = model.mem_len if mem_len is None else mem_len
-    if mem_len < 0:
-        raise UsageError(f"mem_len must be >= 0, got {mem_len}")
-    if mem_len > MAX_LENGTH:
-        raise UsageError(f"mem_len must be <= {MAX_LENGTH:,}, got {mem_len:.3g}")
-    segment_len = segment_len or max(mem_len, 128)
-    if segment_len < 1:
-        raise UsageError(f"segment_len must be >= 1, got {segment_len}")
-    if segment_len > MAX_LENGTH:
-        raise UsageError(f"segment_len must be <= {MAX_LENGTH:,}, got {segment_len:.3g}")
-    was_training = model.training
-    model.eval()
-    try:
-        if mem_len == 0:
-            yield from _stream_window(model, prompt.to(device), max_new_tokens=max_new_tokens, window=segment_len,
-                                      temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-            return
-        memory: Memory | None = None
-        logits = None
-        for chunk in prompt.to(device).split(segment_len):
-            out = model(chunk[None], memory=memory, mem_len=mem_len)
-            memory, logits = out.memory, out.logits[0, -1]
-        for _ in range(max_new_tokens):
-            token = _pick(logits.float(), temperature, top_k, top_p, generator)
-            yield token
-            out = model(torch.tensor([[token]], device=device), memory=memory, mem_len=mem_len)
-            memory, logits = out.memory, out.logits[0, -1]
-    finally:
-        model.train(was_training)
-
-
-def _stream_window(model, prompt: Tensor, *, max_new_tokens: int, window: int, temperature: float, top_k: int,
-                   top_p: float, generator) -> Iterator[int]:
-    """mem_len = 0: every step re-runs the last `window` tokens without memory."""
-    context = prompt[-window:][None]  # (1, t)
-    for _ in range(max_new_tokens):
-        logits = model(context, mem_len=0).logits[0, -1]
-        token = _pick(logits.float(), temperature, top_k, top_p, generator)
-        yield token
-        context = torch.cat([context, context.new_tensor([[token]])], dim=1)[:, -window:]
-
-
-def _check_finite_scores(logits: Tensor) -> None:
-    """Sampling from NaN probabilities is a torch error deep inside multinomial; say what it means."""
-    if not bool(torch.isfinite(logits).all()):
-        raise CheckpointError("the model's scores for the next token are not finite (NaN or Inf): its weights are "
-                              "damaged or were trained into overflow; use another checkpoint")
-
-
-def _pick(logits: Tensor, temperature: float, top_k: int, top_p: float, generator) -> int:
-    _check_finite_scores(logits)
-    if temperature == 0:
-        return int(logits.argmax())
-    logits = filter_logits(logits / temperature, top_k=top_k, top_p=top_p)
-    probs = logits.softmax(-1).cpu()
-    return int(torch.multinomial(probs, 1, generator=generator))
+    prompt = prompt_batch(model, torch.as_tensor(prompt, dtype=torch.long).flatten(), name="prompt")
+    decoder = Decoder(model, mem_len=mem_len, segment_len=segment_len)
+    with eval_mode(model):
+        logits = decoder.feed(prompt)
+        for i in range(max_new_tokens):
+            token = pick_tokens(logits.float(), temperature=temperature, top_k=top_k, top_p=top_p,
+                                generator=generator)
+            yield int(token[0])
+            if i + 1 < max_new_tokens:
+                logits = decoder.step(token)
 
 
 def generate(model, prompt, *, max_new_tokens: int, **kwargs) -> list[int]:
     return list(stream_tokens(model, prompt, max_new_tokens=max_new_tokens, **kwargs))
 
 
-@torch.no_grad()
 def generate_rerun(model, prompt, *, max_new_tokens: int) -> list[int]:
     """Greedy decoding that re-runs the whole context every step, without memory: the baseline that
-    memory reuse must reproduce (and beat in speed)."""
+    memory reuse must reproduce (and beat in speed). A `Decoder` at mem_len 0 whose window holds the
+    whole text."""
     check_sampling(max_new_tokens, 0.0, 0, 1.0)
-    device = next(model.parameters()).device
-    context = torch.as_tensor(prompt, dtype=torch.long, device=device).flatten()[None]
+    prompt = torch.as_tensor(prompt, dtype=torch.long).flatten()[None]
+    decoder = Decoder(model, mem_len=0, segment_len=prompt.shape[1] + max_new_tokens)
+    logits = decoder.feed(prompt)
     new = []
-    for _ in range(max_new_tokens):
-        logits = model(context, mem_len=0).logits[0, -1]
-        token = int(logits.argmax())
-        new.append(token)
-        context = torch.cat([context, torch.tensor([[token]], device=device)], dim=1)
+    for i in range(max_new_tokens):
+        token = pick_tokens(logits, temperature=0.0)
+        new.append(int(token[0]))
+        if i + 1 < max_new_tokens:
+            logits = decoder.step(token)
     return new
 
 
@@ -278,41 +278,21 @@ def sample(
     has stopped or after `max_new_tokens`. temperature 0 = greedy."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     check_causal(model)
-    prompt = torch.as_tensor(input_ids, dtype=torch.long)
-    if prompt.dim() == 1:
-        prompt = prompt[None]
-    if prompt.dim() != 2 or prompt.shape[0] == 0 or prompt.shape[1] == 0:
-        raise UsageError(f"input_ids must have shape (batch, length) with both >= 1, got {tuple(prompt.shape)}")
+    prompt = prompt_batch(model, input_ids)
     vocab = model.config.vocab_size
-    if int(prompt.max()) >= vocab or int(prompt.min()) < 0:
-        raise UsageError(f"input_ids has token ids outside the model's vocabulary [0, {vocab})")
     if eos_token_id is not None and not 0 <= eos_token_id < vocab:
         raise UsageError(f"eos_token_id {eos_token_id} is outside the model's vocabulary [0, {vocab})")
-    device = next(model.parameters()).device
-    mem_len = model.mem_len if mem_len is None else mem_len
-    if mem_len < 0:
-        raise UsageError(f"mem_len must be >= 0, got {mem_len}")
-    segment_len = segment_len or max(mem_len, 128)
+    decoder = Decoder(model, mem_len=mem_len, segment_len=segment_len)
     rows = prompt.shape[0]
     ids: list[list[int]] = [[] for _ in range(rows)]
     logprobs: list[list[float]] = [[] for _ in range(rows)]
     stopped_by = ["max_new_tokens"] * rows
     live = [True] * rows
-    was_training = model.training
-    model.eval()
-    try:
-        prompt = prompt.to(device)
-        memory: Memory | None = None
-        context = prompt[:, -segment_len:]
-        if mem_len == 0:
-            logits = model(context, mem_len=0).logits[:, -1]
-        else:
-            for chunk in prompt.split(segment_len, dim=1):
-                out = model(chunk, memory=memory, mem_len=mem_len)
-                memory, logits = out.memory, out.logits[:, -1]
-        for _ in range(max_new_tokens):
+    with eval_mode(model):
+        logits = decoder.feed(prompt)
+        for i in range(max_new_tokens):
             logits = logits.float()
-            tokens = pick_tokens(logits, temperature, top_k, top_p, generator)
+            tokens = pick_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
             chosen = logits.log_softmax(-1).gather(1, tokens[:, None].to(logits.device))[:, 0].tolist()
             for row, token in enumerate(tokens.tolist()):
                 if not live[row]:
@@ -323,28 +303,10 @@ def sample(
                     live[row], stopped_by[row] = False, "eos"
                 elif should_stop is not None and should_stop(row, token):
                     live[row], stopped_by[row] = False, "stop"
-            if not any(live):
+            if not any(live) or i + 1 == max_new_tokens:
                 break
-            step = tokens[:, None].to(device)
-            if mem_len == 0:
-                context = torch.cat([context, step], dim=1)[:, -segment_len:]
-                logits = model(context, mem_len=0).logits[:, -1]
-            else:
-                out = model(step, memory=memory, mem_len=mem_len)
-                memory, logits = out.memory, out.logits[:, -1]
-    finally:
-        model.train(was_training)
+            logits = decoder.step(tokens)
     return Generation(ids=ids, logprobs=logprobs, stopped_by=stopped_by)
-
-
-def pick_tokens(logits: Tensor, temperature: float, top_k: int, top_p: float, generator) -> Tensor:
-    """One token per row of `logits` (rows, vocab): the argmax at temperature 0, else a draw from the
-    top-k / top-p filtered distribution (the random draws `sample` makes, for callers that must match it)."""
-    _check_finite_scores(logits)
-    if temperature == 0:
-        return logits.argmax(-1).cpu()
-    probs = filter_logits(logits / temperature, top_k=top_k, top_p=top_p).softmax(-1).cpu()
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
 def generate_tokens(model, input_ids: Tensor, max_new_tokens: int, *, pad_token_id: int | None = None,
