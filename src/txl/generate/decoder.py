@@ -97,12 +97,11 @@ class Decoder:
         """ids (B, t) -> the logits (B, V) of the token after them."""
         ids = ids.to(self.device)
         if self.mem_len == 0:
-            context = ids if self.context is None else torch.cat([self.context, ids], dim=1)
-            self.context = context[:, -self.segment_len :]
-            if ids.shape[1] > 1:
-                self.context = self.context.clone()
             if before_chunk is not None:
                 before_chunk()
+            context = ids if self.context is None else torch.cat([self.context, ids], dim=1)
+            # a slice of the longer [window ; ids] would keep all of it alive
+            self.context = context[:, -self.segment_len :].clone() if context.shape[1] > self.segment_len else context
             with self.lock:
                 logits = self.model(self.context, mem_len=0).logits
             self.logits = logits[:, -1].clone() if logits.shape[1] > 1 else logits[:, -1]

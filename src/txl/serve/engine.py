@@ -1,7 +1,8 @@
 """The model side of `txl serve`: loaded runs, per-client decoding state, scoring with attention.
 
-Nothing here knows about HTTP. `Decoder` is one stream's state (memory and the next-token logits) and
-makes exactly the forward calls and random draws of `txl.generate.decoder.sample` for one row, so a page
+Nothing here knows about HTTP. `Decoder` is one session's state (memory and the next-token logits): the
+library's `txl.generate.decoder.Decoder` and the one token picker (`txl.nn.sampling.pick_tokens`), so it
+makes exactly the forward calls and random draws of `txl.generate.decoder.sample` for one row and a page
 generation with a seed equals `txl generate --seed` (tests/test_serve.py checks it). `score` runs the
 text through the model in segments with memory the way `txl eval` does with one stream, and on
 request returns the attention probabilities of one query over [memory ; segment], downsampled to a
@@ -23,9 +24,11 @@ import torch
 
 from txl.data.display import json_text
 from txl.errors import CheckpointError, UsageError
-from txl.generate.decoder import TextStream, check_sampling, pick_tokens
+from txl.generate.decoder import Decoder as StreamDecoder
+from txl.generate.decoder import TextStream
 from txl.models.checkpoint import LoadedCheckpoint, load_checkpoint
 from txl.nn.memory import Memory
+from txl.nn.sampling import check_sampling, pick_tokens
 
 CURVE_POINTS = 400  # training-curve points sent to the page per split (evenly thinned)
 CURVE_LINE_BYTES = 64 * 1024  # a metrics.jsonl line longer than this is damaged: skipped, never held whole
@@ -228,26 +231,21 @@ def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     return sum(storages.values())
 
 
-class Decoder:
-    """One stream's decoding state for one run: memory and the logits of the next token.
-
-    Mirrors `txl.generate.decoder.sample` for a single row: the prompt is fed in chunks of
-    max(mem_len, 128) tokens; each new token is one forward with the memory; with mem_len 0 every
-    step re-runs a window of the last `window` tokens instead. Continuing a session feeds more text
-    on top of the same memory. Between two requests it holds no more than `ServedRun.session_bytes`:
-    the logits are copied out of the (tokens, vocabulary) output, and a memory that is a view into a
-    longer [memory ; chunk] buffer is compacted."""
+class Decoder(StreamDecoder):
+    """One client session's decoding state for one run: `txl.generate.decoder.Decoder` for one row (the
+    same forward calls as `sample`, under the run's lock), plus what a session needs. The prompt is fed
+    in chunks of max(mem_len, 128) tokens; each new token is one forward with the memory; with mem_len 0
+    every step re-runs a window of the last `window` tokens instead. Continuing a session feeds more
+    text on top of the same memory. Between two requests it holds no more than
+    `ServedRun.session_bytes`: the logits and the window are copied out of longer buffers (the base
+    class does), and a memory that is a view into a longer [memory ; chunk] buffer is compacted."""
 
     TAIL = 64  # a session can go on for ever; its state stays bounded
 
     def __init__(self, run: ServedRun, *, mem_len: int, window: int | None):
+        super().__init__(run.model, mem_len=mem_len, segment_len=window, lock=run.lock)
         self.run = run
-        self.mem_len = mem_len
         self.window = window
-        self.segment_len = window or max(mem_len, 128)
-        self.memory: Memory | None = None
-        self.context: torch.Tensor | None = None  # mem_len 0: the window of the last tokens (1, t)
-        self.logits: torch.Tensor | None = None  # (1, V) of the next token
         self.length = 0  # tokens fed so far (prompt, continuations, generated): the next token's position
         self.tail: list[int] = []  # the last TAIL of them, the decoding context of the next piece of text
 
@@ -256,26 +254,17 @@ class Decoder:
         memory = () if self.memory is None else (*self.memory.hidden, *self.memory.compressed)
         return tensor_bytes(*memory, self.logits, self.context)
 
-    @torch.no_grad()
     def feed(self, ids: Sequence[int], cancelled=lambda: False) -> None:
         if not ids:
             return
-        model = self.run.model
-        tokens = torch.tensor([list(ids)], dtype=torch.long, device=next(model.parameters()).device)
         self.length += len(ids)
         self.tail = (self.tail + [int(i) for i in ids])[-self.TAIL :]
-        if self.mem_len == 0:
-            context = tokens if self.context is None else torch.cat([self.context, tokens], dim=1)
-            self.context = context[:, -self.segment_len :].clone()
-            with self.run.lock:
-                self.logits = model(self.context, mem_len=0).logits[:, -1].clone()
-            return
-        for chunk in tokens.split(self.segment_len, dim=1):
+
+        def stop_if_cancelled() -> None:
             if cancelled():
                 raise Cancelled
-            with self.run.lock:
-                out = model(chunk, memory=self.memory, mem_len=self.mem_len)
-            self.memory, self.logits = out.memory, out.logits[:, -1].clone()
+
+        super().feed(torch.tensor([list(ids)], dtype=torch.long), before_chunk=stop_if_cancelled)
         if len(ids) > 1 and self.memory is not None:  # a view of the longer [memory ; chunk]: keep only itself
             held = sum(t.numel() * t.element_size() for t in (*self.memory.hidden, *self.memory.compressed))
             if tensor_bytes(*self.memory.hidden, *self.memory.compressed) > held:
@@ -290,7 +279,7 @@ class Decoder:
         if not bool(torch.isfinite(logits).all()):
             raise NotFinite("the model's next-token scores are NaN or infinite; this checkpoint cannot generate "
                             "from here (its weights may be damaged): try another prompt or checkpoint")
-        token = pick_tokens(logits, temperature, top_k, top_p, generator)
+        token = pick_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         logprob = logits.log_softmax(-1)[0, int(token[0])]
         return int(token[0]), float(logprob)
 
