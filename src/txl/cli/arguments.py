@@ -19,13 +19,12 @@ import math
 from collections.abc import Callable
 
 from txl.errors import UsageError
+from txl.generate.limits import MAX_BEAM, MAX_LENGTH_PENALTY  # noqa: F401 (the decoders' ceilings, shared)
 
 # Shared ceilings, so commands agree on them.
 MAX_THREADS = 1024  # torch threads; 1e9 made libgomp abort the process trying to allocate 216 GB of stacks
 MAX_LENGTH = 16_777_216  # tokens: the largest length a model txl builds takes (config.mem_len's bound)
 MAX_COUNT = 10**12  # tokens, pairs, positions: more than any corpus txl reads
-MAX_BEAM = 256  # beam search width: GNMT used 10; every hypothesis holds the decoder's cache of every layer
-MAX_LENGTH_PENALTY = 10.0  # GNMT's alpha; Wu et al. (2016) tuned it in [0.6, 1]
 SHOWN = 40  # characters of a bad value quoted in a message (an argument can be megabytes long)
 
 

@@ -15,14 +15,31 @@ greedy decoding, and it stops early only when no live hypothesis can still beat 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from txl.cli.arguments import MAX_BEAM, MAX_LENGTH_PENALTY
 from txl.errors import UsageError
-from txl.models.seq2seq.model import DecoderCache, EncoderDecoder
+from txl.generate.limits import MAX_BEAM, MAX_LENGTH_PENALTY
+from txl.nn.sampling import pick_tokens
+
+
+class EncoderDecoder(Protocol):
+    """What decoding reads of an encoder-decoder (`txl.models.seq2seq.EncoderDecoder`): decoding sits
+    below the models and knows this contract, never the class."""
+
+    config: Any  # .n_layer, .vocab_size
+    training: bool
+
+    def encode(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor: ...
+    def decode(self, decoder_input_ids: Tensor, encoded: Tensor, *, attention_mask: Tensor | None = None,
+               cache: Any = None) -> Tensor: ...
+    def output_logits(self, hidden: Tensor) -> Tensor: ...
+    def eval(self) -> Any: ...
+    def train(self, mode: bool = True) -> Any: ...
 
 
 @dataclass
@@ -52,12 +69,22 @@ def _check(model: EncoderDecoder, source: Tensor, max_len: int, bos: int, eos: i
             raise UsageError(f"{name}={value} is outside the target vocabulary of {vocab} ids")
 
 
+def new_cache(model: EncoderDecoder):
+    """An empty decoder cache for `model`: its `new_cache()` where the model offers one (the contract),
+    else the `DecoderCache` of the model's own module. Read from the model, never imported: decoding
+    sits below the models (the dependency rule)."""
+    make = getattr(model, "new_cache", None)
+    if make is not None:
+        return make()
+    return sys.modules[type(model).__module__].DecoderCache.empty(model.config.n_layer)
+
+
 class _Stepper:
     """One next-token distribution per step, with or without the cache."""
 
     def __init__(self, model: EncoderDecoder, encoded: Tensor, attention_mask: Tensor | None, use_cache: bool):
         self.model, self.encoded, self.mask = model, encoded, attention_mask
-        self.cache = DecoderCache.empty(model.config.n_layer) if use_cache else None
+        self.cache = new_cache(model) if use_cache else None
 
     def log_probs(self, prefix: Tensor) -> Tensor:
         """prefix (n, t) -> (n, V) log-probabilities of the token after it."""
@@ -108,14 +135,9 @@ def _sample_or_greedy(model, source, attention_mask, *, bos, eos, max_len, use_c
         done = torch.zeros(batch, dtype=torch.bool, device=source.device)
         for _ in range(max_len):
             log_probs = stepper.log_probs(prefix)
-            if temperature == 0:
-                token = log_probs.argmax(dim=-1)
-            else:
-                scaled = log_probs / temperature
-                if top_k:
-                    kth = scaled.topk(min(top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
-                    scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-                token = torch.multinomial(scaled.softmax(-1), 1, generator=generator).squeeze(1)
+            # the one token picker (txl.nn.sampling) over the log-probabilities, as this loop always drew
+            token = pick_tokens(log_probs, temperature=temperature, top_k=top_k,
+                                generator=generator).to(source.device)
             token = torch.where(done, torch.full_like(token, eos), token)
             scores += torch.where(done, 0.0, log_probs.gather(1, token[:, None]).squeeze(1).double())
             prefix = torch.cat([prefix, token[:, None]], dim=1)
