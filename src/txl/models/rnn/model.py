@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from txl.errors import UsageError
+from txl.generate.decoder import generate_tokens
 from txl.models.rnn.config import RNN_ARCHS, RecurrentConfig
 from txl.models.transformer_xl.model import TransformerXLOutput
 from txl.nn.memory import Memory, MemoryState, register_pytree
@@ -340,8 +341,6 @@ class RecurrentLM(nn.Module):
 
     def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
         """As `TransformerXL.generate`: the prompt, then up to max_new_tokens tokens, carrying the state."""
-        from txl.generate.decoder import generate_tokens
-
         return generate_tokens(self, input_ids, max_new_tokens, **kwargs)
 
     def save_pretrained(self, directory) -> None:

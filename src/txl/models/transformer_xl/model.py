@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from txl.errors import UsageError
 from txl.fast import backend_for
+from txl.generate.decoder import generate_tokens
 from txl.models.transformer_xl.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txl.models.transformer_xl.compressive import MemoryCompressor
 from txl.models.transformer_xl.config import TransformerXLConfig
@@ -304,10 +305,9 @@ class TransformerXL(nn.Module):
 
     def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
         """`input_ids` (b, t) followed by up to `max_new_tokens` sampled tokens, (b, t + n), reusing
-        the memory token by token (`txl.generate.decoder.sample`). Keyword arguments: temperature (0 =
-        greedy), top_k, top_p, eos_token_id, pad_token_id, mem_len, segment_len, generator."""
-        from txl.generate.decoder import generate_tokens  # generation sits above the model
-
+        the memory token by token (`txl.generate.decoder.sample`, below the models: it knows only their
+        contract). Keyword arguments: temperature (0 = greedy), top_k, top_p, eos_token_id, pad_token_id,
+        mem_len, segment_len, generator."""
         return generate_tokens(self, input_ids, max_new_tokens, **kwargs)
 
     # ------------------------------------------------------------------------------------------
