@@ -22,7 +22,7 @@ from txl_data_fixtures import (
 )
 
 from txl.data import open_corpus, parse_spec
-from txl.data import readers as readers_mod
+from txl.data import segment as segment_mod
 from txl.data.readers import make_plan, proportional_split, stdlib_split
 from txl.errors import DataError
 
@@ -102,7 +102,7 @@ def test_words_long_lines_and_small_blocks_give_the_same_ids(tmp_path, monkeypat
     long_line = " ".join(word_lines(3, 60, unk=False)) + "\n"
     (root / "ptb.train.txt").write_text((root / "ptb.train.txt").read_text() + long_line * 3 + "tail words")
     reference = np.asarray(open_corpus(f"ptb-word:{root}", cache_dir=tmp_path / "c1").split("train"))
-    monkeypatch.setattr(readers_mod, "BLOCK", 16)  # forces cuts inside lines (8 blocks = 128 bytes)
+    monkeypatch.setattr(segment_mod, "BLOCK", 16)  # forces cuts inside lines (8 blocks = 128 bytes)
     small = open_corpus(f"ptb-word:{root}", cache_dir=tmp_path / "c2")
     np.testing.assert_array_equal(np.asarray(small.split("train")), reference)
     assert small.vocab.decode(small.split("train")).endswith("tail words\n")
@@ -352,7 +352,7 @@ _alphabet = st.sampled_from(list("ab c\n\t\u00e9\u65e5\U0001f600\x85\u2028_") + 
 @given(parts=st.lists(_alphabet, min_size=1, max_size=200))
 def test_text_readers_round_trip_random_unicode_through_small_blocks(tmp_path_factory, monkeypatch, parts):
     text = "".join(parts) + "ab"
-    monkeypatch.setattr(readers_mod, "BLOCK", 7)  # blocks end inside characters and lines
+    monkeypatch.setattr(segment_mod, "BLOCK", 7)  # blocks end inside characters and lines
     d = tmp_path_factory.mktemp("u")
     for split in ("train", "valid"):
         (d / f"{split}.txt").write_text(text, newline="")

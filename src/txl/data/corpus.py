@@ -47,7 +47,8 @@ from txl.data.cache import (
     replace_dir,
     sha256_file,
 )
-from txl.data.readers import READER_VERSION, Log, Plan, build, make_plan
+from txl.data.encode import build
+from txl.data.readers import READER_VERSION, Log, Plan, make_plan
 from txl.data.spec import DataSpec, parse_spec
 from txl.data.vocab import Vocab
 from txl.errors import DataError, TxlError, describe_os_error

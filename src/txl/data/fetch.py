@@ -22,6 +22,9 @@ against several independent public projects that pin the same files; nobody coul
 archives from this build machine, so treat them as corroborated, not measured here. The PTB archive
 has no pin we could corroborate; its six extracted files are pinned instead (sha256 measured on the
 copies in the shared data directory, the word-level ones also match public pins).
+
+Size: one download's safety rules (resume, digest, bounded extraction, link and path checks) read in
+the order they apply; split across modules, a reviewer could no longer check them against each other.
 """
 
 from __future__ import annotations

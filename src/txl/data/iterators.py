@@ -15,6 +15,9 @@ Three iterators:
   stream may start `warm_len` tokens early to give its first scored token full context.
 - `ShuffledSentenceIterator`: lm1b. Sentences in a random order per epoch packed into B streams
   (the reference's `LMShuffledIterator`).
+
+Size: the three iterators share the stream layout and the checks of a saved position (`_check_state`);
+kept together so that resume reads one file.
 """
 
 from __future__ import annotations

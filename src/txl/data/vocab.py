@@ -421,7 +421,7 @@ class Vocab:
 
 
 
-# What `txl data prepare` writes for a BPE vocabulary (readers._bpe_vocab): a byte-level BPE model with
+# What `txl data prepare` writes for a BPE vocabulary (encode._bpe_vocab): a byte-level BPE model with
 # the ByteLevel pre-tokenizer (its regex is the built-in GPT-2 one; a `Split` pre-tokenizer from a file
 # would carry its own regex, which the Rust library compiles and can panic on) and no normalizer,
 # post-processor, truncation or padding (a normalizer from a file can expand text without bound).

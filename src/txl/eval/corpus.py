@@ -130,7 +130,7 @@ def _fixed_vocab_corpus(ckpt: LoadedCheckpoint, spec: str, split: str):
     import hashlib
 
     from txl.data import parse_spec
-    from txl.data.readers import encode_split
+    from txl.data.encode import encode_split
 
     tokens, metric = encode_split(parse_spec(spec), split, ckpt.vocab)
     digest = hashlib.sha256(ckpt.vocab.fingerprint.encode() + tokens.tobytes()).hexdigest()

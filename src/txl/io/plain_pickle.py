@@ -20,6 +20,9 @@ would hold if shared containers were expanded (the "billion laughs" bomb built f
 and the hashing of dictionary keys and set members: a tuple does not cache its hash, so a key's
 expanded size is checked before it is hashed, and all keys together may not cost more than a budget.
 A message quotes a value only as a short summary (`brief`).
+
+Size: one interpreter of the pickle opcodes with its bounds on work; the opcode table is reviewed
+whole (a security boundary: CVE-2023-6730), so it is not split.
 """
 
 from __future__ import annotations
