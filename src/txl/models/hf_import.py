@@ -30,7 +30,6 @@ Name map (HF -> txl), l = layer, i = cluster:
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import re
@@ -428,23 +427,3 @@ def import_hf(src: str | Path, out: str | Path, *, revision: str | None = None) 
         print(f"note: {src} has no vocab.pkl, so {out} has no vocab.json: `txl generate` needs one, and `txl eval` "
               "can only check the vocabulary size", file=sys.stderr)
     return config
-
-
-def configure_cli(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", help="HF TransfoXL directory (config.json + model.safetensors or pytorch_model.bin "
-                                    "[+ vocab.pkl]) or a hub repo id, e.g. transfo-xl/transfo-xl-wt103")
-    parser.add_argument("out", help="output txl checkpoint directory (config.json + model.safetensors + vocab.json)")
-    parser.add_argument("--revision", help="hub revision (commit, branch or tag) of a repo id; default: the known "
-                                           "commit of transfo-xl/transfo-xl-wt103 "
-                                           f"({KNOWN_REVISIONS['transfo-xl/transfo-xl-wt103'][:12]}), main for others")
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    config = import_hf(args.src, args.out, revision=args.revision)
-    has_vocab = (Path(args.out) / "vocab.json").is_file()
-    print(
-        f"wrote {args.out}: {config.n_layer} layers, d_model {config.d_model}, vocab {config.vocab_size}, "
-        f"cutoffs {list(config.cutoffs)}, div_val {config.div_val}"
-        + (", vocab.json with WikiText-103 tokenisation" if has_vocab else "")
-    )
-    return 0
