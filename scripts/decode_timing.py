@@ -1,4 +1,4 @@
-"""Time incremental detokenisation (`txl.generate.decoder.TextStream`) for n generated words: it must grow
+"""Time incremental detokenisation (`txl.generate.text.TextStream`) for n generated words: it must grow
 linearly in n (issue 16: re-decoding everything each step cost 24 s for 32k words).
 
     python scripts/decode_timing.py [--data ptb-word:DIR] [--tokens 4000,16000,32000]
@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from txl.data import Vocab, open_corpus
-from txl.generate.decoder import TextStream
+from txl.generate.text import TextStream
 
 
 def old_way(vocab, prefix, ids) -> float:

@@ -12,16 +12,8 @@ from txl import TransformerXLConfig
 from txl.cli.main import main
 from txl.data import Vocab
 from txl.errors import DataError, UsageError
-from txl.generate.decoder import (
-    TextStream,
-    generate,
-    generate_rerun,
-    generate_text,
-    generate_tokens,
-    sample,
-    sample_text,
-    stream_tokens,
-)
+from txl.generate.decoder import generate, generate_rerun, generate_tokens, sample, stream_tokens
+from txl.generate.text import TextStream, generate_text, sample_text
 from txl.models.transformer_xl.model import TransformerXL
 
 

@@ -365,7 +365,7 @@ def test_generate_on_the_imported_directory_prints_detokenised_text(imported, ca
 @pytest.mark.hf
 def test_streamed_text_equals_the_decoded_text(imported):
     """TextStream holds back joiners (@-@, @,@) until the next word: no half-joined text is written."""
-    from txl.generate.decoder import TextStream
+    from txl.generate.text import TextStream
 
     _tok, out = imported
     vocab = Vocab.load(out / "vocab.json")
@@ -383,7 +383,7 @@ def test_streamed_text_equals_the_decoded_text(imported):
 
 def test_streamed_text_of_a_long_generation_equals_the_decoded_text(imported):
     """Past the stream's bounded decoding window (hundreds of tokens) joiners are still held back."""
-    from txl.generate.decoder import TextStream
+    from txl.generate.text import TextStream
 
     _tok, out = imported
     vocab = Vocab.load(out / "vocab.json")

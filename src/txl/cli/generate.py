@@ -116,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--stop needs a non-empty string")
     import torch
 
-    from txl.generate.decoder import check_causal, encode_prompt, sample_text
+    from txl.generate.decoder import check_causal
+    from txl.generate.text import encode_prompt, sample_text
     from txl.models.checkpoint import load_checkpoint
 
     device = resolve_device(args.device)

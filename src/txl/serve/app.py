@@ -42,7 +42,7 @@ from starlette.routing import Route
 
 from txl.data.display import json_text
 from txl.errors import TxlError
-from txl.generate.decoder import encode_prompt
+from txl.generate.text import encode_prompt
 from txl.serve.engine import (
     VIEW_MAX_ROWS,
     Cancelled,

@@ -25,7 +25,7 @@ import torch
 from txl.data.display import json_text
 from txl.errors import CheckpointError, UsageError
 from txl.generate.decoder import Decoder as StreamDecoder
-from txl.generate.decoder import TextStream
+from txl.generate.text import TextStream
 from txl.models.checkpoint import LoadedCheckpoint, load_checkpoint
 from txl.nn.memory import Memory
 from txl.nn.sampling import check_sampling, pick_tokens
