@@ -22,14 +22,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import secrets
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from importlib import resources
 from typing import Any
 
@@ -53,6 +52,18 @@ from txl.serve.engine import (
     score,
     token_pieces,
 )
+from txl.serve.requests import (
+    ATTENTION_FIELDS,
+    MB,
+    ApiError,
+    Limits,
+    bounded_fields,
+    one_line,
+    out_of_memory,
+    parse_fields,
+    read_json,
+)
+from txl.serve.sessions import Session, Sessions
 
 STATIC = {  # the only files the server reads after start-up: name -> media type
     "index.html": "text/html; charset=utf-8",
@@ -66,230 +77,12 @@ SECURITY_HEADERS = {
     "cache-control": "no-store",
 }
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
-MB = 1 << 20
 log = logging.getLogger("txl.serve")
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one request may ask for and how much work runs at once (`txl serve --help` sets them)."""
-
-    max_prompt_tokens: int = 2048
-    max_new_tokens: int = 512
-    max_score_tokens: int = 4096
-    max_mem_len: int = 4096
-    max_concurrent: int = 4  # generations and scorings running at once; more wait for a slot
-    max_waiting: int = 64  # requests waiting for a slot; beyond that: 429
-    queue_timeout: float = 30.0  # seconds a request waits for a slot
-    request_timeout: float = 120.0  # seconds of work per request
-    max_body_bytes: int = 256 * 1024
-    body_timeout: float = 10.0  # seconds for a request's body to arrive once its headers have
-    max_response_bytes: int = 4 * MB  # a /api/score answer (the attention view alone is at most ~1.3 MB)
-    max_sessions: int = 256  # client sessions kept (least recently used dropped first)
-    session_memory: int = 1024 * MB  # bytes all client sessions may hold (least recently used dropped first)
-    session_ttl: float = 3600.0  # seconds an idle session keeps its memory
-
-
-class ApiError(Exception):
-    """A refusal: its status and one line. retry_after: seconds, sent as Retry-After (503s)."""
-
-    def __init__(self, status: int, message: str, *, retry_after: int | None = None):
-        super().__init__(message)
-        self.status = status
-        self.retry_after = retry_after
 
 
 def _error(status: int, message: str, *, retry_after: int | None = None) -> JSONResponse:
     headers = SECURITY_HEADERS if retry_after is None else {**SECURITY_HEADERS, "retry-after": str(retry_after)}
     return JSONResponse({"error": json_text(message)}, status_code=status, headers=headers)
-
-
-def _out_of_memory(err: BaseException) -> bool:
-    """torch's CPU allocator raises RuntimeError("... can't allocate memory ..."), CUDA OutOfMemoryError."""
-    return isinstance(err, MemoryError | torch.OutOfMemoryError) or (
-        isinstance(err, RuntimeError) and "can't allocate memory" in str(err))
-
-
-def _one_line(err: BaseException) -> str:
-    return f"{type(err).__name__}: {json_text(str(err)).splitlines()[0][:200] if str(err) else ''}"
-
-
-# ---------------------------------------------------------------------------------------------
-# Request bodies: JSON objects with known fields, types and ranges
-
-
-@dataclass(frozen=True)
-class Field:
-    kind: type | tuple  # int, float, bool, str, list (of ints), dict
-    default: Any = None
-    low: float | None = None
-    high: float | None = None  # for str: characters; for list: entries
-
-
-def _check_field(name: str, value: Any, spec: Field) -> Any:
-    kinds = spec.kind if isinstance(spec.kind, tuple) else (spec.kind,)
-    if value is None:
-        return None
-    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        names = " or ".join({int: "an integer", float: "a number", bool: "true or false", str: "a string",
-                             list: "a list of integers", dict: "an object"}[k] for k in kinds)
-        raise ApiError(422, f"field {name!r} must be {names}, got {json.dumps(value)[:40]}")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ApiError(422, f"field {name!r} must be a finite number")
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        if spec.low is not None and value < spec.low:
-            raise ApiError(422, f"field {name!r} must be >= {spec.low:g}, got {value}")
-        if spec.high is not None and value > spec.high:
-            raise ApiError(413 if name in ("max_new_tokens",) else 422,
-                           f"field {name!r} must be <= {spec.high:g} on this server, got {value}")
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as err:  # JSON may carry "\ud800"; text is never encoded with it
-            raise ApiError(422, f"field {name!r} holds a lone surrogate (\\u{ord(value[err.start]):04x} at character "
-                                f"{err.start}), which is not text: send valid Unicode") from None
-    if isinstance(value, str | list) and spec.high is not None and len(value) > spec.high:
-        raise ApiError(413, f"field {name!r} is too long: {len(value)} > {spec.high:g} "
-                            f"{'characters' if isinstance(value, str) else 'entries'}")
-    if isinstance(value, list) and not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise ApiError(422, f"field {name!r} must be a list of integers (token ids)")
-    return value
-
-
-def parse_fields(data: Any, fields: dict[str, Field]) -> dict[str, Any]:
-    if not isinstance(data, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ApiError(400, f"unknown field {unknown[0]!r}; known fields: {', '.join(fields)}")
-    return {name: (spec.default if data.get(name) is None else _check_field(name, data[name], spec))
-            for name, spec in fields.items()}
-
-
-async def read_json(request: Request, limit: int, timeout: float = 10.0) -> Any:
-    """The body as JSON: at most `limit` bytes, arriving within `timeout` seconds (a client that sends
-    its headers and then trickles or stalls its body holds a connection only that long)."""
-    if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
-        raise ApiError(415, "send the body as JSON with Content-Type: application/json")
-    declared = request.headers.get("content-length")
-    if declared is not None and (not declared.isdigit() or int(declared) > limit):
-        raise ApiError(413, f"the request body is larger than this server's limit of {limit:,} bytes")
-
-    async def whole() -> bytearray:
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise ApiError(413, f"the request body is larger than this server's limit of {limit:,} bytes")
-        return body
-
-    try:
-        body = await asyncio.wait_for(whole(), timeout)
-    except asyncio.TimeoutError:
-        raise ApiError(408, f"the request body did not arrive within {timeout:g} s; send it at once") from None
-    try:
-        return json.loads(body.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise ApiError(400, "the request body is not UTF-8") from None
-    except (ValueError, RecursionError) as err:
-        raise ApiError(400, f"the request body is not valid JSON ({str(err)[:80]})") from None
-
-
-# ---------------------------------------------------------------------------------------------
-# Sessions: each client's memory, per run
-
-
-@dataclass
-class Session:
-    decoder: Decoder
-    used: float
-    reserved: int = 0  # bytes set aside when it started (ServedRun.session_bytes)
-    held: int = 0  # bytes measured after its last request (Decoder.nbytes)
-    busy: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        return max(self.reserved, self.held)
-
-
-class Sessions:
-    """Client memories keyed by (session id, run index); bounded in count, idle time and bytes.
-
-    A new session reserves the most it can hold (`ServedRun.session_bytes` at its mem_len); when the
-    sessions would pass `Limits.session_memory` or `max_sessions`, the least recently used idle ones
-    are dropped (a later "continue" of theirs gets 404); when only busy ones are left, the request gets
-    503 with Retry-After. After each request a session's measured size replaces the estimate where
-    it is larger, and the budget is restored the same way."""
-
-    def __init__(self, limits: Limits):
-        self.limits = limits
-        self.items: OrderedDict[tuple[str, int], Session] = OrderedDict()
-        self.lock = threading.Lock()
-        self.evicted = 0
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.items.values())
-
-    def full(self) -> bool:
-        """True when a new session could not start now (every slot or byte held by busy sessions)."""
-        with self.lock:
-            idle = any(not s.busy for s in self.items.values())
-            return not idle and (len(self.items) >= self.limits.max_sessions or self.nbytes >= self.limits.session_memory)
-
-    def _make_room(self, nbytes: int, count: int, keep: Session | None = None) -> bool:
-        """Drop least recently used idle sessions until `count` more sessions of `nbytes` fit."""
-        while len(self.items) + count > self.limits.max_sessions or self.nbytes + nbytes > self.limits.session_memory:
-            idle = next((k for k, s in self.items.items() if not s.busy and s is not keep), None)
-            if idle is None:
-                return False
-            del self.items[idle]
-            self.evicted += 1
-        return True
-
-    def take(self, key: tuple[str, int], make: Callable[[], Decoder] | None, reserve: int = 0) -> Session:
-        """The session to use (marked busy), a new one from `make()` that reserves `reserve` bytes, or an error."""
-        now = time.monotonic()
-        with self.lock:
-            for old in [k for k, s in self.items.items() if not s.busy and now - s.used > self.limits.session_ttl]:
-                del self.items[old]
-            session = self.items.get(key)
-            stale = self.limits.queue_timeout + self.limits.request_timeout + 60  # a stream that never started
-            if session is not None and session.busy and now - session.used < stale:
-                raise ApiError(409, "this session is already generating; wait for it to finish or use another session")
-            if make is None:
-                if session is None:
-                    raise ApiError(404, "no such session to continue (it expired or was never started); "
-                                        "generate without \"continue\" first")
-            else:
-                budget = self.limits.session_memory
-                if reserve > budget:
-                    raise ApiError(413, f"a session at this mem_len holds up to {reserve / MB:.1f} MB, more than this "
-                                        f"server's {budget / MB:.1f} MB for all sessions: ask for a smaller mem_len")
-                if session is not None:  # a new generation replaces this session's memory
-                    del self.items[key]
-                if not self._make_room(reserve, 1):
-                    raise ApiError(503, f"every session slot or the sessions' memory ({budget / MB:.1f} MB) is held by "
-                                        "generations still running; try again shortly", retry_after=5)
-                session = Session(decoder=make(), used=now, reserved=reserve)
-                self.items[key] = session
-            self.items.move_to_end(key)
-            session.busy, session.used = True, now
-            return session
-
-    def release(self, session: Session) -> None:
-        held = session.decoder.nbytes()
-        with self.lock:
-            session.busy, session.used, session.held = False, time.monotonic(), held
-            if not self._make_room(0, 0, keep=session):  # it outgrew its estimate and nothing else can go
-                for key in [k for k, s in self.items.items() if s is session]:
-                    del self.items[key]
-                    self.evicted += 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,29 +170,6 @@ class Server:
         return (200 if status == "ok" else 503), body
 
 
-GENERATE_FIELDS = {
-    "run": Field(int, 0),
-    "prompt": Field(str, ""),
-    "session": Field(str, None, high=64),
-    "continue": Field(bool, False),
-    "max_new_tokens": Field(int, 50, low=1),
-    "temperature": Field(float, 1.0, low=0, high=100),
-    "top_k": Field(int, 40, low=0),
-    "top_p": Field(float, 1.0, low=0, high=1),
-    "seed": Field(int, None, low=0, high=2**63 - 1),
-    "mem_len": Field(int, None, low=0),
-}
-SCORE_FIELDS = {
-    "run": Field(int, 0),
-    "text": Field(str, None),
-    "ids": Field(list, None),
-    "mem_len": Field(int, None, low=0),
-    "tgt_len": Field(int, None, low=1, high=4096),
-    "attention": Field(dict, None),
-}
-ATTENTION_FIELDS = {"token": Field(int, None, low=1), "layer": Field(int, 0, low=0), "head": Field(int, 0, low=0)}
-
-
 def _sse(event: str, data: dict) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
@@ -414,14 +184,7 @@ def create_app(runs: list[ServedRun], limits: Limits | None = None, *, allowed_h
     server = Server(runs, limits)
     server.connections = connections
     hosts = LOOPBACK_HOSTS if allowed_hosts is None else allowed_hosts
-    generate_fields = dict(GENERATE_FIELDS)  # with this server's bounds
-    generate_fields["prompt"] = Field(str, "", high=limits.max_prompt_tokens * 8)
-    generate_fields["max_new_tokens"] = Field(int, min(50, limits.max_new_tokens), low=1, high=limits.max_new_tokens)
-    generate_fields["mem_len"] = Field(int, None, low=0, high=limits.max_mem_len)
-    score_fields = dict(SCORE_FIELDS)
-    score_fields["text"] = Field(str, None, high=limits.max_score_tokens * 8)
-    score_fields["ids"] = Field(list, None, high=limits.max_score_tokens)
-    score_fields["mem_len"] = Field(int, None, low=0, high=limits.max_mem_len)
+    generate_fields, score_fields = bounded_fields(limits)
 
     page = _read_page()
 
@@ -549,7 +312,7 @@ def create_app(runs: list[ServedRun], limits: Limits | None = None, *, allowed_h
         except TxlError as err:
             raise ApiError(422, str(err)) from None
         except Exception as err:
-            if _out_of_memory(err):
+            if out_of_memory(err):
                 raise ApiError(503, "the server ran out of memory for this request; score a shorter text or a smaller "
                                     "tgt_len/mem_len, or try again shortly", retry_after=5) from None
             raise
@@ -635,11 +398,11 @@ async def _generation(server: Server, run: ServedRun, session: Session, session_
         except Exception as err:  # never let one request take the server down
             stopped_by = "error"
             server.note(True)
-            if _out_of_memory(err):
+            if out_of_memory(err):
                 put("error", {"error": "the server ran out of memory for this generation; try a shorter prompt, a "
                                        "smaller mem_len, or again shortly", "status": 503, "retry_after": 5})
             else:
-                log.error("txl serve: internal error in a generation: %s", _one_line(err))
+                log.error("txl serve: internal error in a generation: %s", one_line(err))
                 put("error", {"error": f"internal error ({type(err).__name__}); the server keeps running",
                               "status": 500})
         finally:
@@ -719,7 +482,7 @@ class _Guard:
             await self.app(scope, receive, sending)
         except Exception as err:
             log.error("txl serve: internal error in %s %s: %s", scope.get("method"), scope.get("path", "")[:100],
-                      _one_line(err))
+                      one_line(err))
             if not answered:
                 await _error(500, f"internal error ({type(err).__name__}); the server keeps running")(
                     scope, receive, sending)
