@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         from txl.cli.seq2seq import run_generate as run_seq2seq_generate
 
         return run_seq2seq_generate(args)
-    from txl.generate.decoder import check_sampling, check_seed
+    from txl.nn.sampling import check_sampling, check_seed
 
     prompts = read_prompts(args)
     temperature, top_k, top_p = _sampling_settings(args)

@@ -91,9 +91,9 @@ def run_generate(args: argparse.Namespace) -> int:
     """One output per source line of --input (blank lines skipped), decoded in batches."""
     from txl.cli.arguments import resolve_device
     from txl.data.seq2seq import collate
-    from txl.generate.decoder import check_sampling, check_seed
     from txl.generate.seq2seq import beam_search, greedy, sample
     from txl.models.checkpoint import load_checkpoint
+    from txl.nn.sampling import check_sampling, check_seed
 
     if args.prompt is not None or args.prompt_file:
         raise UsageError("give --input FILE (one source per line) for a sequence-to-sequence run, not --prompt")

@@ -30,7 +30,7 @@ from torch import Tensor
 from txl.errors import UsageError
 from txl.nn.memory import MemoryState
 from txl.nn.options import MAX_LENGTH
-from txl.nn.sampling import check_sampling, check_seed, filter_logits, pick_tokens  # noqa: F401 (re-exported)
+from txl.nn.sampling import check_sampling, pick_tokens
 
 
 def check_causal(model) -> None:
