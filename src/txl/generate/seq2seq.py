@@ -15,7 +15,6 @@ greedy decoding, and it stops early only when no live hypothesis can still beat 
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -38,6 +37,7 @@ class EncoderDecoder(Protocol):
     def decode(self, decoder_input_ids: Tensor, encoded: Tensor, *, attention_mask: Tensor | None = None,
                cache: Any = None) -> Tensor: ...
     def output_logits(self, hidden: Tensor) -> Tensor: ...
+    def new_cache(self) -> Any: ...  # an empty cache with reorder(index)
     def eval(self) -> Any: ...
     def train(self, mode: bool = True) -> Any: ...
 
@@ -70,13 +70,9 @@ def _check(model: EncoderDecoder, source: Tensor, max_len: int, bos: int, eos: i
 
 
 def new_cache(model: EncoderDecoder):
-    """An empty decoder cache for `model`: its `new_cache()` where the model offers one (the contract),
-    else the `DecoderCache` of the model's own module. Read from the model, never imported: decoding
-    sits below the models (the dependency rule)."""
-    make = getattr(model, "new_cache", None)
-    if make is not None:
-        return make()
-    return sys.modules[type(model).__module__].DecoderCache.empty(model.config.n_layer)
+    """An empty decoder cache for `model`, from its `new_cache()` (the contract): decoding sits below
+    the models and imports none of them (the dependency rule)."""
+    return model.new_cache()
 
 
 class _Stepper:

@@ -282,6 +282,10 @@ class EncoderDecoder(nn.Module):
             h = block(h, encoded, positions=self.decoder_pos.layer(i, state), cross_mask=cross_mask, cache=cache)
         return self.decoder_norm(h)
 
+    def new_cache(self) -> DecoderCache:
+        """An empty decoder cache for incremental decoding (txl.generate.seq2seq asks the model for it)."""
+        return DecoderCache.empty(self.config.n_layer)
+
     def forward(
         self,
         input_ids: Tensor,
