@@ -8,7 +8,7 @@
 
 One config per architecture (`TransformerXLConfig` for the decoder and its bidirectional encoder,
 `EncoderDecoderConfig`, `RecurrentConfig` for the LSTM and SHA-RNN), the models they build, the memory
-interface and the errors. The configs and errors load without torch; the model classes, `Memory`,
+interface (`MemoryState`, implemented by `Memory` and the recurrent and fast kinds) and the errors. The configs and errors load without torch; the model classes, `Memory`,
 `build_model` and `load_model` import it on first use, so `txl --help` and `txl data` start without it.
 """
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from txl.models.rnn.model import RecurrentLM
     from txl.models.seq2seq.model import EncoderDecoder
     from txl.models.transformer_xl.model import TransformerXL, TransformerXLOutput
-    from txl.nn.memory import Memory
+    from txl.nn.memory import Memory, MemoryState
 
 __version__ = "0.1.0"
 
@@ -34,6 +34,7 @@ _LAZY = {
     "EncoderDecoder": "txl.models.seq2seq.model",
     "RecurrentLM": "txl.models.rnn.model",
     "Memory": "txl.nn.memory",
+    "MemoryState": "txl.nn.memory",
     "build_model": "txl.models.registry",
     "load_model": "txl.models.registry",
 }
@@ -47,6 +48,7 @@ __all__ = [
     "EncoderDecoder",
     "RecurrentLM",
     "Memory",
+    "MemoryState",
     "build_model",
     "load_model",
     "TxlError",
