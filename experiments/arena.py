@@ -42,7 +42,7 @@ from pathlib import Path
 
 from campaign import RESULTS, planned_run, read_record, read_records, script_main, train_variants
 
-from txl.cli.arguments import integer, real, threads
+from txl.argtypes import integer, real, threads
 from txl.errors import TxlError, UsageError
 from txl.io import read_json, save_figure, write_text
 

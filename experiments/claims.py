@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 from campaign import RESULTS, log_tail, planned_run, read_record, script_main, train_variants
 
-from txl.cli.arguments import MAX_COUNT, MAX_LENGTH, integer, integer_list, threads
+from txl.argtypes import MAX_COUNT, MAX_LENGTH, integer, integer_list, threads
 from txl.errors import TxlError, UsageError
 from txl.io import create_log, read_json
 from txl.io.rundir import save_array, write_text

@@ -50,7 +50,7 @@ def one_line(code: int, err: str) -> str:
 
 def _numeric_flags():
     """(command words, flag, action) for each numeric flag of COMMANDS: a plain int/float type or one
-    of txl.cli.arguments' (whose functions carry the names integer, real and integer list)."""
+    of txl.argtypes' (whose functions carry the names integer, real and integer list)."""
     def walk(parser, path):
         for action in parser._actions:
             if isinstance(action, argparse._SubParsersAction):

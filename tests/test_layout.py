@@ -25,6 +25,7 @@ PACKAGE = SRC / "txl"
 ORDER = ("errors", "io", "data", "nn", "fast", "generate", "models", "eval", "train", "serve", "bench", "cli")
 LEVEL = {name: rank for rank, name in enumerate(ORDER)}
 LEVEL["allocator"] = LEVEL["errors"]  # a leaf beside errors (heap settings; imports nothing of txl)
+LEVEL["argtypes"] = LEVEL["errors"]  # a leaf beside errors (command-line number types; imports only errors)
 TOP = LEVEL["cli"]  # the package's own __init__ (the public API) sits with the entry point: only cli may import it
 MAX_LINES = 500
 

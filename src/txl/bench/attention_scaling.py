@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from txl.cli.arguments import integer, integer_list, real, threads
+from txl.argtypes import integer, integer_list, real, threads
 from txl.errors import UsageError
 from txl.io import save_figure, write_text
 
@@ -168,8 +168,8 @@ PROBE_KEYS = ("heads", "d_head", "batch", "pos", "window", "stride", "features",
 def probe_main(payload: dict) -> int:
     import torch
 
-    from txl.bench.common import peak_rss_mb, rss_mb
     from txl.allocator import keep_freed_memory
+    from txl.bench.common import peak_rss_mb, rss_mb
 
     keep_freed_memory()  # as every `txl` command does
     args = argparse.Namespace(**payload)

@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from txl.cli.arguments import integer, integer_list, threads
+from txl.argtypes import integer, integer_list, threads
 from txl.io import read_proc
 
 TITLE = "Evaluation speed-up of Transformer-XL over the vanilla Transformer (per scored token)"
