@@ -353,12 +353,11 @@ def test_1100_half_open_connections_at_a_1024_descriptor_limit(run_dir, capsys):
         assert " at http://127.0.0.1:" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
         base = line.split(" at ")[1].split("/ ")[0]
         port = int(base.rsplit(":", 1)[1])
+        # each connect waits for its handshake (the kernel completes at most the listen backlog at once and
+        # retries the rest after 1 s, 3 s, ...: how many non-blocking connects land within a second
+        # depends on the machine's network settings), so all 1,100 are open before /health is asked
         for _ in range(1100):
-            sock = socket.socket()
-            sock.setblocking(False)
-            sock.connect_ex(("127.0.0.1", port))
-            clients.append(sock)
-        time.sleep(1)  # let the server accept what it will
+            clients.append(socket.create_connection(("127.0.0.1", port), timeout=HANG))
         started = time.perf_counter()
         status, body, _ = request(base, "GET", "/health")
         seconds = time.perf_counter() - started
