@@ -7,7 +7,7 @@ more than 32 MB made and freed in every step (one layer's keys at 32k tokens: 1 
 64 x 4 bytes = 33.5 MB) costs a page fault and a page zeroing per 4 KB, every step: an elementwise
 op on it took 24 ms instead of 14 ms here, and a linear-time attention kernel measured
 time(32k)/time(16k) = 2.4 where 16k (16 MB tensors, reused from the heap) paid nothing
-(docs/attention_scaling.md). This is what jemalloc/tcmalloc are recommended for on CPU; here it is
+(docs/results/attention_scaling.md). This is what jemalloc/tcmalloc are recommended for on CPU; here it is
 two `mallopt` calls: no mmap below 1 GB, no trimming below 2 GB.
 
 The cost: memory a process has freed stays mapped to it (its resident size does not shrink after a

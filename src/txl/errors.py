@@ -4,7 +4,7 @@ Every error a user can trigger (bad config, missing file, corrupt checkpoint, wr
 argument, a full or read-only disk) is raised as a subclass of `TxlError` whose message is one line
 naming the cause and, where there is one, the fix. The CLI prints that line and exits 2 without a
 traceback (unless `--debug`). Anything else escaping is a bug in txl: the CLI keeps its traceback and
-asks for a report (see SECURITY.md and docs/robustness.md).
+asks for a report (see SECURITY.md and docs/guide/robustness.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`txl bench all`: run every benchmark with the issue-6 settings and write docs/benchmarks.md, PNG
+"""`txl bench all`: run every benchmark with the issue-6 settings and write docs/results/benchmarks.md, PNG
 plots beside it and benchmarks.json with every raw timing.
 
 The full plan takes about a quarter of an hour on a 2-core CPU; `--quick` runs the tiny shape with
@@ -56,7 +56,7 @@ def run_all(options: BenchOptions, *, out_dir: str | Path = "docs") -> dict:
     results = []
     steps = plan(options)
     # benchmarks added by other issues that take the shared options (attention-scaling has its own
-    # flags and its own report, docs/attention_scaling.md)
+    # flags and its own report, docs/results/attention_scaling.md)
     for name in EXTERNAL:
         if name in BENCHES and available(name) and not has_own_cli(load(name)):
             quick = dict(config="tiny", mem_lens=(800,)) if options.quick else dict(config="base")

@@ -17,7 +17,7 @@ Safety rules, in the order they apply:
    line naming it), the extracted files are created by `txl.io.atomic_file` inside the fresh directory,
    and the archive is read by `txl.io.open_regular` (no links, regular files only).
 
-Pins (see the report in docs/data.md, "Download"): the archive sha256 values were cross-checked
+Pins (see the report in docs/guide/data.md, "Download"): the archive sha256 values were cross-checked
 against several independent public projects that pin the same files; nobody could download the
 archives from this build machine, so treat them as corroborated, not measured here. The PTB archive
 has no pin we could corroborate; its six extracted files are pinned instead (sha256 measured on the

@@ -20,7 +20,7 @@ class _ReluDropout(torch.autograd.Function):
     """dropout(relu(x)) for the feed-forward hidden layer, as relu(x * scale) (equal, since scale >= 0)
     computed in place in the freshly drawn multiplier. The backward needs only the output: where it
     is positive the multiplier was 1/keep, elsewhere the gradient is 0. Two fresh hidden-sized
-    tensors instead of three and one saved instead of three (docs/benchmarks.md). x itself is left alone: it is a view of the
+    tensors instead of three and one saved instead of three (docs/results/benchmarks.md). x itself is left alone: it is a view of the
     linear layer's output, and an in-place write there costs autograd a copy-and-scatter."""
 
     @staticmethod

@@ -3,7 +3,7 @@
 torch sends an fp32 `F.linear` / `mm` on CPU to MKL's sgemm. On the AMD EPYC (AVX-512) this
 repository benchmarks on, MKL runs its AVX2 code (it picks kernels by CPU vendor), while oneDNN, the
 library torch already uses for bf16 matmuls, picks kernels by instruction set and reaches about twice
-MKL's GFLOP/s on the same fp32 shapes (docs/benchmarks.md, "Measurements behind the code").
+MKL's GFLOP/s on the same fp32 shapes (docs/results/benchmarks.md, "Measurements behind the code").
 Same fp32 arithmetic: the error against a float64 product is of the same size as MKL's; only the
 summation order differs.
 
@@ -18,7 +18,7 @@ oneDNN), x86-64, outside `torch.compile` (whose inductor backend fails to lower 
 product of at least `MIN_MACS` multiply-adds or a weight of at least `MIN_WEIGHT` elements. Below both
 the op's fixed cost loses to MKL (a tiny model's generated token); a large weight read once per token
 streams faster through oneDNN (the base shape's generated token). The break-evens are measured
-(docs/benchmarks.md).
+(docs/results/benchmarks.md).
 Everything else is `F.linear`. The reference backend keeps plain `nn.Linear`.
 """
 

@@ -149,7 +149,7 @@ def append_rows(past: Tensor, new: Tensor) -> Tensor:
     """`torch.cat([past, new], dim=1)` for (b, n, d) tensors without gradients, in amortised
     O(len(new)) instead of O(n): token-by-token generation appends one row per layer per token to a
     memory of mem_len rows, and copying the whole memory every time was a third of a token's time
-    (docs/benchmarks.md).
+    (docs/results/benchmarks.md).
 
     The result is a view of a buffer with spare rows after it. When `past` is such a view ending
     exactly where its buffer was last filled, `new` is written into the spare rows and a longer view is

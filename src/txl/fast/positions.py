@@ -2,7 +2,7 @@
 
 Generation calls the positional encoding once per token: building the float64 sinusoid table and
 projecting it through every layer's W_kR cost more than the token's attention at a 1k context
-(docs/benchmarks.md). Neither depends on the input, so without autograd and outside training the last
+(docs/results/benchmarks.md). Neither depends on the input, so without autograd and outside training the last
 table is kept. The memo key holds everything a result depends on (length, clamp, dtype, device,
 autocast, inference mode, and for the projected table the weight's identity and version, which any
 in-place update such as an optimizer step bumps), so a stale table is never returned. A graph being

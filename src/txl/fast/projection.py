@@ -3,7 +3,7 @@
 Post-LN blocks project the context [SG(memory) ; h]; the memory rows are detached states, so
 autograd's input gradient for them is computed and thrown away. `project_context` computes it for the
 segment rows only (mem_len / (mem_len + tgt_len) of that product: 3% of a base training step's FLOPs;
-docs/benchmarks.md).
+docs/results/benchmarks.md).
 """
 
 from __future__ import annotations

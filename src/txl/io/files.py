@@ -330,7 +330,7 @@ def read_proc(path: str, *, limit: int = 4 * 2**20) -> str:
 
 
 def create_log(path: str | Path):
-    """A fresh file for a child process's output (`bench arena` runs): an old regular entry is removed
+    """A fresh file for a child process's output (the runs of experiments/): an old regular entry is removed
     first, a link is refused, and the new file is created with O_EXCL | O_NOFOLLOW (never truncating a
     file that is also elsewhere)."""
     path = Path(path)

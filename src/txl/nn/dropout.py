@@ -1,7 +1,7 @@
 """Dropout with a cheaper CPU random source (`cheap_dropout`).
 
 On CPU, `torch.bernoulli_` (what F.dropout uses) draws one Mersenne-Twister number per element; here
-one 64-bit draw feeds four elements as 16-bit uniforms, several times faster (docs/benchmarks.md). The
+one 64-bit draw feeds four elements as 16-bit uniforms, several times faster (docs/results/benchmarks.md). The
 keep probability is 1 - round(p * 2^16) / 2^16 (within 2^-17 of 1 - p) and survivors are scaled by
 its exact inverse, so the output is unbiased. Same generator (`torch.manual_seed`, checkpointed RNG
 state), different stream than `nn.Dropout`.
@@ -28,7 +28,7 @@ def dropout_scale(x: Tensor, p: float) -> Tensor:
     # tensors: clamping the integers to [threshold-1, threshold] in place leaves exactly two values,
     # 0 and 1 after the subtraction, then one cast to x's dtype. Bool tensors were the slow part here
     # (`>=` plus a bool->float cast, torch.where, x * bool), and the integer steps before the cast save
-    # an fp32 round trip in bf16, with bit-equal results (docs/benchmarks.md).
+    # an fp32 round trip in bf16, with bit-equal results (docs/results/benchmarks.md).
     threshold = cut - 32768
     keep = uniform.clamp_(threshold - 1, threshold).sub_(threshold - 1)
     return keep.to(x.dtype).mul_(65536 / (65536 - cut))

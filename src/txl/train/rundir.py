@@ -49,7 +49,7 @@ def create_out_dir(out: Path) -> None:
 
 # What a run directory holds that txl wrote (its temporaries start with "." and one of these names).
 RUN_ENTRIES = (LAST, BEST, "run.json", "metrics.jsonl", "result.json", "sample.txt", "tensorboard", "curves.png",
-               "arena.json", LOCK_NAME)  # arena.json: `txl bench arena` records the command before training
+               "arena.json", LOCK_NAME)  # arena.json: experiments/campaign.py records the command before training
 
 
 _OVERWRITTEN = ("run.json", "metrics.jsonl", "result.json", "sample.txt", "curves.png")  # what a new run replaces

@@ -41,7 +41,7 @@ def causal_bias(q_len: int, k_len: int, window: int | None, device: torch.device
     """`causal_mask` as an additive [q_len, k_len] tensor: 0 where visible, -inf elsewhere (cached).
 
     Adding it is cheaper than an in-place `masked_fill_` with a broadcast bool mask on CPU
-    (docs/benchmarks.md), and -inf + a finite score is -inf, so softmax sees what masking gives."""
+    (docs/results/benchmarks.md), and -inf + a finite score is -inf, so softmax sees what masking gives."""
     return torch.zeros(q_len, k_len, device=device, dtype=dtype).masked_fill_(
         ~causal_mask(q_len, k_len, window, device), float("-inf"))
 

@@ -155,7 +155,7 @@ def causal_linear_attention(
 
     # Chunks go in groups whose c×c products total about GROUP_ELEMENTS numbers: batched enough for
     # few small ops, small enough that the working set stays in cache (one giant (nc, c, c) product
-    # made 32k tokens cost far more than twice 16k, docs/benchmarks.md; the work itself is linear in n).
+    # made 32k tokens cost far more than twice 16k, docs/results/benchmarks.md; the work itself is linear in n).
     group = max(1, GROUP_ELEMENTS // (b * h * c * c))
     causal = torch.ones(c, c, dtype=torch.bool, device=v.device).tril()
     outs = []

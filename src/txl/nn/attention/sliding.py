@@ -118,7 +118,7 @@ def reachable(dist: Tensor, *, causal: bool, horizon: int | None) -> Tensor:
 def default_block_size(window: int) -> int:
     """Queries per block. Each block computes B + w - 1 keys for w useful ones, so smaller blocks
     waste less; larger blocks make fewer, bigger matmuls. w/4 (within 16..256) measured best on a
-    2-core CPU (docs/benchmarks.md, "Measurements behind the code")."""
+    2-core CPU (docs/results/benchmarks.md, "Measurements behind the code")."""
     return max(16, min(256, window // 4))
 
 

@@ -1,7 +1,7 @@
 """The fast `("full", "fast")` attention kernel: same signature and results as `eager_attention`.
 
 What makes it faster than the eager reference (each kept because it measured faster side by side on
-a 2-core AVX-512 CPU; `txl bench kernel` and docs/benchmarks.md have the numbers):
+a 2-core AVX-512 CPU; `txl bench kernel` and docs/results/benchmarks.md have the numbers):
 
 - Transformer-XL positions (`pos_encoding="xl"`) get a hand-written autograd function. Forward: the
   position scores BD are computed once against the distance table (head-major in training: one
@@ -21,8 +21,8 @@ a 2-core AVX-512 CPU; `txl bench kernel` and docs/benchmarks.md have the numbers
   memories) is processed at a time, so the score block stays under `EVAL_CHUNK_ELEMENTS` elements.
 - Attention dropout (training with `dropatt > 0`, composed path) draws its mask from the fast
   backend's cheaper CPU random source (`txl.nn.dropout.cheap_dropout`: one 64-bit draw per four
-  elements instead of `bernoulli_`'s one per element; unbiased, same generator and seed). It was 7.6%
-  of a bf16 training step at ptb-word-hour's shape (docs/cpu_hour.md). The eager reference keeps
+  elements instead of `bernoulli_`'s one per element; unbiased, same generator and seed). It was a measurable
+  part of a bf16 training step at ptb-word-hour's shape (docs/results/cpu_hour.md). The eager reference keeps
   `F.dropout`; off the CPU both are `F.dropout`.
 - Padding masks, non-causal masks (bidirectional encoder, cross-attention), memory tokens
   (`config.memory_tokens`: their content-only columns are joined to the scores) and requests for the
@@ -62,7 +62,7 @@ def _workspace(name: str, shape: tuple[int, ...], like: Tensor) -> Tensor:
     """A scratch tensor reused across calls (per thread, per name) for intermediates that never leave
     the function that asked for it. Fresh large CPU tensors are costly here: the allocator maps new
     pages for every block above its mmap threshold and each page faults on first touch (the
-    measurement is in docs/benchmarks.md, "Measurements behind the code")."""
+    measurement is in docs/results/benchmarks.md, "Measurements behind the code")."""
     numel = math.prod(shape)
     if torch.compiler.is_compiling():  # a traced graph (torch.compile, torch.export) allocates its own
         return like.new_empty(shape)
@@ -97,7 +97,7 @@ def _shift_grad_buffer(like: Tensor, q_len: int, k_len: int) -> tuple[Tensor, Te
 
 class _RelShift(torch.autograd.Function):
     """`rel_shift_strided` with a copy-light backward (autograd's own `as_strided` backward takes a slow
-    path for overlapping views, slower than the reference pad-and-copy; docs/benchmarks.md)."""
+    path for overlapping views, slower than the reference pad-and-copy; docs/results/benchmarks.md)."""
 
     @staticmethod
     def forward(ctx, raw):
@@ -138,7 +138,7 @@ def _xl_probs(qu: Tensor, qv: Tensor, k: Tensor, r: Tensor, mask: Tensor | None,
         scores.add_(mask)
     # In place, in the scores' dtype (callers run with autocast off). For bf16 that is still an fp32
     # softmax: the kernel accumulates in fp32 and rounds once at the end, bit-equal to eager's
-    # `.float().softmax().to(bf16)` and much faster than that round trip (docs/benchmarks.md).
+    # `.float().softmax().to(bf16)` and much faster than that round trip (docs/results/benchmarks.md).
     return torch.softmax(scores, dim=-1, out=scores)
 
 
@@ -160,7 +160,7 @@ def _xl_forward_chunked(qu, qv, k, v, r, mask, scale) -> Tensor:
 # Training splits the queries into this many blocks when a block keeps at least TRAIN_MIN_BLOCK
 # queries: a block attends to the keys up to its last query only, so part of the causally masked
 # corner of the score matrix is never computed (with tgt_len = mem_len, 2 blocks skip 12.5% of the
-# score work). 2 blocks measured faster than 1, 4 and 8 (docs/benchmarks.md, "What the fast path does").
+# score work). 2 blocks measured faster than 1, 4 and 8 (docs/results/benchmarks.md, "What the fast path does").
 TRAIN_QUERY_BLOCKS = 2
 TRAIN_MIN_BLOCK = 64
 
@@ -235,7 +235,7 @@ class _XLAttention(torch.autograd.Function):
         # Key/value gradients accumulate in fp32 as (B, n, d), whose copy into the projection's layout
         # moves rows of d; in bf16/fp16 as (B, d, n), since there oneDNN first copies a transposed big
         # operand (the (keys, queries) view of P or dS), which costs more than the element-wise gather
-        # of the final transposed copy (docs/benchmarks.md).
+        # of the final transposed copy (docs/results/benchmarks.md).
         low = out.dtype != torch.float32
         grad_k = k3.new_zeros(b * h, d, n) if low else torch.zeros_like(k3)
         grad_v = k3.new_zeros(b * h, d, n) if low else torch.zeros_like(v3)
@@ -308,7 +308,7 @@ def _below_zero_row(x: Tensor) -> Tensor:
 def _product_into(out: Tensor, x: Tensor, y: Tensor) -> None:
     """out = x @ y (batched) for a slice `out`. Into a slice whose matrices are not evenly spaced, the CPU
     fp32 `bmm` runs one gemm per matrix: a product into a fresh tensor and a copy is faster on
-    small blocks (slower in bf16, where oneDNN takes the slice as it is; docs/benchmarks.md)."""
+    small blocks (slower in bf16, where oneDNN takes the slice as it is; docs/results/benchmarks.md)."""
     if out.dtype == torch.float32 and out.device.type == "cpu" and not out.is_contiguous():
         out.copy_(torch.bmm(x, y))
     else:
