@@ -47,7 +47,7 @@ def plan(options: BenchOptions) -> list[tuple[str, BenchOptions]]:
     ]
 
 
-def run_all(options: BenchOptions, *, out_dir: str | Path = "docs") -> dict:
+def run_all(options: BenchOptions, *, out_dir: str | Path = "docs/results") -> dict:
     from txl.bench.registry import BENCHES, available, has_own_cli, load
 
     out = Path(out_dir)
@@ -203,7 +203,7 @@ def _targets(results: list[dict]) -> list[dict]:
     return rows
 
 
-def rerender(out_dir: str | Path = "docs") -> None:
+def rerender(out_dir: str | Path = "docs/results") -> None:
     """Rewrite benchmarks.md from benchmarks.json (after a change to this renderer)."""
     out = Path(out_dir)
     report = read_json(out / "benchmarks.json", what="benchmark report", limit=STATE_LIMIT, error=UsageError)
