@@ -108,7 +108,7 @@ def _plant(kind: str, run: Path, victim: Path) -> str:
         (run / "result.json").unlink()
         (run / "result.json").symlink_to(victim / "notes.txt")
         return "result.json"
-    if kind == "best-old":  # recovery would have moved ~/work/best into the run, then deleted it
+    if kind == "best-old":  # recovery would have moved a folder outside the run (the link target) into it, then deleted it
         shutil.rmtree(run / "best")
         (run / ".best.old-x1").symlink_to(victim / "work")
         return ".best.old-x1"
