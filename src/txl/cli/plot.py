@@ -13,9 +13,9 @@ import math
 import sys
 from pathlib import Path
 
-from txl.errors import OutputError, UsageError, describe_os_error
+from txl.errors import UsageError
 from txl.eval.report import plain
-from txl.io import METRICS_LIMIT, read_text, save_figure
+from txl.io import METRICS_LIMIT, read_text, write_figure
 
 KEYS = ("loss", "bpc", "ppl", "lr", "tokens_per_second")  # the numbers drawn
 MAX_STEP = 2**62  # a step a run can reach; beyond it (or below 0) the record is damaged
@@ -146,14 +146,7 @@ def _save(fig, out: Path) -> Path:
     if out.suffix.lstrip(".").lower() not in formats:
         plt.close(fig)
         raise UsageError(f"--out {out}: unknown image format {out.suffix!r}; end the name with .png, .pdf or .svg")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        save_figure(fig, out, dpi=120)
-    except OSError as err:
-        raise OutputError(f"cannot write {out}: {describe_os_error(err)}") from None
-    finally:
-        plt.close(fig)
-    return out
+    return write_figure(fig, out, dpi=120)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from txl.errors import DataError, OutputError, UsageError, describe_os_error
-from txl.io import open_regular, save_array, save_figure
+from txl.io import open_regular, save_array, write_figure
 
 THRESHOLD = 0.01  # the paper's gain threshold (appendix C)
 MODES = ("window", "memory")
@@ -341,14 +341,7 @@ def plot_recl(result: ReclResult, path: str | Path, *, metric: str = "ppl") -> P
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_figure(fig, path, dpi=120)
-    except OSError as err:
-        raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
-    finally:
-        plt.close(fig)
-    return path
+    return write_figure(fig, path, dpi=120)
 
 
 __all__ = [

@@ -11,7 +11,7 @@ import numpy as np
 
 from txl.errors import OutputError, UsageError, describe_os_error
 from txl.eval.result import EvalResult
-from txl.io.rundir import save_array, save_figure, write_text
+from txl.io import save_array, write_figure, write_text
 
 
 def plain(text: str) -> str:
@@ -61,14 +61,7 @@ def plot_sweep(results: Sequence[EvalResult], path: str | Path, *, title: str = 
     if len(panels) == 2:
         axes[0][1].set_title("mem_len > 0, own scale")
     fig.tight_layout()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_figure(fig, path, dpi=120)
-    except OSError as err:
-        raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
-    finally:
-        plt.close(fig)
-    return path
+    return write_figure(fig, path, dpi=120)
 
 def save_per_token(values: np.ndarray, path: str | Path) -> Path:
     """Per-token NLL (nats, corpus order) as .npy (numpy, no pickle) or .txt (one value per line)."""

@@ -23,6 +23,7 @@ from txl.io.files import (
     save_figure,
     size_text,
     write_bytes,
+    write_figure,
     write_json,
     write_text,
 )
@@ -31,4 +32,5 @@ __all__ = [
     "CONFIG_LIMIT", "METRICS_LIMIT", "STATE_LIMIT", "VOCAB_LIMIT", "atomic_file", "check_own_file", "create_log", "fsync_dir",
     "is_link", "open_append", "open_regular", "open_update", "read_bytes", "read_json", "read_proc", "read_text", "refuse_link",
     "remove_stale_temporaries", "save_array", "save_figure", "size_text", "write_bytes", "write_json", "write_text",
+    "write_figure",
 ]

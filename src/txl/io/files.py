@@ -173,6 +173,22 @@ def save_figure(fig, path: str | Path, **kwargs) -> None:
     write_bytes(path, buffer.getvalue())
 
 
+def write_figure(fig, path: str | Path, **kwargs) -> Path:
+    """A finished figure as a file: its folder made, written as `save_figure` does, a failure one
+    `OutputError` line, and the figure closed in every case. Returns the path."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_figure(fig, path, **kwargs)
+    except OSError as err:
+        raise OutputError(f"cannot write {path}: {describe_os_error(err)}") from None
+    finally:
+        plt.close(fig)
+    return path
+
+
 def save_array(path: str | Path, array) -> None:
     """np.save without pickles, into memory, then written like any other file here."""
     import numpy as np
