@@ -207,6 +207,52 @@ def test_other_host_names_are_refused(url):
     assert request(url, "GET", "/health", headers={"Host": "localhost:1"})[0] == 200
 
 
+HOSTS = [("127.0.0.1:8000", True), ("192.168.1.20:8000", True), ("10.0.0.5", True), ("[::1]:8000", True),
+         ("[fe80::1]:8000", True), ("localhost", True), ("LOCALHOST:1", True), ("box.lan:8000", True),
+         ("Box.Lan", True), ("attacker.example:8000", False), ("box.lan.attacker.example", False),
+         ("192.168.1.20.nip.io", False), ("0x7f.1:8000", False)]
+
+
+def test_ip_addresses_and_allowed_names_are_served_other_names_refused(served):
+    """Issue 45: a Host that is an IP address cannot come from DNS rebinding (no name to re-point), so it
+    is served; names only when loopback or given (--allow-host)."""
+    with running(create_app([served], allowed_hosts=("box.lan",))) as base:
+        for host, allowed in HOSTS:
+            status, body, _ = request(base, "GET", "/health", headers={"Host": host})
+            assert (status == 200) == allowed, (host, body)
+            if not allowed:
+                assert "not served here" in body["error"] and "--allow-host" in body["error"], body
+
+
+def test_txl_serve_on_0000_serves_requests_by_ip_address_and_allowed_names(run_dir, capsys):
+    """Issue 45: `--host 0.0.0.0` warned that anyone could reach the model, then refused every request
+    addressed by IP (Host: 192.168.1.20:8000). Now: addresses and --allow-host names are served, other
+    names refused; a bad --allow-host ends in one line."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "txl", "serve", str(run_dir), "--port", "0", "--threads", "1",
+                             "--host", "0.0.0.0", "--allow-host", "box.lan, other.lan"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("txl serve: run at http://127.0.0.1:"), (line, proc.stderr.read() if proc.poll() else "")
+        port = line.split(" at ")[1].split("/ ")[0].rsplit(":", 1)[1]
+        base = f"http://127.0.0.1:{port}"
+        for host in (f"192.168.1.20:{port}", f"127.0.0.1:{port}", f"box.lan:{port}", "other.lan", f"[fe80::1]:{port}"):
+            status, body, _ = request(base, "GET", "/api/model", headers={"Host": host})
+            assert status == 200 and body["runs"], (host, body)
+        status, body, _ = request(base, "GET", "/api/model", headers={"Host": f"attacker.example:{port}"})
+        assert status == 400 and "not served here" in body["error"]
+    finally:
+        proc.kill()
+        _, err = proc.communicate(timeout=30)
+    assert "warning: listening on 0.0.0.0: anyone who can reach this machine" in err
+    assert main(["serve", str(run_dir), "--allow-host", "http://box.lan:8000", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--allow-host takes host names" in err and "\n" not in err
+
+
 def test_bounded_load_no_errors(url, capsys):
     stats = run_load(url, clients=16, requests=20, tokens=8)
     assert stats["requests"] == 320 and stats["errors"] == 0, stats["first_errors"]

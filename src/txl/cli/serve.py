@@ -18,7 +18,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "to compare them side by side")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only). Anything else "
-                             "exposes the model to the network")
+                             "exposes the model to the network (0.0.0.0: every address of this machine)")
+    parser.add_argument("--allow-host", default="", metavar="NAMES",
+                        help="host names the page may be opened by, comma-separated (e.g. mybox.lan); "
+                             "addresses (http://192.168.1.20:8000/) and localhost always work, other names are "
+                             "refused so that a web page elsewhere cannot reach the server (DNS rebinding)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default 0 = torch's choice)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
@@ -62,8 +66,24 @@ def check_numbers(args: argparse.Namespace) -> None:
             raise UsageError(f"{flag} must be {bound}, got {value:g}")
 
 
+def allowed_hosts(host: str, allow_host: str) -> tuple[str, ...]:
+    """The host names requests may name besides IP addresses and localhost: --allow-host's, and --host
+    itself when it is a name (`--host mybox.lan`)."""
+    names = [name.strip().lower() for name in allow_host.split(",") if name.strip()]
+    for name in names:
+        if not all(c.isalnum() or c in "-._" for c in name):
+            raise UsageError(f"--allow-host takes host names separated by commas, without scheme or port "
+                             f"(e.g. mybox.lan), got {name[:60]!r}")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        names.append(host.lower())
+    return tuple(names)
+
+
 def run(args: argparse.Namespace) -> int:
     check_numbers(args)
+    hosts = allowed_hosts(args.host, args.allow_host)  # a bad name ends the start before the model loads
     if len(args.runs) > 2:
         raise UsageError(f"txl serve shows one run or two side by side; got {len(args.runs)}")
     try:
@@ -75,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from txl.cli.arguments import resolve_device
-    from txl.serve.app import LOOPBACK_HOSTS, MB, Limits, create_app
+    from txl.serve.app import MB, Limits, create_app
     from txl.serve.connections import Guard, connection_cap, server_config
     from txl.serve.engine import open_run
 
@@ -91,12 +111,15 @@ def run(args: argparse.Namespace) -> int:
                     session_memory=int(args.session_memory * MB), body_timeout=args.header_timeout)
     loopback = _is_loopback(args.host)
     guard = Guard(max_connections=connection_cap(args.max_connections), header_timeout=args.header_timeout)
-    app = create_app(runs, limits, allowed_hosts=None if not loopback else LOOPBACK_HOSTS, connections=guard)
+    app = create_app(runs, limits, allowed_hosts=hosts, connections=guard)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
+    if ipaddress.ip_address(host).is_unspecified:  # 0.0.0.0 or ::, every address: this machine's own link
+        host = "::1" if ":" in host else "127.0.0.1"
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/"
     if not loopback:
-        print(f"txl serve: warning: listening on {args.host}: anyone who can reach this machine can use the model",
+        print(f"txl serve: warning: listening on {args.host}: anyone who can reach this machine can use the model; "
+              f"others open it by this machine's address (http://ADDRESS:{port}/) or a name given with --allow-host",
               file=sys.stderr)
     print(f"txl serve: {', '.join(r.name for r in runs)} at {url} (Ctrl-C to stop)", flush=True)
     config = server_config(app, guard)

@@ -20,6 +20,7 @@ model, and stops between two forward passes when its client goes away or its tim
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import secrets
@@ -76,7 +77,7 @@ SECURITY_HEADERS = {
     "referrer-policy": "no-referrer",
     "cache-control": "no-store",
 }
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
+LOOPBACK_NAMES = ("localhost",)  # loopback addresses are IP literals, accepted as every address is
 log = logging.getLogger("txl.serve")
 
 
@@ -174,16 +175,17 @@ def _sse(event: str, data: dict) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
-def create_app(runs: list[ServedRun], limits: Limits | None = None, *, allowed_hosts: tuple[str, ...] | None = None,
+def create_app(runs: list[ServedRun], limits: Limits | None = None, *, allowed_hosts: tuple[str, ...] = (),
                connections=None):
-    """The ASGI app. allowed_hosts: the Host header values accepted (default: loopback names only, which
-    keeps a web page elsewhere from reaching this server through DNS rebinding); None in the tuple
-    accepts any host. connections: the `txl.serve.connections.Guard` it runs behind (its counts go
-    into GET /health)."""
+    """The ASGI app. A request's Host header must be an IP address (with or without a port), a loopback
+    name, or one of `allowed_hosts` (host names, `txl serve --allow-host`); any other name is refused,
+    which keeps a web page elsewhere from reaching this server through DNS rebinding (see
+    `host_allowed`). connections: the `txl.serve.connections.Guard` it runs behind (its counts go into
+    GET /health)."""
     limits = limits or Limits()
     server = Server(runs, limits)
     server.connections = connections
-    hosts = LOOPBACK_HOSTS if allowed_hosts is None else allowed_hosts
+    hosts = frozenset(name.lower() for name in (*LOOPBACK_NAMES, *allowed_hosts))
     generate_fields, score_fields = bounded_fields(limits)
 
     page = _read_page()
@@ -447,13 +449,37 @@ def _read_page() -> dict[str, bytes]:
     return page
 
 
+def host_name(host: str) -> str:
+    """The name in a Host header, lower-cased, without its port or an IPv6 address's brackets."""
+    host = host.strip().lower()
+    if host.startswith("["):  # [v6]:port
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def host_allowed(host: str, names: frozenset[str]) -> bool:
+    """Whether a request with this Host header is served. DNS rebinding needs a name: a page at
+    attacker.example re-points that name to this machine, and the browser then sends `Host:
+    attacker.example`. A Host that is an IP address was reached by that address, with no name to
+    re-point, so every IP literal is accepted (`--host 0.0.0.0` reached as http://192.168.1.20:8000/);
+    names only when they are in `names` (loopback names and `--allow-host`)."""
+    name = host_name(host)
+    if name in names:
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
 class _Guard:
-    """The outermost layer: refuse requests whose Host header is not one of `hosts` (DNS rebinding),
+    """The outermost layer: refuse requests whose Host header is a name not in `hosts` (DNS rebinding),
     as JSON; count the API answers that failed on our side (GET /health); and end any exception that
     escaped the app as one JSON 500 and one log line. Starlette's error middleware re-raises after
     answering, which made uvicorn print a traceback for each (issue 50)."""
 
-    def __init__(self, app, hosts: tuple[str, ...], server: Server):
+    def __init__(self, app, hosts: frozenset[str], server: Server):
         self.app = app
         self.hosts = hosts
         self.server = server
@@ -462,13 +488,13 @@ class _Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if None not in self.hosts:
-            host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
-            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-            if name not in self.hosts:
-                await _error(400, f"Host {host[:60]!r} is not served here; use http://127.0.0.1 "
-                                  "(or start with --host NAME to serve that name)")(scope, receive, send)
-                return
+        host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+        if not host_allowed(host, self.hosts):
+            port = host.rsplit(":", 1)[1] if ":" in host and host.rsplit(":", 1)[1].isdigit() else "PORT"
+            await _error(400, f"Host {host[:60]!r} is not served here; open the server by its IP address (e.g. "
+                              f"http://127.0.0.1:{port[:5]}/), or start txl serve with --allow-host NAME to serve that "
+                              "name")(scope, receive, send)
+            return
         answered = []
 
         async def sending(message):
