@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from txl.generate.decoder import check_causal
-    from txl.generate.text import encode_prompt, sample_text
+    from txl.generate.text import encode_prompt, prompt_notice, sample_text
     from txl.models.checkpoint import load_checkpoint
 
     device = resolve_device(args.device)
@@ -125,8 +125,12 @@ def run(args: argparse.Namespace) -> int:
     if ckpt.model.config.arch == "encoder-decoder":
         raise UsageError(f"{ckpt.path} is a sequence-to-sequence model: decode sources with --input FILE")
     check_causal(ckpt.model)  # before anything is printed
-    for prompt in prompts:  # every prompt is checked before anything is printed
+    for number, prompt in enumerate(prompts, 1):  # every prompt is checked before anything is printed
         encode_prompt(ckpt.vocab, prompt)
+        notice = prompt_notice(ckpt.vocab, prompt)  # words read as <unk> (issue 45: they were replaced silently)
+        if notice is not None:
+            where = f"prompt {number}: " if len(prompts) > 1 else ""
+            print(f"txl generate: warning: {where}{notice}", file=sys.stderr)
     if args.stop_at_eos and ckpt.vocab.eos_id is None:
         raise UsageError(f"this {ckpt.vocab.kind} vocabulary has no <eos> symbol to stop at; use --stop STRING")
     mem_len = ckpt.model.mem_len if args.mem_len is None else args.mem_len

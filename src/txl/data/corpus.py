@@ -8,8 +8,10 @@ Layout of one prepared corpus, `<cache>/corpora/<name>-<key>/`:
     meta.json                      spec, options, per-split counts, source fingerprint; written last
 
 `<key>` hashes the spec name, the absolute source location and the options, so a changed option
-prepares into a new directory. Whether the *content* of the sources changed is decided by the
-fingerprint in meta.json:
+prepares into a new directory; a corpus read with a vocabulary given from outside (`open_corpus(...,
+vocab=)`: a fine-tuning run reads its new text with its checkpoint's vocabulary) adds that vocabulary's
+fingerprint, so it never shares a directory with the same files' own preparation. Whether the *content* of
+the sources changed is decided by the per-file hashes in meta.json:
 
 - At preparation we record, per source file, its size, mtime and full sha256 (we read every byte
   anyway, so the hash costs one more sequential read: ~0.2 s for enwik8, seconds for lm1b).
@@ -19,8 +21,12 @@ fingerprint in meta.json:
 
 A sampled hash would be cheaper but can miss an edit that keeps the size, and a stale cache means
 silently wrong results; a full hash only when the stat changed costs nothing in the common case.
-The corpus `fingerprint` combines the content hashes (with paths relative to the source root), the
-options and the reader version, so it is the same on every machine holding the same files.
+The corpus `fingerprint` combines the content hashes, how the splits are cut from them, the options and
+the reader version, and no file name or path (issue 45: renaming a corpus file must not make a run's
+resume refuse it as "different content"), so it is the same for the same text wherever it lies.
+Fingerprints written before that hashed the paths relative to the source root; `Corpus.legacy_fingerprint`
+recomputes that form from meta.json, so runs saved with it still resume on their unchanged corpus
+(`fingerprint_matches`).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from txl.data.cache import (
+    NpyWriter,
     cache_root,
     ensure_dir,
     file_lock,
@@ -47,7 +54,7 @@ from txl.data.cache import (
     replace_dir,
     sha256_file,
 )
-from txl.data.encode import build
+from txl.data.encode import _encode, _texts, build
 from txl.data.readers import READER_VERSION, Log, Plan, make_plan
 from txl.data.spec import DataSpec, parse_spec
 from txl.data.vocab import Vocab
@@ -71,8 +78,11 @@ class Corpus:
         self.spec = spec_text
         self.name: str = meta["name"]
         self.metric: str = meta["metric"]
-        self.fingerprint: str = meta["fingerprint"]
+        self.fingerprint: str = meta["fingerprint"]  # content only (open_corpus sets it; see the module docstring)
+        self.legacy_fingerprint: str | None = meta.get("legacy_fingerprint")  # the path-hashing form of old runs
         self.source: str = meta["source"]
+        # symbols of the text that a vocabulary given from outside lacks: {symbol: count}, read as <unk>
+        self.unknown: dict[str, int] = dict(meta.get("unknown") or {})
         try:
             self.vocab = Vocab.load(self.path / "vocab.json", follow_links=False)
         except DataError as err:
@@ -140,10 +150,13 @@ def _load_memmap(path: Path, expected: int, spec: str = "SPEC") -> np.memmap:
     return arr
 
 
-def cache_key(plan: Plan) -> str:
-    blob = json.dumps(
-        {"name": plan.spec.name, "source": plan.identity, "options": plan.spec.options}, sort_keys=True
-    )
+def cache_key(plan: Plan, vocab: Vocab | None = None) -> str:
+    """The cache directory's name: the spec name, the source's location and options, and the vocabulary
+    when one is given (a corpus read with a checkpoint's vocabulary holds other ids than its own)."""
+    identity: dict[str, Any] = {"name": plan.spec.name, "source": plan.identity, "options": plan.spec.options}
+    if vocab is not None:
+        identity["vocab"] = vocab.fingerprint
+    blob = json.dumps(identity, sort_keys=True)
     return f"{plan.spec.name}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
 
@@ -163,19 +176,45 @@ def _stat_sources(plan: Plan) -> list[dict[str, Any]]:
 
 
 def _fingerprint(plan: Plan, sources: list[dict[str, Any]]) -> str:
+    """What the corpus's token ids depend on and nothing else: each source's size and sha256 (in the
+    reader's order), which bytes of which source each split reads, the options and the reader version.
+    No file name or path: the same text renamed or moved has the same fingerprint."""
+    index = {path: n for n, path in enumerate(plan.sources)}
+    splits = {name: [(index.get(seg.path, -1), seg.member, seg.start, seg.end) for seg in segments]
+              for name, segments in plan.splits.items()}
     blob = json.dumps(
         {
             "reader_version": READER_VERSION,
             "name": plan.spec.name,
             "options": plan.spec.options,
-            "sources": [(s["path"], s["size"], s["sha256"]) for s in sources],
+            "sources": [(s["size"], s["sha256"]) for s in sources],
+            "splits": splits,
         },
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _valid_meta(plan: Plan, directory: Path) -> dict[str, Any] | None:
+def _legacy_fingerprint(meta: dict[str, Any]) -> str | None:
+    """The fingerprint as written before issue 45 (it hashed each source's path relative to the source
+    root), recomputed from meta.json; None when meta.json lacks what it needs."""
+    try:
+        sources = [(s["path"], s["size"], s["sha256"]) for s in meta["sources"]]
+    except (KeyError, TypeError):
+        return None
+    blob = json.dumps({"reader_version": meta.get("reader_version"), "name": meta.get("name"),
+                       "options": meta.get("options"), "sources": sources}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def fingerprint_matches(corpus, saved: str) -> bool:
+    """Whether a fingerprint a run saved names this corpus's text: today's content fingerprint, or the
+    path-hashing form written before issue 45 while the corpus files keep the names they had (a run saved
+    with it that renamed them cannot be told from one whose text changed, and is refused as before)."""
+    return saved == corpus.fingerprint or saved == getattr(corpus, "legacy_fingerprint", None)
+
+
+def _valid_meta(plan: Plan, directory: Path, vocab: Vocab | None = None) -> dict[str, Any] | None:
     """The cache's meta.json if it is complete and its sources are unchanged; None if stale (missing,
     unfinished or damaged: prepare again). An entry no crash leaves (a link, a FIFO, a file above the
     size of any meta.json) is refused in one line instead: reading it could block or exhaust memory."""
@@ -199,6 +238,7 @@ def _valid_meta(plan: Plan, directory: Path) -> dict[str, Any] | None:
         or meta.get("version") != META_VERSION
         or meta.get("reader_version") != READER_VERSION
         or meta.get("options") != plan.spec.options
+        or (vocab is not None and meta.get("vocab_fingerprint") != vocab.fingerprint)
         or not (directory / "vocab.json").is_file()
         or not _well_formed(meta)  # damaged by hand or by a disk: prepare again rather than fail later
     ):
@@ -253,6 +293,9 @@ def _well_formed(meta: dict[str, Any]) -> bool:
         if "offsets" in entry and not (plain(entry["offsets"]) and count(entry.get("sentences"))
                                        and entry["sentences"] <= entry["tokens"]):
             return False
+    unknown = meta.get("unknown", {})  # a corpus read with a given vocabulary: {symbol: count}
+    if not isinstance(unknown, dict) or not all(isinstance(k, str) and count(v) for k, v in unknown.items()):
+        return False
     return isinstance(meta.get("notes", []), list)
 
 
@@ -262,25 +305,36 @@ def open_corpus(
     *,
     force: bool = False,
     log: Log | None = None,
+    vocab: Vocab | None = None,
 ) -> Corpus:
     """Open a corpus by spec, preparing it first if the cache is missing or stale.
 
     `cache_dir` defaults to `$TXL_CACHE_DIR` or `~/.cache/txl`. `force=True` re-prepares even a valid
-    cache. Raises `DataError` (one line: the cause and the fix) for anything a user can get wrong.
+    cache. `vocab`: read the text with this vocabulary instead of one built from it (fine-tuning reads new
+    text with its checkpoint's); symbols it lacks become its `<unk>` (counted in `Corpus.unknown`), or
+    `UnknownSymbols` names them when it has none. Raises `DataError` (one line: the cause and the fix) for
+    anything a user can get wrong.
     """
     parsed = parse_spec(spec)
     plan = make_plan(parsed)
+    if vocab is not None and vocab.kind != plan.tokenizer:
+        fix = (f"--data {parsed.canonical().partition('?')[0]}?tokenizer={vocab.kind}" if "tokenizer" in parsed.options
+               else f"a corpus read as {vocab.kind}")
+        raise OtherTokenizer(f"{parsed.text} makes a {plan.tokenizer} vocabulary, but the vocabulary to read it with "
+                             f"is a {vocab.kind} vocabulary; give {fix}", tokenizer=plan.tokenizer, fix=fix)
     root = cache_root(cache_dir) / "corpora"
-    directory = root / cache_key(plan)
+    directory = root / cache_key(plan, vocab)
     remove_stale_dirs(root)  # what killed preparations left, of corpora nobody is preparing now
-    meta = None if force else _valid_meta(plan, directory)
+    meta = None if force else _valid_meta(plan, directory, vocab)
     if meta is None:
         ensure_dir(root)
         with file_lock(root / f".{directory.name}.lock"):
             remove_stale_dirs(root, held=directory.name)
-            meta = None if force else _valid_meta(plan, directory)  # another process may have finished
+            meta = None if force else _valid_meta(plan, directory, vocab)  # another process may have finished
             if meta is None:
-                meta = _prepare(plan, directory, log)
+                meta = _prepare(plan, directory, log, vocab)
+    # computed here, not read from meta.json: caches prepared before issue 45 hold the path-hashing form
+    meta = {**meta, "fingerprint": _fingerprint(plan, meta["sources"]), "legacy_fingerprint": _legacy_fingerprint(meta)}
     return Corpus(directory, meta, parsed.text)
 
 
@@ -295,7 +349,7 @@ def prepare(
     return open_corpus(spec, cache_dir, force=force, log=log)
 
 
-def _prepare(plan: Plan, directory: Path, log: Log | None) -> dict[str, Any]:
+def _prepare(plan: Plan, directory: Path, log: Log | None, vocab: Vocab | None = None) -> dict[str, Any]:
     say = log or (lambda _msg: None)
     say(f"{plan.spec.name}: hashing {len(plan.sources)} source file(s)")
     sources = _stat_sources(plan)
@@ -309,7 +363,7 @@ def _prepare(plan: Plan, directory: Path, log: Log | None) -> dict[str, Any]:
                         f"{describe_os_error(err)} (or set TXL_CACHE_DIR)") from None
     started = time.time()
     try:
-        built = build(plan, tmp, log)
+        built = build(plan, tmp, log) if vocab is None else _build_with_vocab(plan, tmp, vocab, log)
         after = _stat_sources(plan)
         if [(s["size"], s["mtime_ns"]) for s in after] != [(s["size"], s["mtime_ns"]) for s in sources]:
             raise DataError(f"{plan.spec.name}: a source file changed while it was being prepared; run again")
@@ -343,3 +397,92 @@ def _prepare(plan: Plan, directory: Path, log: Log | None) -> dict[str, Any]:
         raise
     say(f"{plan.spec.name}: prepared in {meta['prepare_seconds']:.1f} s -> {directory}")
     return meta
+
+
+# ---- a corpus read with a given vocabulary (fine-tuning: the checkpoint's) ------------------------
+
+
+class OtherTokenizer(DataError):
+    """The spec reads its text with another tokenizer than the given vocabulary's kind."""
+
+    def __init__(self, message: str, *, tokenizer: str, fix: str):
+        super().__init__(message)
+        self.tokenizer, self.fix = tokenizer, fix
+
+
+class UnknownSymbols(DataError):
+    """The text holds symbols a given vocabulary lacks, and it has no `<unk>` to read them as."""
+
+    def __init__(self, message: str, counts: dict[str, int]):
+        super().__init__(message)
+        self.counts = counts
+
+
+def describe_symbols(counts: dict[str, int], most: int = 5) -> str:
+    """The most frequent symbols of `counts` with their counts: "'é' ×7, 'ß' ×2 and 3 more"."""
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    text = ", ".join(f"{symbol!r} ×{count:,}" for symbol, count in ranked[:most])
+    return text + (f" and {len(ranked) - most:,} more" if len(ranked) > most else "")
+
+
+def _unknown_symbols(plan: Plan, vocab: Vocab) -> dict[str, int]:
+    """How often each symbol the vocabulary lacks occurs in any split (bytes and byte-level BPE lack none)."""
+    counts: dict[str, int] = {}
+    if vocab.kind == "chars":
+        known = np.array([ord(c) for c in vocab.symbols], dtype=np.uint32)
+        for segments in plan.splits.values():
+            for seg in segments:
+                for _off, text, _open in _texts(seg, lines=False, why="a character-level corpus must be UTF-8"):
+                    cps = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+                    missing, times = np.unique(cps[~np.isin(cps, known)], return_counts=True)
+                    for cp, n in zip(missing.tolist(), times.tolist()):
+                        counts[chr(cp)] = counts.get(chr(cp), 0) + n
+    elif vocab.kind == "words":
+        stoi = vocab.stoi
+        for segments in plan.splits.values():
+            for seg in segments:
+                for _off, text, _open in _texts(seg, lines=True, why="a word-level corpus must be UTF-8 text"):
+                    for word in text.split():
+                        if word not in stoi:
+                            counts[word] = counts.get(word, 0) + 1
+    return counts
+
+
+def _build_with_vocab(plan: Plan, out: Path, vocab: Vocab, log: Log | None) -> dict:
+    """`txl.data.encode.build` with a given vocabulary: every split encoded with it (symbols it lacks as its
+    `<unk>`), the vocabulary saved as the corpus's. Returns the per-split part of meta.json."""
+    say = log or (lambda _msg: None)
+    unknown = _unknown_symbols(plan, vocab)
+    if unknown and vocab.unk is None:
+        total = sum(unknown.values())
+        raise UnknownSymbols(f"{plan.spec.text} holds {len(unknown):,} symbol(s) the vocabulary lacks ({total:,} "
+                             f"occurrences: {describe_symbols(unknown)}) and the vocabulary has no <unk> to read "
+                             "them as", unknown)
+    vocab.save(out / "vocab.json")
+    splits: dict[str, dict] = {}
+    for split, segments in plan.splits.items():
+        say(f"{plan.spec.name}: tokenizing {split} with the given {vocab.kind} vocabulary")
+        writer = NpyWriter(out / f"{split}.npy", vocab.dtype)
+        offsets = NpyWriter(out / f"{split}.offsets.npy", np.uint64) if plan.words and plan.words.sentences else None
+        try:
+            if vocab.kind == "chars" and unknown:  # the vocabulary's <unk> (a built one never has one)
+                for seg in segments:
+                    for _off, text, _open in _texts(seg, lines=False, why="a character-level corpus must be UTF-8"):
+                        writer.write(vocab.encode("".join(vocab.unk if c in unknown else c for c in text)))
+            else:
+                _encode(plan, vocab, segments, writer, offsets)  # words: stoi.get(word, unk)
+            n = writer.close()
+            entry = {"file": f"{split}.npy", "tokens": n, "dtype": vocab.dtype.name}
+            if offsets is not None:
+                offsets.close()
+                entry.update(offsets=f"{split}.offsets.npy", sentences=offsets.count - 1)
+        except BaseException:
+            writer.abort()
+            if offsets is not None:
+                offsets.abort()
+            raise
+        if n < 2:
+            raise DataError(f"{plan.spec.name}: the {split} split has {n} token(s) with the given vocabulary; a split "
+                            "needs at least 2 tokens, use a larger corpus")
+        splits[split] = entry
+    return {"splits": splits, "vocab_size": vocab.size, "vocab_fingerprint": vocab.fingerprint, "unknown": unknown}

@@ -273,6 +273,19 @@ class Vocab:
                 out.append(self._stoi[self.eos])
         return np.asarray(out, dtype=self.dtype)
 
+    def unknown_words(self, text: str) -> list[str]:
+        """The words of `text` this words vocabulary lacks, each once in order of appearance (what `encode`
+        reads as `unk`, or refuses without one); [] for the other kinds, which report unknown characters
+        themselves (chars) or have none (bytes, byte-level BPE)."""
+        if self.kind != "words":
+            return []
+        unknown: dict[str, None] = {}
+        for line in text.split("\n"):
+            for word in self._text.tokenize(line) if self._text is not None else line.split():
+                if word not in self._stoi:
+                    unknown.setdefault(word)
+        return list(unknown)
+
     def _ids(self, ids: Iterable[int] | np.ndarray) -> np.ndarray:
         arr = np.asarray(ids).reshape(-1)
         if arr.size and (

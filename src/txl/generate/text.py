@@ -30,11 +30,53 @@ def boundary_ids(vocab) -> list[int]:
     return ids or [0]
 
 
+def _spelled_as_known(vocab, word: str) -> str | None:
+    """How a word the vocabulary lacks may be spelled in it: lower-cased (PTB and other lower-case corpora),
+    with a clitic split off as PTB does ("Bob's" -> "bob 's"); None when no such spelling is known."""
+    for spelling in (word.lower(), word):
+        if spelling in vocab.stoi and spelling != word:
+            return spelling
+        stem, quote, clitic = spelling.partition("'")
+        if quote and stem in vocab.stoi and quote + clitic in vocab.stoi:
+            return f"{stem} {quote}{clitic}"
+    return None
+
+
+def _unknown_words_text(vocab, words: list[str]) -> str:
+    """The unknown words named (at most 8), and how to spell those the vocabulary knows otherwise."""
+    named = ", ".join(map(repr, words[:8])) + (f" and {len(words) - 8} more" if len(words) > 8 else "")
+    hints = [f"{spelling!r} for {word!r}" for word in words[:8] if (spelling := _spelled_as_known(vocab, word))]
+    if not hints:
+        return f"{named}; use words of the training text"
+    # PTB: lower-case, but for its number token N and the specials
+    lower = not any(s != s.lower() for s in vocab.symbols[:2000] if len(s) > 1 and not s.startswith("<"))
+    return f"{named}; {'the vocabulary is lower-case: ' if lower else ''}write {', '.join(hints)}"
+
+
+def prompt_notice(vocab, prompt: str) -> str | None:
+    """One line about the words of `prompt` that a words vocabulary lacks and reads as its <unk> (issue 45:
+    they were replaced silently), naming them with a hint when the vocabulary spells them otherwise
+    (lower-case PTB: 'The' -> 'the'); None when the vocabulary reads the whole prompt. `txl generate` prints
+    it as a warning on stderr; `txl serve` may show it beside the text. A vocabulary without <unk> refuses
+    such a prompt instead (`encode_prompt`)."""
+    unknown = vocab.unknown_words(prompt) if prompt else []
+    if not unknown or vocab.unk is None:
+        return None
+    count = f"{len(unknown)} word{'s' if len(unknown) > 1 else ''} of the prompt {'are' if len(unknown) > 1 else 'is'}"
+    return f"{count} not in the vocabulary and read as {vocab.unk}: {_unknown_words_text(vocab, unknown)}"
+
+
 def encode_prompt(vocab, prompt: str) -> list[int]:
-    """The prompt's ids with the checkpoint's vocabulary; one clear error when it cannot be encoded.
+    """The prompt's ids with the checkpoint's vocabulary; one clear error when it cannot be encoded (a
+    words vocabulary without <unk>: every word it lacks named). Words read as <unk>: `prompt_notice`.
     An empty prompt means unconditional generation (`boundary_ids`)."""
     if not prompt:
         return boundary_ids(vocab)
+    unknown = vocab.unknown_words(prompt) if vocab.unk is None else []
+    special = {vocab.eos, vocab.bos, vocab.unk}
+    if unknown and not all(len(s) == 1 for s in vocab.symbols if s not in special):
+        raise DataError(f"the prompt has words the vocabulary lacks, and it has no <unk> to read them as: "
+                        f"{_unknown_words_text(vocab, unknown)}")
     try:
         ids = [int(i) for i in vocab.encode(prompt)]
     except DataError as err:

@@ -148,9 +148,63 @@ def resolve_data(spec_text: str) -> str:
     return spec.canonical()
 
 
+def fixed_vocabulary(out: Path, *, init_from: str | Path | None, resume: bool):
+    """The vocabulary a run reads its text with when it is not the text's own: a fine-tuning run's
+    (`--init-from`) is its checkpoint's, so ids keep meaning the symbols the weights learned; resuming one
+    (run.json records `init_from`) reads with the vocab.json it saved. None: the text's own vocabulary (a
+    plain run, a checkpoint without vocab.json, an encoder-decoder's pair vocabulary)."""
+    from txl.data import Vocab
+    from txl.models.pretrained import resolve_checkpoint
+
+    if resume:
+        if not isinstance(previous_run_record(out).get("init_from"), str) or not (out / LAST / "vocab.json").is_file():
+            return None
+        source = out / LAST / "vocab.json"
+    elif init_from is None:
+        return None
+    else:
+        source = resolve_checkpoint(init_from) / "vocab.json"
+        if not source.is_file():
+            return None
+    try:
+        return Vocab.load(source, follow_links=False)
+    except DataError as err:
+        raise CheckpointError(f"{source}: {err}") from None
+
+
+def open_training_corpus(objective, spec: str, out: Path, *, init_from: str | Path | None, resume: bool,
+                         say=None):
+    """The corpus a run trains on (`objective.open_corpus`), read with the checkpoint's vocabulary when the
+    run fine-tunes one (`fixed_vocabulary`; issue 45: new text whose symbols are a subset of the
+    checkpoint's was refused). Symbols the vocabulary lacks: one line through `say` (a note on stderr)
+    when they read as <unk>, else one DataError naming them and what to do."""
+    from txl.data.corpus import OtherTokenizer, UnknownSymbols, describe_symbols, open_corpus
+
+    vocab = fixed_vocabulary(out, init_from=init_from, resume=resume) if objective.name != "seq2seq" else None
+    if vocab is None:
+        return objective.open_corpus(spec)
+    where = f"--init-from {init_from}" if not resume else f"{out} (fine-tuned from {previous_run_record(out)['init_from']})"
+    try:
+        corpus = open_corpus(spec, vocab=vocab)
+    except UnknownSymbols as err:
+        total = sum(err.counts.values())
+        raise DataError(f"{where}: the checkpoint's {vocab.kind} vocabulary has no <unk> and lacks {len(err.counts):,} "
+                        f"symbol(s) of {spec} ({describe_symbols(err.counts)}; {total:,} in all); replace or remove "
+                        "them in the text, or train a new run on it without --init-from") from None
+    except OtherTokenizer as err:
+        raise DataError(f"{where}: the checkpoint has a {vocab.kind} vocabulary but {spec} makes a {err.tokenizer} "
+                        f"vocabulary; fine-tune with the same tokenizer: {err.fix}") from None
+    if corpus.unknown and not resume and say is not None:
+        total = sum(corpus.unknown.values())
+        say(f"note: {where}: {total:,} occurrence(s) of {len(corpus.unknown):,} symbol(s) of {spec} that the "
+            f"checkpoint's vocabulary lacks read as {vocab.unk} ({describe_symbols(corpus.unknown)})")
+    return corpus
+
+
 def load_initial_weights(model, source: str | Path, vocab) -> Path:
     """Fine-tuning (`--init-from`): copy trained weights into a new run's model. The vocabulary must be
-    the same one (ids mean the same symbols); the error says how the two differ."""
+    the same one (ids mean the same symbols: `open_training_corpus` reads the new text with it); the
+    error says how the two differ."""
     from txl.models.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(source)
