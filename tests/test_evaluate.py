@@ -333,3 +333,30 @@ def test_bad_input_in_a_subprocess_has_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("txl eval: error: checkpoint not found")
     assert "Traceback" not in proc.stderr
+
+
+# -- a run whose corpus has no valid split (issue 45): the `txl eval RUN` that `txl train` prints works ----
+
+TINY = ["--set", "model.n_layer=1", "--set", "model.d_model=16", "--set", "model.d_head=8", "--set",
+        "model.d_inner=32", "--set", "model.mem_len=8", "--set", "tgt_len=8", "--set", "max_steps=2",
+        "--set", "sample_tokens=0"]
+
+
+@pytest.mark.parametrize(("files", "scored", "note"), [
+    (("train.txt",), "train", "the text the run learned from"),
+    (("train.txt", "test.txt"), "test", "held-out"),
+])
+def test_eval_of_a_run_without_a_valid_split_scores_the_split_it_has(tmp_path, capsys, files, scored, note):
+    corpus = tmp_path / "texts"
+    corpus.mkdir()
+    for name in files:
+        write_corpus(corpus / name, seed=len(name), lines=100)
+    code, out, err = run_cli(capsys, "train", "--data", f"text:{corpus}", "--out", tmp_path / "run", "--quiet", *TINY)
+    assert code == 0, err
+    assert f"txl eval {tmp_path / 'run'} " in out  # the hint this test follows
+    code, out, err = run_cli(capsys, "eval", tmp_path / "run", "--device", "cpu", "--json")
+    assert code == 0, err
+    assert json.loads(out)["split"] == scored
+    assert f"scoring {scored}" in err and note in err and len(err.strip().splitlines()) == 1
+    code, _, err = run_cli(capsys, "eval", tmp_path / "run", "--device", "cpu", "--split", "valid")
+    assert code == 2 and "no split 'valid'" in err  # asked for by name: still one line, no fallback

@@ -50,8 +50,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_checkpoint(parser)
     parser.add_argument("--data", metavar="SPEC", help="data spec (default: the corpus the run trained on); "
                                                        "text:FILE with --split all scores FILE with the run's vocabulary")
-    parser.add_argument("--split", default="valid",
-                        help="valid, test, train, or all (a whole text file: --data text:FILE); default valid")
+    parser.add_argument("--split", default=None,
+                        help="valid, test, train, or all (a whole text file: --data text:FILE); default valid, "
+                             "else the split the corpus has (test, else train: a note says which)")
     parser.add_argument("--text", metavar="FILE",
                         help="score the whole of FILE with the checkpoint's vocab.json (bytes, chars, words, BPE); "
                              "same as --data text:FILE --split all")
@@ -138,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--attn-len and --stride apply to the vanilla evaluator; add --vanilla")
     if args.text and args.data:
         raise UsageError("give --text FILE or --data SPEC, not both")
-    if args.text and args.split not in ("valid", "all"):
+    if args.text and args.split not in (None, "valid", "all"):
         raise UsageError(f"--text scores the whole file; drop --split {args.split}")
     sweep = _int_list(args.sweep_mem, "--sweep-mem") if args.sweep_mem else None
     from txl.eval.api import evaluate_checkpoint
@@ -147,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device=device)
+    if args.split is None:
+        args.split = "all" if args.text else _default_split(ckpt, args.data)
     if ckpt.model.config.arch == "encoder-decoder":
         from txl.cli.seq2seq import run_eval as run_seq2seq_eval
 
@@ -185,6 +188,39 @@ def run(args: argparse.Namespace) -> int:
         if args.per_token:
             print(f"per-token NLL (nats, corpus order) -> {out['per_token']}")
     return 0
+
+
+def _default_split(ckpt, data: str | None) -> str:
+    """valid when the corpus has it; else test (held out too), else train with a note that it is the text the
+    run learned from. A run trained on a folder with only train.txt has no valid split, and the `txl eval
+    RUN` that `txl train` prints next must still work (issue 45)."""
+    spec = data or ckpt.data_spec
+    if not spec:
+        return "valid"  # open_eval_corpus names the missing --data
+    from txl.data import parse_spec
+    from txl.data.spec import SEQ2SEQ_CORPORA
+
+    parsed = parse_spec(spec)
+    if parsed.name in SEQ2SEQ_CORPORA:
+        if ckpt.run.get("validation") is not False:  # the run validated: its corpus has valid pairs
+            return "valid"
+        from txl.data.seq2seq import open_pair_corpus
+
+        splits = open_pair_corpus(parsed, vocab=ckpt.vocab).splits
+    else:
+        from txl.data.readers import make_plan
+
+        splits = make_plan(parsed).splits  # which files form each split; no text is read
+    if "valid" in splits:
+        return "valid"
+    if "test" in splits:
+        print(f"note: {spec} has no valid split; scoring test, its held-out text (--split to choose)",
+              file=sys.stderr)
+        return "test"
+    held_out = "valid.txt beside train.txt" if parsed.name == "text" else "a valid file beside the train file"
+    print(f"note: {spec} has no valid or test split; scoring train, the text the run learned from, so the score "
+          f"flatters the model (for a fair one hold some text out: {held_out})", file=sys.stderr)
+    return "train"
 
 
 def model_summary(config) -> str:

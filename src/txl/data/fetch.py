@@ -293,10 +293,11 @@ def download(
         archive = part
         limits = Limits(max_bytes=max_bytes or src.max_bytes, deadline=time.monotonic() + deadline,
                         min_rate=min_rate, window=rate_window, seconds=deadline)
-        _fetch_any(
-            (url,) if url else src.urls, part, retries=retries, timeout=timeout, backoff=backoff, log=say,
-            limits=limits,
-        )
+        urls = (url,) if url else src.urls
+        try:
+            _fetch_any(urls, part, retries=retries, timeout=timeout, backoff=backoff, log=say, limits=limits)
+        except Unreachable as err:
+            raise DataError(f"{err}; {offline_hint(src, dest, urls)}") from None
 
     if expected is None and src.md5 is not None:
         md5 = _digest(archive, hashlib.md5)
@@ -365,15 +366,30 @@ def check_url(url: str) -> None:
         raise bad("port 0")
 
 
+class Unreachable(DataError):
+    """No byte came from any mirror because no connection was made (no network, DNS, refused)."""
+
+
 def _fetch_any(urls: tuple[str, ...], part: Path, **kwargs) -> None:
-    errors = []
+    errors: list[DataError] = []
     for url in urls:
         try:
             _fetch(url, part, **kwargs)
             return
         except DataError as err:
-            errors.append(str(err))
-    raise DataError(errors[0] if len(errors) == 1 else " | ".join(errors))
+            errors.append(err)
+    text = str(errors[0]) if len(errors) == 1 else " | ".join(map(str, errors))
+    raise (Unreachable if all(isinstance(e, Unreachable) for e in errors) else DataError)(text)
+
+
+def offline_hint(src: Source, dest: Path, urls: tuple[str, ...]) -> str:
+    """What to do without a network: fetch the archive elsewhere, then let txl check and unpack it here
+    (a complete archive in DEST is verified and extracted without a connection), or unpack it anywhere
+    and point the corpus spec at that folder (the readers accept the unpacked layout as it is)."""
+    specs = " or ".join(f"--data {spec}:DIR" for spec in src.specs)
+    return (f"no network? get {urls[0]} on a machine that has one, put {src.archive} in {dest} and run this "
+            f"command again (it is checked and unpacked offline), or unpack it into DIR and train with {specs}; "
+            "or retry when online")
 
 
 def _lsize(path: Path) -> int:
@@ -430,6 +446,8 @@ def _fetch_into(url: str, part: Path, *, retries: int, timeout: float, backoff: 
         reason = getattr(err, "reason", None) or err
         if time.monotonic() >= limits.deadline:
             raise limits.fail(part, f"it was not done within {limits.seconds:g} s (--deadline; {reason})") from None
+        if failures > retries and got == 0 and isinstance(err, urllib.error.URLError):  # never connected
+            raise Unreachable(f"cannot reach {urllib.parse.urlsplit(url).hostname} ({reason})") from None
         if failures > retries:
             raise DataError(
                 f"download of {url} interrupted after {got:,} bytes ({reason}); run the same command "

@@ -32,8 +32,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from txl.data.segment import ZIP_ERRORS, Segment, char_boundary, line_boundary
-from txl.data.spec import DataSpec
+from txl.data.segment import (
+    SNIFF,
+    ZIP_ERRORS,
+    Segment,
+    char_boundary,
+    check_utf8_text,
+    line_boundary,
+    read_at,
+)
+from txl.data.spec import DataSpec, default_data_root
 from txl.data.vocab import _require_tokenizers
 from txl.errors import DataError
 from txl.io import open_regular
@@ -94,6 +102,18 @@ def make_plan(spec: DataSpec) -> Plan:
     }[spec.name](spec)
 
 
+def _not_found(spec: DataSpec, path: Path) -> str:
+    """A missing corpus path. The spec may have been typed, or recorded by a run whose corpus has moved
+    since (`txl eval RUN`, `txl train --resume RUN` read it from the run): both are mended by --data."""
+    download = spec.info.download
+    if download and path == default_data_root() / download:  # no PATH given: the download's default place
+        return (f"{spec.name} is not downloaded (looked in {path}); fetch it with `txl data download {download}`, "
+                f"or point txl at a copy: --data {spec.elsewhere('DIR')}")
+    fetch = f" (or fetch it: `txl data download {download} --dest DIR`)" if download else ""
+    return (f"{spec.name}: path not found: {path}; if the corpus moved, give its new place: "
+            f"--data {spec.elsewhere('NEWPLACE')}{fetch}")
+
+
 def _download_hint(spec: DataSpec) -> str:
     if spec.info.download:
         return f"; fetch it with `txl data download {spec.info.download} --dest DIR`"
@@ -103,7 +123,7 @@ def _download_hint(spec: DataSpec) -> str:
 def _existing(spec: DataSpec) -> Path:
     path = Path(spec.path or "")
     if not path.exists():
-        raise DataError(f"{spec.name}: path not found: {path}{_download_hint(spec)}")
+        raise DataError(_not_found(spec, path))
     if not (path.is_dir() or path.is_file()):  # a FIFO would block the reader, a device never ends
         raise DataError(f"{spec.name}: {path} is not a regular file or a directory (a FIFO, a device or a "
                         "socket); txl reads corpora from regular files only: copy the text into a file")
@@ -344,6 +364,10 @@ def _plan_text(spec: DataSpec) -> Plan:
             "single file split 90/5/5 by bytes, each cut moved to the next line start, so every "
             "tokenizer sees the same text in each split"
         ]
+    if tokenizer != "bytes":  # a text tokenizer reads UTF-8; a UTF-16 file would fail at byte 0 (or train on NULs)
+        for source in sources:
+            check_utf8_text(source, read_at(Segment(source, 0, source.stat().st_size), 0, SNIFF),
+                            f"the {tokenizer} tokenizer reads UTF-8")
     rules = None
     if tokenizer == "words":
         rules = WordRules(

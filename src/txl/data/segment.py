@@ -3,6 +3,7 @@ line or character boundary nearest an offset, so that a split or a block never c
 
 from __future__ import annotations
 
+import shlex
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -107,6 +108,46 @@ def utf8_cut(data: bytes) -> int:
         return len(data)
     need = 2 if data[i] < 0xE0 else 3 if data[i] < 0xF0 else 4
     return len(data) if len(data) - i >= need else i
+
+
+# Byte-order marks, longest first (the UTF-32LE mark begins with the UTF-16LE one). iconv reads the mark
+# itself and drops it, so the plain names are what `iconv -f` takes for a file that has one.
+_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+         (b"\xfe\xff", "UTF-16"))
+SNIFF = 4096  # bytes of a file's head that `wide_encoding` looks at
+
+
+def wide_encoding(head: bytes) -> str | None:
+    """The encoding `head` (a file's first bytes) is in when it is UTF-16 or UTF-32 rather than UTF-8, as
+    `iconv -f` names it, else None. A byte-order mark decides; without one, text in a Latin script has a
+    NUL in every other byte (UTF-16) or in three bytes of four (UTF-32), which UTF-8 text never has."""
+    for bom, name in _BOMS:
+        if head.startswith(bom):
+            return name
+    n = len(head) // 4 * 4
+    if n < 16:
+        return None
+    by_lane = [head[k:n:4].count(0) / (n // 4) for k in range(4)]  # share of NUL bytes at position k mod 4
+    for lanes, name in (((1, 2, 3), "UTF-32LE"), ((0, 1, 2), "UTF-32BE")):
+        other = ({0, 1, 2, 3} - set(lanes)).pop()
+        if min(by_lane[k] for k in lanes) > 0.5 and by_lane[other] < 0.05:
+            return name
+    even, odd = (by_lane[0] + by_lane[2]) / 2, (by_lane[1] + by_lane[3]) / 2
+    if odd > 0.25 and even < odd / 8:
+        return "UTF-16LE"
+    if even > 0.25 and odd < even / 8:
+        return "UTF-16BE"
+    return None
+
+
+def check_utf8_text(path: Path, head: bytes, why: str) -> None:
+    """One `DataError` for a text file in UTF-16 or UTF-32 (`wide_encoding`): it would be reported as
+    invalid UTF-8 at byte 0, or (UTF-16 without a mark) read as text with a NUL after every letter."""
+    encoding = wide_encoding(head)
+    if encoding is not None:
+        converted = path.with_name(f"{path.stem}.utf8{path.suffix}")
+        raise DataError(f"{path} looks like {encoding} text, not UTF-8 ({why}); convert it: "
+                        f"iconv -f {encoding} -t UTF-8 {shlex.quote(str(path))} > {shlex.quote(str(converted))}")
 
 
 def char_boundary(seg: Segment, offset: int) -> int:

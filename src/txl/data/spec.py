@@ -182,9 +182,15 @@ class DataSpec:
 
     def canonical(self) -> str:
         """The spec with an absolute path and only non-default options: stable across working dirs."""
-        out = self.name
-        if self.path is not None:
-            out += ":" + (self.path if self.name == "builtin" else str(Path(self.path).absolute()))
+        if self.path is None:
+            return self.elsewhere(None)
+        return self.elsewhere(self.path if self.name == "builtin" else str(Path(self.path).absolute()))
+
+    def elsewhere(self, path: str | None) -> str:
+        """The same corpus and options at another PATH (what a message tells a user to type when a corpus
+        moved or was fetched by hand): `elsewhere("DIR")` of `text:a.txt?tokenizer=chars` is
+        `text:DIR?tokenizer=chars`."""
+        out = self.name if path is None else f"{self.name}:{path}"
         extra = {k: v for k, v in self.options.items() if v != self.info.options[k].default}
         if extra:
             out += "?" + "&".join(f"{k}={v}" for k, v in sorted(extra.items()))
@@ -214,7 +220,7 @@ def parse_spec(spec: str | DataSpec) -> DataSpec:
     name, colon, path = body.partition(":")
     name = name.strip().lower()
     if name not in KNOWN:
-        raise DataError(f"unknown corpus {name!r} in spec {text!r}; known: {', '.join(KNOWN)}")
+        raise DataError(_unknown_corpus(name, body.strip(), text))
     info = KNOWN[name]
     path_value: str | None = path.strip() if colon else None
     if path_value == "":
@@ -249,6 +255,25 @@ def parse_spec(spec: str | DataSpec) -> DataSpec:
     else:
         path_value = os.path.expanduser(path_value)
     return DataSpec(name=name, path=path_value, options=options, text=text)
+
+
+def _unknown_corpus(name: str, body: str, text: str) -> str:
+    """The message for a spec whose NAME is no corpus: a file or folder given bare (`--data notes.txt`, the
+    most common first try) gets the `text:` spec that reads it; a misspelt name the nearest known names."""
+    import difflib
+
+    local = Path(os.path.expanduser(body))
+    if local.is_file() or local.is_dir():
+        kind = "a file" if local.is_file() else "a folder"
+        holds = "" if local.is_file() else " (it reads train.txt, and valid.txt and test.txt when there)"
+        return f"{body!r} is {kind}, not a corpus name: for your own text write the spec text:{text}{holds}"
+    close = difflib.get_close_matches(name, KNOWN, n=2, cutoff=0.6)
+    if close:
+        return (f"unknown corpus {name!r} in spec {text!r}; did you mean {' or '.join(map(repr, close))}? "
+                f"(known: {', '.join(KNOWN)})")
+    looks_like_path = "/" in body or "." in body
+    own = "; for a text file of your own write text:FILE" if looks_like_path else ""
+    return f"unknown corpus {name!r} in spec {text!r}{own}; known: {', '.join(KNOWN)}"
 
 
 def _convert(name: str, key: str, value: str, opt: OptionSpec) -> object:

@@ -116,10 +116,47 @@ def _read_optional_json(path: Path, what: str) -> dict:
     return data
 
 
+def _run_without_checkpoint(path: str | Path) -> str | None:
+    """The message for a `txl train` run directory that has not saved a checkpoint yet (run.json written,
+    no best/ or last/), saying when its first one comes; None for anything else (resolve_checkpoint's
+    messages cover a wrong path)."""
+    path = Path(path).expanduser()
+    if not (path / "run.json").is_file() or any(os.path.lexists(path / name) for name in RUN_CHECKPOINTS):
+        return None
+    try:
+        run = _read_optional_json(path / "run.json", "run record")
+        train = run.get("config", {}).get("train", {})
+    except (CheckpointError, AttributeError):
+        run, train = {}, {}
+
+    def steps(key: str) -> int:
+        value = train.get(key) if isinstance(train, dict) else None
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+    # the trainer saves last/ every save_interval steps (eval_interval when it is 0), best/ at a validation
+    # that improves (the first always does), and both when training ends or is stopped
+    due = [(steps("save_interval"), "train.save_interval"), (steps("eval_interval"), "train.eval_interval"),
+           (steps("max_steps"), "train.max_steps")]
+    if not steps("save_interval"):
+        due = due[1:]  # last/ at every validation step
+    elif run.get("validation") is False:
+        del due[1]  # no valid split: no best/
+    due = [(step, key) for step, key in due if step]
+    when = ""
+    if due:
+        step, key = min(due)
+        when = f" at step {step:,} ({key}) or"
+    return (f"{path} is a `txl train` run with no checkpoint yet: it saves its first{when} when training stops "
+            "(max_minutes, Ctrl-C); run this again then (a run killed before that has nothing to load: train again)")
+
+
 def load_checkpoint(path: str | Path, *, device: torch.device | str = "cpu", require_vocab: bool = False) -> LoadedCheckpoint:
     """Open a checkpoint directory or a `txl train` run directory (RUN/best, else RUN/last)."""
     from txl.data import Vocab
 
+    started = _run_without_checkpoint(path)
+    if started is not None:
+        raise CheckpointError(started)
     directory = resolve_checkpoint(path)
     vocab = None
     if (directory / "vocab.json").is_file():

@@ -1,0 +1,101 @@
+"""The messages a newcomer meets in the first hour (issue 45, item 4): a file given where a corpus spec
+goes, a corpus that moved, a run evaluated before its first checkpoint, a UTF-16 text file and a download
+without a network. Each ends in one line that names the cause and the command that works."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+from test_robustness import TINY, Ctx, Outcome, api, call_cli, case, cli, env, train_args  # noqa: F401
+
+TEXT = "\n".join(f"line {i} of the notes, with a few words to learn" for i in range(300)) + "\n"
+
+
+@case("newcomer-data-file-not-a-spec", "a text file given as the data spec", "txl train --data notes.txt",
+      "text:", "notes.txt")
+def _(ctx):
+    notes = ctx.write("notes.txt", TEXT)
+    return cli(*train_args(ctx, "--data", str(notes)))
+
+
+@case("newcomer-data-folder-not-a-spec", "a folder of text given as the data spec", "txl train --data DIR",
+      "text:", "train.txt")
+def _(ctx):
+    ctx.write("texts/train.txt", TEXT)
+    return cli(*train_args(ctx, "--data", str(ctx.dir / "texts")))
+
+
+@case("newcomer-data-name-typo", "a misspelt corpus name", "txl train --data ptb-wrod:DIR", "did you mean",
+      "ptb-word")
+def _(ctx):
+    return cli(*train_args(ctx, "--data", f"ptb-wrod:{ctx.dir}"))
+
+
+def _run_on_moved_corpus(ctx: Ctx):
+    """A run trained on text:DIR/corpus.txt, then the corpus renamed to moved.txt."""
+    corpus = ctx.write("corpus.txt", TEXT)
+    code, err = call_cli("train", "--data", f"text:{corpus}?tokenizer=chars", "--out", str(ctx.dir / "run"),
+                         "--quiet", *TINY, "--set", "max_steps=2", "--set", "final_splits=[]",
+                         "--set", "sample_tokens=0")
+    assert code == 0, err
+    corpus.rename(ctx.dir / "moved.txt")
+    return ctx.dir / "run"
+
+
+@case("newcomer-eval-corpus-moved", "`txl eval` of a run whose corpus was moved", "txl eval RUN",
+      "corpus.txt", "--data text:NEWPLACE?tokenizer=chars")
+def _(ctx):
+    return cli("eval", str(_run_on_moved_corpus(ctx)), "--device", "cpu")
+
+
+@case("newcomer-resume-corpus-moved", "`--resume` of a run whose corpus was moved", "txl train --resume RUN",
+      "corpus.txt", "--data text:NEWPLACE?tokenizer=chars")
+def _(ctx):
+    return cli("train", "--resume", str(_run_on_moved_corpus(ctx)), "--max-steps", "3", "--quiet")
+
+
+@case("newcomer-eval-before-first-checkpoint", "`txl eval` of a run that has not saved a checkpoint yet",
+      "txl eval RUN", "no checkpoint yet", "step 400", "train.save_interval")
+def _(ctx):
+    record = json.loads((ctx.run_copy() / "run.json").read_text())
+    run = ctx.dir / "starting"  # what `txl train` has written before its first save
+    run.mkdir()
+    record["config"]["train"].update(save_interval=400, eval_interval=1000, max_steps=5000)
+    (run / "run.json").write_text(json.dumps(record))
+    return cli("eval", str(run), "--device", "cpu")
+
+
+@case("newcomer-utf16-bom", "a UTF-16 text file (with its byte-order mark)", "txl train --data text:FILE",
+      "UTF-16", "iconv -f UTF-16 -t UTF-8")
+def _(ctx):
+    path = ctx.write("notes.txt", TEXT.encode("utf-16"))
+    return cli(*train_args(ctx, "--data", f"text:{path}?tokenizer=chars"))
+
+
+@case("newcomer-utf16-no-bom", "a UTF-16LE text file without a byte-order mark (it trained on NUL bytes)",
+      "txl train --data text:FILE?tokenizer=chars", "UTF-16LE", "iconv -f UTF-16LE -t UTF-8")
+def _(ctx):
+    path = ctx.write("notes.txt", TEXT.encode("utf-16-le"))
+    return cli(*train_args(ctx, "--data", f"text:{path}?tokenizer=chars"))
+
+
+@case("newcomer-utf32-bom", "a UTF-32 text file", "txl train --data text:FILE?tokenizer=words", "UTF-32",
+      "iconv -f UTF-32 -t UTF-8")
+def _(ctx):
+    path = ctx.write("notes.txt", TEXT.encode("utf-32"))
+    return cli(*train_args(ctx, "--data", f"text:{path}?tokenizer=words"))
+
+
+def _closed_port() -> int:
+    """A local port nobody listens on: a connection to it is refused at once, as without a network."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@case("newcomer-download-offline", "`txl data download` without a network", "txl data download ptb",
+      "simple-examples.tgz", "--data ptb-word:DIR", "ptb-char:DIR")
+def _(ctx):
+    return cli("data", "download", "ptb", "--dest", str(ctx.dir / "ptb"), "--retries", "0", "--timeout", "10",
+               "--url", f"http://127.0.0.1:{_closed_port()}/simple-examples.tgz")
