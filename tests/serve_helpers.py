@@ -38,12 +38,28 @@ final_splits = []
 """
 
 
-def train_run(root: Path, steps: int = 40) -> Path:
-    """A byte-level run trained for a few steps (metrics.jsonl, best/, last/, vocab.json)."""
+# a recurrent run (AWD-LSTM): no attention to show, memory = the carried LSTM state
+LSTM_MODEL = """
+[model]
+arch = "lstm"
+n_layer = 2
+d_model = 32
+d_inner = 48
+mem_len = 16
+dropout = 0.0
+"""
+
+
+def train_run(root: Path, steps: int = 40, *, arch: str = "decoder") -> Path:
+    """A byte-level run trained for a few steps (metrics.jsonl, best/, last/, vocab.json); arch "lstm":
+    a recurrent one."""
     root.mkdir(parents=True, exist_ok=True)
     corpus = make_corpus(root / "corpus.txt", lines=1500)
     config = root / "run.toml"
-    config.write_text(RUN_TOML.format(corpus=corpus, steps=steps, eval_interval=max(steps // 2, 1)))
+    toml = RUN_TOML.format(corpus=corpus, steps=steps, eval_interval=max(steps // 2, 1))
+    if arch == "lstm":
+        toml = LSTM_MODEL + toml[toml.index("[train]"):]
+    config.write_text(toml)
     code = main(["train", "--config", str(config), "--out", str(root / "run"), "--quiet"])
     assert code == 0, "training the tiny run for the serve tests failed"
     return root / "run"

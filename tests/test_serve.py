@@ -128,6 +128,18 @@ def test_each_session_keeps_its_own_memory(url):
     assert more[0]["i"] == len(start["prompt_ids"]) + 24 + len(" memory")
 
 
+def test_a_sampled_continuation_draws_on_from_the_sessions_seed(url):
+    """Issue 45: continuing without a seed draws on from the session's random stream, so 20 sampled tokens
+    continued by 15 are the 35 of one generation with that seed; a seed given with "continue" restarts it."""
+    whole, _, _ = generation(url, prompt="the memory of", max_new_tokens=35, seed=7)
+    first, start, _ = generation(url, prompt="the memory of", max_new_tokens=20, seed=7, session="session-seed")
+    second, again, _ = generation(url, max_new_tokens=15, session="session-seed", **{"continue": True})
+    assert [t["id"] for t in first + second] == [t["id"] for t in whole]
+    assert start["reseeded"] and not again["reseeded"] and again["seed"] == 7 and again["prompt_ids"] == []
+    third, restarted, _ = generation(url, max_new_tokens=5, seed=3, session="session-seed", **{"continue": True})
+    assert restarted["reseeded"] and restarted["seed"] == 3 and third[0]["i"] == len(start["prompt_ids"]) + 35
+
+
 BAD = [  # (method, path, body, headers, status, words in the error)
     ("POST", "/api/generate", b"{not json", {"Content-Type": "application/json"}, 400, "not valid JSON"),
     ("POST", "/api/generate", b"[1, 2]", {"Content-Type": "application/json"}, 400, "JSON object"),

@@ -139,3 +139,92 @@ def test_two_runs_stream_side_by_side_from_one_prompt(browser, run_dir):
             prompt = "".join(s.text for s in browser.find_elements(By.CSS_SELECTOR, f"#text-{index} .tok.prompt"))
             assert prompt == "the attention"
             assert len(browser.find_elements(By.CSS_SELECTOR, f"#text-{index} .tok.gen")) == 20
+
+
+def generate_in_page(browser, prompt: str, tokens: int, *, button: str = "generate", index: int = 0):
+    """Type `prompt` (unless None), ask for `tokens` tokens with seed 5, press `button`, wait for the end."""
+    from selenium.webdriver.common.by import By
+
+    if prompt is not None:
+        box = browser.find_element(By.ID, "prompt")
+        box.clear()
+        box.send_keys(prompt)
+    for field, value in (("max-new-tokens", str(tokens)), ("seed", "5")):
+        box = browser.find_element(By.ID, field)
+        box.clear()
+        box.send_keys(value)
+    browser.execute_script(f"delete document.getElementById('text-{index}').dataset.done")
+    browser.find_element(By.ID, button).click()
+    wait_for(browser, f"return document.getElementById('text-{index}').dataset.done !== undefined")
+
+
+def test_continue_goes_on_from_the_generated_text_not_the_prompt_again(browser, url):
+    """Issue 45: after Generate, Continue fed the prompt box into the text a second time."""
+    from selenium.webdriver.common.by import By
+
+    browser.get(url + "/")
+    wait_for(browser, "return document.body.dataset.ready === '1'")
+    generate_in_page(browser, "the memory of", 20)
+    first = browser.find_element(By.ID, "text-0").text
+    generate_in_page(browser, None, 15, button="continue")  # the prompt box still says "the memory of"
+    prompt = "".join(s.text for s in browser.find_elements(By.CSS_SELECTOR, "#text-0 .tok.prompt"))
+    assert prompt == "the memory of"  # once: Continue fed nothing new
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#text-0 .tok.gen")) == 35
+    text = browser.find_element(By.ID, "text-0").text
+    assert text.startswith(first) and text.count("the memory of") == first.count("the memory of")
+    assert browser.find_element(By.ID, "prompt").get_attribute("value") == "the memory of"  # kept for Generate
+    assert "15 tokens (max_new_tokens)" in browser.find_element(By.ID, "info-0").text
+    generate_in_page(browser, "the memory of", 35)  # the same seed's stream drawn on: one generation of 35
+    assert browser.find_element(By.ID, "text-0").text == text
+
+
+def test_a_text_of_one_segment_says_memory_cannot_help(browser, url):
+    """Issue 45: a text shorter than one segment drew two identical curves with no word why."""
+    from selenium.webdriver.common.by import By
+
+    browser.get(url + "/")
+    wait_for(browser, "return document.body.dataset.ready === '1'")
+    generate_in_page(browser, "the", 5)  # 8 tokens: one segment of 16
+    browser.find_element(By.ID, "rescore").click()
+    wait_for(browser, "return document.getElementById('memory').dataset.state === 'ready'")
+    info = browser.find_element(By.ID, "score-info").text
+    assert "one segment" in info and "memory cannot" in info, info
+    assert browser.find_element(By.ID, "loss-plot").get_attribute("data-curves") == "1"
+    generate_in_page(browser, "the memory of", 40)  # 3 segments: both curves, no such sentence
+    browser.find_element(By.ID, "rescore").click()
+    wait_for(browser, "return document.getElementById('score-info').textContent.includes('predictions')")
+    assert "one segment" not in browser.find_element(By.ID, "score-info").text
+    assert browser.find_element(By.ID, "loss-plot").get_attribute("data-curves") == "2"
+
+
+@pytest.fixture(scope="module")
+def lstm_dir(tmp_path_factory) -> Path:
+    return train_run(tmp_path_factory.mktemp("browser-lstm"), steps=20, arch="lstm")
+
+
+def test_a_recurrent_run_hides_the_attention_panel_and_transformer_rows(browser, lstm_dir, run_dir):
+    """Issue 45: an LSTM run showed the attention panel (clicking a token printed the API's refusal) and
+    model-card rows of 'undefined'."""
+    from selenium.webdriver.common.by import By
+
+    with running(create_app([open_run(lstm_dir)])) as base:
+        browser.get(base + "/")
+        wait_for(browser, "return document.body.dataset.ready === '1'")
+        assert not browser.find_element(By.ID, "attention").is_displayed()
+        assert browser.find_element(By.ID, "memory").is_displayed()
+        card = browser.find_element(By.ID, "cards").text
+        assert "undefined" not in card and "heads" not in card and "lstm" in card
+        generate_in_page(browser, "the memory of", 10)
+        browser.find_elements(By.CSS_SELECTOR, "#text-0 .tok.gen")[5].click()
+        assert not browser.find_element(By.ID, "attention").is_displayed()
+    # side by side with a Transformer: the panel is there, and a token of the LSTM gets one plain sentence
+    with running(create_app([open_run(run_dir), open_run(lstm_dir)])) as base:
+        browser.get(base + "/")
+        wait_for(browser, "return document.body.dataset.ready === '1'")
+        assert browser.find_element(By.ID, "attention").is_displayed()
+        generate_in_page(browser, "the memory of", 10)
+        wait_for(browser, "return document.getElementById('text-1').dataset.done !== undefined")
+        browser.find_elements(By.CSS_SELECTOR, "#text-1 .tok.gen")[5].click()
+        info = browser.find_element(By.ID, "attn-info").text
+        assert "recurrent" in info and "no attention" in info and "'attention'" not in info and "arch=" not in info
+        assert browser.find_element(By.ID, "attention").get_attribute("data-state") == "unavailable"

@@ -20,7 +20,6 @@ model, and stops between two forward passes when its client goes away or its tim
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import logging
 import secrets
@@ -50,15 +49,18 @@ from txl.serve.engine import (
     NotFinite,
     ServedRun,
     generate,
+    no_attention_view,
     score,
     token_pieces,
 )
 from txl.serve.requests import (
     ATTENTION_FIELDS,
+    LOOPBACK_NAMES,
     MB,
     ApiError,
     Limits,
     bounded_fields,
+    host_allowed,
     one_line,
     out_of_memory,
     parse_fields,
@@ -77,7 +79,6 @@ SECURITY_HEADERS = {
     "referrer-policy": "no-referrer",
     "cache-control": "no-store",
 }
-LOOPBACK_NAMES = ("localhost",)  # loopback addresses are IP literals, accepted as every address is
 log = logging.getLogger("txl.serve")
 
 
@@ -204,8 +205,8 @@ def create_app(runs: list[ServedRun], limits: Limits | None = None, *, allowed_h
         return JSONResponse(body, status_code=status, headers=SECURITY_HEADERS)
 
     async def model_info(request: Request) -> Response:
-        return JSONResponse({"runs": [{**run.card, "eval_tgt_len": run.tgt_len} for run in runs],
-                             "limits": asdict(limits)}, headers=SECURITY_HEADERS)
+        cards = [{**run.card, "eval_tgt_len": run.tgt_len, "no_attention_view": no_attention_view(run)} for run in runs]
+        return JSONResponse({"runs": cards, "limits": asdict(limits)}, headers=SECURITY_HEADERS)
 
     async def generate_route(request: Request) -> Response:
         args = parse_fields(await read_json(request, limits.max_body_bytes, limits.body_timeout), generate_fields)
@@ -244,7 +245,9 @@ def create_app(runs: list[ServedRun], limits: Limits | None = None, *, allowed_h
         else:
             session = server.sessions.take(key, lambda: Decoder(run, mem_len=mem_len, window=window),
                                            reserve=run.session_bytes(mem_len=mem_len, window=window))
-        seed = args["seed"] if args["seed"] is not None else secrets.randbits(62)
+        # "continue" without a seed draws on from the session's random stream: a generation of 20 tokens
+        # continued by 15 is the generation of 35 with that seed
+        seed = args["seed"] if args["seed"] is not None or args["continue"] else secrets.randbits(62)
         settings = {k: args[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p")}
         return StreamingResponse(_generation(server, run, session, session_id, ids, seed, settings),
                                  media_type="text/event-stream", headers={**SECURITY_HEADERS, "x-accel-buffering": "no"})
@@ -349,7 +352,7 @@ def create_app(runs: list[ServedRun], limits: Limits | None = None, *, allowed_h
     return _Guard(app, hosts, server)
 
 
-async def _generation(server: Server, run: ServedRun, session: Session, session_id: str, ids: list[int], seed: int,
+async def _generation(server: Server, run: ServedRun, session: Session, session_id: str, ids: list[int], seed: int | None,
                       settings: dict):
     """The event stream of one generation. Runs in the response task: when the client disconnects,
     Starlette cancels it, `finally` sets `stop`, and the worker ends at its next forward pass, which
@@ -382,10 +385,13 @@ async def _generation(server: Server, run: ServedRun, session: Session, session_
 
         stopped_by = "max_new_tokens"
         try:
-            generator = torch.Generator().manual_seed(seed)
+            if seed is not None or decoder.generator is None:
+                decoder.seed = secrets.randbits(62) if seed is None else seed
+                decoder.generator = torch.Generator().manual_seed(decoder.seed)
+            generator = decoder.generator
             decoder.feed(ids, cancelled)
-            put("start", {"run": run.name, "session": session_id, "seed": seed, "mem_len": decoder.mem_len,
-                          "first": decoder.length - len(ids), "prompt_ids": ids,
+            put("start", {"run": run.name, "session": session_id, "seed": decoder.seed, "reseeded": seed is not None,
+                          "mem_len": decoder.mem_len, "first": decoder.length - len(ids), "prompt_ids": ids,
                           "prompt_pieces": token_pieces(run.vocab, ids), **settings})
             generate(decoder, generator=generator, on_token=on_token, cancelled=cancelled, **settings)
         except Cancelled:
@@ -449,30 +455,6 @@ def _read_page() -> dict[str, bytes]:
     return page
 
 
-def host_name(host: str) -> str:
-    """The name in a Host header, lower-cased, without its port or an IPv6 address's brackets."""
-    host = host.strip().lower()
-    if host.startswith("["):  # [v6]:port
-        return host[1:host.find("]")] if "]" in host else host
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
-
-
-def host_allowed(host: str, names: frozenset[str]) -> bool:
-    """Whether a request with this Host header is served. DNS rebinding needs a name: a page at
-    attacker.example re-points that name to this machine, and the browser then sends `Host:
-    attacker.example`. A Host that is an IP address was reached by that address, with no name to
-    re-point, so every IP literal is accepted (`--host 0.0.0.0` reached as http://192.168.1.20:8000/);
-    names only when they are in `names` (loopback names and `--allow-host`)."""
-    name = host_name(host)
-    if name in names:
-        return True
-    try:
-        ipaddress.ip_address(name)
-    except ValueError:
-        return False
-    return True
-
-
 class _Guard:
     """The outermost layer: refuse requests whose Host header is a name not in `hosts` (DNS rebinding),
     as JSON; count the API answers that failed on our side (GET /health); and end any exception that
@@ -490,10 +472,10 @@ class _Guard:
             return
         host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
         if not host_allowed(host, self.hosts):
-            port = host.rsplit(":", 1)[1] if ":" in host and host.rsplit(":", 1)[1].isdigit() else "PORT"
-            await _error(400, f"Host {host[:60]!r} is not served here; open the server by its IP address (e.g. "
-                              f"http://127.0.0.1:{port[:5]}/), or start txl serve with --allow-host NAME to serve that "
-                              "name")(scope, receive, send)
+            port = host.rpartition(":")[2] if host.rpartition(":")[2].isdigit() else "PORT"
+            await _error(400, f"Host {host[:60]!r} is not served here; open the server by its IP address (e.g. http://"
+                              f"127.0.0.1:{port[:5]}/), or start txl serve with --allow-host NAME to serve that name")(
+                scope, receive, send)
             return
         answered = []
 

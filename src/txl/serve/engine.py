@@ -195,6 +195,21 @@ def training_curve(path: Path) -> dict[str, list[list[float]]]:
     return curve
 
 
+def no_attention_view(run: ServedRun) -> str | None:
+    """Why the page shows no attention for this run, in one plain sentence; None when it does. (The API's
+    own refusal of an "attention" request says the same in its terms: app.score_route.)"""
+    config = run.model.config
+    if config.arch == "lstm":
+        return f"{run.name} is a recurrent model (LSTM): it has no attention to show."
+    if config.arch == "sha-rnn":
+        return (f"{run.name} is a recurrent model (SHA-RNN): its single attention layer is not drawn here; the "
+                "attention view is for Transformer runs.")
+    if config.n_layer * config.n_head > VIEW_MAX_ROWS:
+        return (f"{run.name} has {config.n_layer * config.n_head:,} layer × head pairs, more than the attention view "
+                f"draws ({VIEW_MAX_ROWS:,}).")
+    return None
+
+
 def token_pieces(vocab, ids: Sequence[int]) -> list[str]:
     """The text each token adds when decoded in order (a byte of a multi-byte character adds "" until
     the character is complete; its last byte adds the character)."""
@@ -237,7 +252,7 @@ class Decoder(StreamDecoder):
     in chunks of max(mem_len, 128) tokens; each new token is one forward with the memory; with mem_len 0
     every step re-runs a window of the last `window` tokens instead. Continuing a session feeds more
     text on top of the same memory. Between two requests it holds no more than
-    `ServedRun.session_bytes`: the logits and the window are copied out of longer buffers (the base
+    `ServedRun.session_bytes` (and its random generator's few KB): the logits and the window are copied out of longer buffers (the base
     class does), and a memory that is a view into a longer [memory ; chunk] buffer is compacted."""
 
     TAIL = 64  # a session can go on for ever; its state stays bounded
@@ -248,6 +263,8 @@ class Decoder(StreamDecoder):
         self.window = window
         self.length = 0  # tokens fed so far (prompt, continuations, generated): the next token's position
         self.tail: list[int] = []  # the last TAIL of them, the decoding context of the next piece of text
+        self.seed: int | None = None  # the seed of `generator`, the session's random stream ("continue" draws on)
+        self.generator: torch.Generator | None = None
 
     def nbytes(self) -> int:
         """The bytes this session holds now (memory storages, logits, window)."""

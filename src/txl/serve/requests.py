@@ -1,10 +1,12 @@
 """What a `txl serve` request may ask for: the server's limits (`Limits`), refusals (`ApiError`: a status
-and one line), and request bodies read and checked field by field (`read_json`, `parse_fields`: a JSON
-object with known fields, types and ranges; anything else is a 4xx naming the field)."""
+and one line), the Host headers served (`host_allowed`), and request bodies read and checked field by
+field (`read_json`, `parse_fields`: a JSON object with known fields, types and ranges; anything else is
+a 4xx naming the field)."""
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import math
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ from starlette.requests import Request
 from txl.data.display import json_text
 
 MB = 1 << 20
+LOOPBACK_NAMES = ("localhost",)  # loopback addresses are IP literals, served as every address is
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,29 @@ class ApiError(Exception):
         self.status = status
         self.retry_after = retry_after
 
+
+def host_name(host: str) -> str:
+    """The name in a Host header, lower-cased, without its port or an IPv6 address's brackets."""
+    host = host.strip().lower()
+    if host.startswith("["):  # [v6]:port
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def host_allowed(host: str, names: frozenset[str]) -> bool:
+    """Whether a request with this Host header is served. DNS rebinding needs a name: a page at
+    attacker.example re-points that name to this machine, and the browser then sends `Host:
+    attacker.example`. A Host that is an IP address was reached by that address, with no name to
+    re-point, so every IP literal is accepted (`--host 0.0.0.0` reached as http://192.168.1.20:8000/);
+    names only when they are in `names` (loopback names and `--allow-host`)."""
+    name = host_name(host)
+    if name in names:
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 def out_of_memory(err: BaseException) -> bool:

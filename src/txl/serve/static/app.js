@@ -8,6 +8,7 @@ const state = {
   selected: null,         // {run, token}
 };
 const COLORS = ["#2f5fd0", "#d0582f"];
+const ARCHS = { decoder: "Transformer-XL (decoder)", lstm: "recurrent: LSTM (lstm)", "sha-rnn": "recurrent: SHA-RNN (sha-rnn)" };
 
 function el(tag, attrs = {}, ...children) {
   const node = document.createElement(tag);
@@ -67,8 +68,13 @@ async function init() {
     state.streams.push(makeStream(run, i));
     $("cards").append(modelCard(run, i));
   });
-  fillSelect($("layer"), runs[0].config.n_layer, "layer");
-  fillSelect($("head"), runs[0].config.n_head, "head");
+  // the attention panel only where some run has attention to show (not for an LSTM alone)
+  const viewable = runs.find((run) => !run.no_attention_view);
+  $("attention").hidden = !viewable;
+  if (viewable) {
+    fillSelect($("layer"), viewable.config.n_layer, "layer");
+    fillSelect($("head"), viewable.config.n_head, "head");
+  }
   $("generate").addEventListener("click", () => generateAll(false));
   $("continue").addEventListener("click", () => generateAll(true));
   $("stop").addEventListener("click", () => state.streams.forEach((s) => s.abort && s.abort.abort()));
@@ -98,6 +104,7 @@ function makeStream(run, index) {
     sw.style.background = probColor(lp);
     legend.append(sw, `${Math.exp(lp).toFixed(lp > -1 ? 2 : 3)}`);
   }
+  if (run.no_attention_view) text.classList.add("no-attention");
   const panel = el("div", { class: "panel output" }, el("h2", { text: run.name }), text, info, legend);
   $("outputs").append(panel);
   return { run: index, ids: [], pieces: [], logprobs: [], session: null, el: text, info, abort: null };
@@ -105,12 +112,16 @@ function makeStream(run, index) {
 
 function modelCard(run, index) {
   const c = run.config;
+  const transformer = c.n_head !== undefined;  // the recurrent runs have no heads, positions or attention kernel
   const rows = [
+    ["architecture", ARCHS[c.arch] || c.arch],
     ["parameters", run.parameters.toLocaleString()], ["corpus", run.corpus || "unknown"],
     ["vocabulary", `${run.vocab.kind}, ${run.vocab.size} ids`], ["trained steps", run.step ?? "?"],
-    ["layers × d_model", `${c.n_layer} × ${c.d_model}`], ["heads × d_head", `${c.n_head} × ${c.d_head}`],
-    ["d_inner", c.d_inner], ["mem_len", c.mem_len], ["pos_encoding", c.pos_encoding],
-    ["attention", c.attention], ["segment (tgt_len)", run.train.tgt_len ?? "?"], ["eval segment", run.eval_tgt_len],
+    ["layers × d_model", `${c.n_layer} × ${c.d_model}`],
+    ...(transformer ? [["heads × d_head", `${c.n_head} × ${c.d_head}`]] : []),
+    ["d_inner", c.d_inner], [transformer ? "mem_len" : "mem_len (carried state)", c.mem_len],
+    ...(transformer ? [["pos_encoding", c.pos_encoding], ["attention", c.attention]] : []),
+    ["segment (tgt_len)", run.train.tgt_len ?? "?"], ["eval segment", run.eval_tgt_len],
   ];
   const table = el("table", { class: "config" }, ...rows.map(([k, v]) => el("tr", {}, el("td", { text: k }), el("td", { text: String(v) }))));
   const canvas = el("canvas", { width: 380, height: 200, id: `curve-${index}` });
@@ -136,13 +147,15 @@ async function generateAll(cont) {
   $("generate").disabled = $("continue").disabled = true;
   $("stop").disabled = false;
   setStatus("generating…");
-  const prompt = $("prompt").value;
+  // Continue goes on from the end of the text on the page (the session's memory): it feeds nothing
+  // new. The prompt box belongs to Generate (issue 45: Continue fed it into the text a second time).
+  const prompt = cont ? "" : $("prompt").value;
   const results = await Promise.allSettled(state.streams.map((s) => generateOne(s, prompt, cont)));
-  $("generate").disabled = $("continue").disabled = false;
+  $("generate").disabled = false;
+  $("continue").disabled = !state.streams.every((s) => s.session);
   $("stop").disabled = true;
   const failed = results.find((r) => r.status === "rejected");
   setStatus(failed ? failed.reason.message : "done", Boolean(failed));
-  if (cont) $("prompt").value = "";
 }
 
 async function generateOne(stream, prompt, cont) {
@@ -151,6 +164,7 @@ async function generateOne(stream, prompt, cont) {
     if (!stream.session) throw new Error("generate first; Continue goes on from that memory");
     Object.assign(body, { session: stream.session, continue: true });
     delete body.mem_len;
+    delete body.seed;  // the session's random stream draws on: Generate 20 + Continue 15 = Generate 35
   } else {
     stream.ids = []; stream.pieces = []; stream.logprobs = []; stream.el.replaceChildren();
   }
@@ -158,7 +172,13 @@ async function generateOne(stream, prompt, cont) {
   const response = await fetch("/api/generate", {
     method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body), signal: stream.abort.signal,
   }).catch((err) => { throw new Error(err.name === "AbortError" ? "stopped" : err.message); });
-  if (!response.ok) throw new Error((await response.json()).error);
+  if (!response.ok) {
+    if (cont && response.status === 404) {  // the server dropped this session's memory (idle or full)
+      stream.session = null;
+      throw new Error("the server no longer holds this text's memory; press Generate to start again");
+    }
+    throw new Error((await response.json()).error);
+  }
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
   let buffer = "";
@@ -187,7 +207,7 @@ async function generateOne(stream, prompt, cont) {
 function onEvent(stream, event, data) {
   if (event === "start") {
     stream.session = data.session;
-    stream.info.textContent = `seed ${data.seed}, mem_len ${data.mem_len}; session ${data.session}`;
+    stream.info.textContent = `seed ${data.seed}${data.reseeded ? "" : " (continued)"}, mem_len ${data.mem_len}; session ${data.session}`;
     data.prompt_ids.forEach((id, k) => addToken(stream, id, data.prompt_pieces[k], null));
   } else if (event === "token") {
     addToken(stream, data.id, data.text, data.logprob);
@@ -210,7 +230,7 @@ function addToken(stream, id, text, logprob) {
     span.style.background = probColor(logprob);
     span.title = `token ${pos}: id ${id}, log p = ${logprob.toFixed(3)}`;
   }
-  if (pos > 0) span.addEventListener("click", () => selectToken(stream.run, pos));
+  if (pos > 0 && !$("attention").hidden) span.addEventListener("click", () => selectToken(stream.run, pos));
   stream.el.append(span);
   stream.el.scrollTop = stream.el.scrollHeight;
 }
@@ -223,7 +243,16 @@ function selectToken(run, token) {
   document.querySelectorAll(".tok.selected").forEach((n) => n.classList.remove("selected"));
   const span = document.querySelector(`#text-${run} .tok[data-pos="${token}"]`);
   if (span) span.classList.add("selected");
-  const config = state.model.runs[run].config;
+  const card = state.model.runs[run];
+  if (card.no_attention_view) {  // a recurrent run beside a Transformer: say why, in one sentence
+    $("attn-info").textContent = card.no_attention_view;
+    $("attn-info").className = "muted";
+    $("attn-strip").replaceChildren();
+    for (const id of ["attn-matrix", "attn-distance"]) $(id).getContext("2d").clearRect(0, 0, $(id).width, $(id).height);
+    $("attention").dataset.state = "unavailable";
+    return;
+  }
+  const config = card.config;
   fillSelect($("layer"), config.n_layer, "layer");
   fillSelect($("head"), config.n_head, "head");
   showAttention();
@@ -336,11 +365,26 @@ async function rescore() {
   $("score-info").textContent = "scoring…";
   try {
     const results = await Promise.all(lens.map((mem_len) => api("/api/score", text === null ? { run, ids: stream.ids, mem_len } : { run, text, mem_len })));
-    drawLines($("loss-plot"), results.map((r, i) => ({
-      label: `mem_len ${r.mem_len}: mean ${r.mean_nll.toFixed(3)} nats`, color: COLORS[i],
-      points: r.nll.map((v, k) => [k + 1, v]),
+    const [a, b] = results, n = a.nll.length;
+    // Memory carries earlier segments into the next; a text of one segment has none, so both curves are
+    // the same curve (issue 45: drawn twice with no word why). One curve then, and the sentence.
+    const oneSegment = n <= a.tgt_len;
+    const same = oneSegment || a.nll.every((v, k) => Math.abs(v - b.nll[k]) <= 1e-6);
+    const shown = same ? [a] : results;
+    drawLines($("loss-plot"), shown.map((r, i) => ({
+      label: same ? `mem_len ${a.mem_len} and ${b.mem_len}: mean ${r.mean_nll.toFixed(3)} nats` : `mem_len ${r.mem_len}: mean ${r.mean_nll.toFixed(3)} nats`,
+      color: COLORS[i], points: r.nll.map((v, k) => [k + 1, v]),
     })), { xlabel: "token position", ylabel: "NLL (nats)" });
-    $("score-info").textContent = `${results[0].nll.length} predictions, segments of ${results[0].tgt_len}`;
+    $("loss-plot").dataset.curves = String(shown.length);
+    let why = `${n} predictions, segments of ${a.tgt_len}`;
+    if (oneSegment) {
+      why = `${n} predictions fit in one segment of ${a.tgt_len}, so memory cannot change them: both memory ` +
+        `lengths give this one curve. Score a text longer than ${a.tgt_len} tokens to see what memory does.`;
+    } else if (same) {
+      why += `; both memory lengths give the same losses` +
+        (state.model.runs[run].config.arch === "lstm" ? " (an LSTM carries its whole state for any mem_len above 0)" : "");
+    }
+    $("score-info").textContent = why;
     $("memory").dataset.state = "ready";
   } catch (err) {
     $("score-info").textContent = err.message;
