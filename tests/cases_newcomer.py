@@ -32,15 +32,21 @@ def _(ctx):
     return cli(*train_args(ctx, "--data", f"ptb-wrod:{ctx.dir}"))
 
 
-def _run_on_moved_corpus(ctx: Ctx):
-    """A run trained on text:DIR/corpus.txt, then the corpus renamed to moved.txt."""
+def _chars_run(ctx: Ctx):
+    """A two-step run with a character vocabulary, trained on DIR/corpus.txt."""
     corpus = ctx.write("corpus.txt", TEXT)
     code, err = call_cli("train", "--data", f"text:{corpus}?tokenizer=chars", "--out", str(ctx.dir / "run"),
                          "--quiet", *TINY, "--set", "max_steps=2", "--set", "final_splits=[]",
                          "--set", "sample_tokens=0")
     assert code == 0, err
-    corpus.rename(ctx.dir / "moved.txt")
     return ctx.dir / "run"
+
+
+def _run_on_moved_corpus(ctx: Ctx):
+    """A run trained on text:DIR/corpus.txt, then the corpus renamed to moved.txt."""
+    run = _chars_run(ctx)
+    (ctx.dir / "corpus.txt").rename(ctx.dir / "moved.txt")
+    return run
 
 
 @case("newcomer-eval-corpus-moved", "`txl eval` of a run whose corpus was moved", "txl eval RUN",
@@ -85,6 +91,14 @@ def _(ctx):
 def _(ctx):
     path = ctx.write("notes.txt", TEXT.encode("utf-32"))
     return cli(*train_args(ctx, "--data", f"text:{path}?tokenizer=words"))
+
+
+@case("newcomer-eval-text-utf16", "`txl eval --text` of a UTF-16 file with a character vocabulary",
+      "txl eval RUN --text FILE", "UTF-16", "iconv -f UTF-16 -t UTF-8")
+def _(ctx):
+    run = _chars_run(ctx)
+    path = ctx.write("notes.txt", TEXT.encode("utf-16"))
+    return cli("eval", str(run), "--text", str(path), "--device", "cpu")
 
 
 def _closed_port() -> int:

@@ -150,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
     ckpt = load_checkpoint(args.checkpoint, device=device)
     if args.split is None:
         args.split = "all" if args.text else _default_split(ckpt, args.data)
+    _check_text_encoding(ckpt, args)
     if ckpt.model.config.arch == "encoder-decoder":
         from txl.cli.seq2seq import run_eval as run_seq2seq_eval
 
@@ -188,6 +189,24 @@ def run(args: argparse.Namespace) -> int:
         if args.per_token:
             print(f"per-token NLL (nats, corpus order) -> {out['per_token']}")
     return 0
+
+
+def _check_text_encoding(ckpt, args: argparse.Namespace) -> None:
+    """A UTF-16 or UTF-32 file scored with a character or word vocabulary: one line with the iconv command
+    (it read as "not UTF-8 at byte 0", or, without a byte-order mark, as an unknown character NUL)."""
+    if ckpt.vocab is None or getattr(ckpt.vocab, "kind", None) not in ("chars", "words"):
+        return  # bytes and byte-level BPE read any bytes
+    from txl.data import parse_spec
+    from txl.data.segment import SNIFF, Segment, check_utf8_text, read_at
+
+    path = None
+    if args.text:
+        path = Path(args.text).expanduser()
+    elif args.data and args.split == "all":  # --data text:FILE --split all: the file read with this vocabulary
+        spec = parse_spec(args.data)
+        path = Path(spec.path) if spec.name == "text" and spec.path else None
+    if path is not None and path.is_file():
+        check_utf8_text(path, read_at(Segment(path, 0, SNIFF), 0, SNIFF), f"a {ckpt.vocab.kind} vocabulary reads UTF-8")
 
 
 def _default_split(ckpt, data: str | None) -> str:

@@ -116,7 +116,7 @@ def _read_optional_json(path: Path, what: str) -> dict:
     return data
 
 
-def _run_without_checkpoint(path: str | Path) -> str | None:
+def no_checkpoint_yet(path: str | Path) -> str | None:
     """The message for a `txl train` run directory that has not saved a checkpoint yet (run.json written,
     no best/ or last/), saying when its first one comes; None for anything else (resolve_checkpoint's
     messages cover a wrong path)."""
@@ -154,7 +154,7 @@ def load_checkpoint(path: str | Path, *, device: torch.device | str = "cpu", req
     """Open a checkpoint directory or a `txl train` run directory (RUN/best, else RUN/last)."""
     from txl.data import Vocab
 
-    started = _run_without_checkpoint(path)
+    started = no_checkpoint_yet(path)
     if started is not None:
         raise CheckpointError(started)
     directory = resolve_checkpoint(path)
@@ -194,4 +194,4 @@ def load_checkpoint(path: str | Path, *, device: torch.device | str = "cpu", req
                             state_file=state_file, run_file=run_file, data_file=data_file)
 
 
-__all__ = ["LoadedCheckpoint", "RUN_SETTINGS", "check_run_setting", "load_checkpoint"]
+__all__ = ["LoadedCheckpoint", "RUN_SETTINGS", "check_run_setting", "load_checkpoint", "no_checkpoint_yet"]
