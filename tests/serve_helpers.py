@@ -109,3 +109,23 @@ def request(url: str, method: str, path: str, body: bytes | str | dict | None = 
         return response.status, json.loads(raw) if kind.startswith("application/json") else raw, dict(response.getheaders())
     finally:
         conn.close()
+
+
+PTB_WORDS = ["<unk>", "<eos>", "the", "company", "said", "that", "bob", "'s", "N"]
+
+
+def word_checkpoint(path: Path) -> Path:
+    """An untrained causal model with a PTB-like lower-case words vocabulary that has <unk>."""
+    import torch
+
+    from txl.data import Vocab
+    from txl.models.transformer_xl.config import TransformerXLConfig
+    from txl.models.transformer_xl.model import TransformerXL
+
+    torch.manual_seed(0)
+    config = TransformerXLConfig(n_layer=1, d_model=16, n_head=2, d_head=8, d_inner=32, mem_len=8, dropout=0.0,
+                                 vocab_size=len(PTB_WORDS))
+    TransformerXL(config).save_pretrained(path)
+    Vocab("words", PTB_WORDS, eos="<eos>", unk="<unk>").save(path / "vocab.json")
+    return path
+

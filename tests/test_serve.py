@@ -140,6 +140,20 @@ def test_a_sampled_continuation_draws_on_from_the_sessions_seed(url):
     assert restarted["reseeded"] and restarted["seed"] == 3 and third[0]["i"] == len(start["prompt_ids"]) + 35
 
 
+def test_prompt_words_read_as_unk_are_named_in_the_start_event(tmp_path):
+    """Issue 45: a words vocabulary turned unknown prompt words into <unk> silently; the start event now
+    carries txl.generate.text.prompt_notice's line (null when every word is known)."""
+    from serve_helpers import word_checkpoint
+
+    with running(create_app([open_run(word_checkpoint(tmp_path / "words"))])) as base:
+        _, start, _ = generation(base, prompt="The Company said that Bob's", max_new_tokens=3, seed=1)
+        assert start["prompt_ids"] == [0, 0, 4, 5, 0]
+        assert "3 words" in start["notice"] and "<unk>" in start["notice"] and "'the' for 'The'" in start["notice"]
+        assert "\n" not in start["notice"]
+        _, start, _ = generation(base, prompt="the company said", max_new_tokens=3, seed=1)
+        assert start["notice"] is None
+
+
 BAD = [  # (method, path, body, headers, status, words in the error)
     ("POST", "/api/generate", b"{not json", {"Content-Type": "application/json"}, 400, "not valid JSON"),
     ("POST", "/api/generate", b"[1, 2]", {"Content-Type": "application/json"}, 400, "JSON object"),

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from serve_helpers import running, train_run
+from serve_helpers import running, train_run, word_checkpoint
 from txl.serve.app import Limits, create_app
 from txl.serve.engine import open_run
 
@@ -228,3 +228,19 @@ def test_a_recurrent_run_hides_the_attention_panel_and_transformer_rows(browser,
         info = browser.find_element(By.ID, "attn-info").text
         assert "recurrent" in info and "no attention" in info and "'attention'" not in info and "arch=" not in info
         assert browser.find_element(By.ID, "attention").get_attribute("data-state") == "unavailable"
+
+
+def test_prompt_words_read_as_unk_are_named_beside_the_text(browser, tmp_path):
+    """Issue 45: a words vocabulary read unknown prompt words as <unk> with no word on the page."""
+    from selenium.webdriver.common.by import By
+
+    with running(create_app([open_run(word_checkpoint(tmp_path / "words"))])) as base:
+        browser.get(base + "/")
+        wait_for(browser, "return document.body.dataset.ready === '1'")
+        assert not browser.find_element(By.ID, "notice-0").is_displayed()
+        generate_in_page(browser, "The Company said that Bob's", 3)
+        notice = browser.find_element(By.ID, "notice-0")
+        assert notice.is_displayed() and "<unk>" in notice.text and "'the' for 'The'" in notice.text
+        generate_in_page(browser, "the company said", 3)
+        assert not browser.find_element(By.ID, "notice-0").is_displayed()
+

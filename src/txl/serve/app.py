@@ -11,10 +11,10 @@ tokens, concurrent work, time, response size) and every refusal is one JSON obje
 with a 4xx status, or 503 with a Retry-After header when the server is full; a bug is one JSON 500
 and one line in the log, never a traceback. Client sessions live within a memory budget (least
 recently used dropped first). Connections (open count, header time) are guarded by
-`txl.serve.connections`. Requests name runs by their index
-in the order the server was started with: nothing a client sends is ever used as a path, and the only
-files served are the page's own (a fixed list). Work runs in threads, one forward pass at a time per
-model, and stops between two forward passes when its client goes away or its time is up.
+`txl.serve.connections`. Requests name runs by their index in the order the server was started with:
+nothing a client sends is ever used as a path, and the only files served are the page's own (a fixed
+list). Work runs in threads, one forward pass at a time per model, and stops between two forward
+passes when its client goes away or its time is up.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from starlette.routing import Route
 
 from txl.data.display import json_text
 from txl.errors import TxlError
-from txl.generate.text import encode_prompt
+from txl.generate.text import encode_prompt, prompt_notice
 from txl.serve.engine import (
     VIEW_MAX_ROWS,
     Cancelled,
@@ -245,11 +245,11 @@ def create_app(runs: list[ServedRun], limits: Limits | None = None, *, allowed_h
         else:
             session = server.sessions.take(key, lambda: Decoder(run, mem_len=mem_len, window=window),
                                            reserve=run.session_bytes(mem_len=mem_len, window=window))
-        # "continue" without a seed draws on from the session's random stream: a generation of 20 tokens
-        # continued by 15 is the generation of 35 with that seed
+        # "continue" without a seed draws on from the session's random stream (20 tokens + 15 = 35 at once)
         seed = args["seed"] if args["seed"] is not None or args["continue"] else secrets.randbits(62)
         settings = {k: args[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p")}
-        return StreamingResponse(_generation(server, run, session, session_id, ids, seed, settings),
+        notice = prompt_notice(run.vocab, args["prompt"])  # words read as <unk>, named (issue 45), or None
+        return StreamingResponse(_generation(server, run, session, session_id, ids, seed, settings, notice),
                                  media_type="text/event-stream", headers={**SECURITY_HEADERS, "x-accel-buffering": "no"})
 
     async def score_route(request: Request) -> Response:
@@ -353,7 +353,7 @@ def create_app(runs: list[ServedRun], limits: Limits | None = None, *, allowed_h
 
 
 async def _generation(server: Server, run: ServedRun, session: Session, session_id: str, ids: list[int], seed: int | None,
-                      settings: dict):
+                      settings: dict, notice: str | None = None):
     """The event stream of one generation. Runs in the response task: when the client disconnects,
     Starlette cancels it, `finally` sets `stop`, and the worker ends at its next forward pass, which
     frees the slot."""
@@ -392,7 +392,7 @@ async def _generation(server: Server, run: ServedRun, session: Session, session_
             decoder.feed(ids, cancelled)
             put("start", {"run": run.name, "session": session_id, "seed": decoder.seed, "reseeded": seed is not None,
                           "mem_len": decoder.mem_len, "first": decoder.length - len(ids), "prompt_ids": ids,
-                          "prompt_pieces": token_pieces(run.vocab, ids), **settings})
+                          "prompt_pieces": token_pieces(run.vocab, ids), "notice": notice, **settings})
             generate(decoder, generator=generator, on_token=on_token, cancelled=cancelled, **settings)
         except Cancelled:
             stopped_by = "time_limit" if timed_out else "disconnected"

@@ -98,6 +98,8 @@ function formatCount(n) {
 function makeStream(run, index) {
   const text = el("div", { class: "text", id: `text-${index}` });
   const info = el("div", { class: "muted", id: `info-${index}`, text: "no text yet" });
+  const notice = el("div", { class: "notice", id: `notice-${index}` });  // prompt words read as <unk>
+  notice.hidden = true;
   const legend = el("div", { class: "legend" }, "token colour = log-probability:");
   for (const lp of [-0.05, -1, -3, -6]) {
     const sw = el("span", { class: "swatch" });
@@ -105,9 +107,9 @@ function makeStream(run, index) {
     legend.append(sw, `${Math.exp(lp).toFixed(lp > -1 ? 2 : 3)}`);
   }
   if (run.no_attention_view) text.classList.add("no-attention");
-  const panel = el("div", { class: "panel output" }, el("h2", { text: run.name }), text, info, legend);
+  const panel = el("div", { class: "panel output" }, el("h2", { text: run.name }), text, notice, info, legend);
   $("outputs").append(panel);
-  return { run: index, ids: [], pieces: [], logprobs: [], session: null, el: text, info, abort: null };
+  return { run: index, ids: [], pieces: [], logprobs: [], session: null, el: text, info, notice, abort: null };
 }
 
 function modelCard(run, index) {
@@ -207,6 +209,10 @@ async function generateOne(stream, prompt, cont) {
 function onEvent(stream, event, data) {
   if (event === "start") {
     stream.session = data.session;
+    if (data.reseeded) {  // a new generation: its prompt's notice, or none; a continuation keeps the last
+      stream.notice.textContent = data.notice || "";
+      stream.notice.hidden = !data.notice;
+    }
     stream.info.textContent = `seed ${data.seed}${data.reseeded ? "" : " (continued)"}, mem_len ${data.mem_len}; session ${data.session}`;
     data.prompt_ids.forEach((id, k) => addToken(stream, id, data.prompt_pieces[k], null));
   } else if (event === "token") {
