@@ -113,3 +113,9 @@ def _closed_port() -> int:
 def _(ctx):
     return cli("data", "download", "ptb", "--dest", str(ctx.dir / "ptb"), "--retries", "0", "--timeout", "10",
                "--url", f"http://127.0.0.1:{_closed_port()}/simple-examples.tgz")
+
+
+@case("newcomer-eval-text-name-too-long", "`txl eval --text` with a name too long for the system (a traceback)",
+      "txl eval CKPT --text AAAA...", "--text", "too long")
+def _(ctx):
+    return cli("eval", str(ctx.checkpoint_copy()), "--text", "a" * 300)

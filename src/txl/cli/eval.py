@@ -141,6 +141,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("give --text FILE or --data SPEC, not both")
     if args.text and args.split not in (None, "valid", "all"):
         raise UsageError(f"--text scores the whole file; drop --split {args.split}")
+    if args.text:
+        try:
+            Path(args.text).expanduser().is_dir()  # a name the system refuses (too long, a NUL) is one line
+        except (OSError, ValueError) as err:
+            why = describe_os_error(err) if isinstance(err, OSError) else "the name holds a NUL byte"
+            raise UsageError(f"--text {args.text[:200]!r}: {why}") from None
     sweep = _int_list(args.sweep_mem, "--sweep-mem") if args.sweep_mem else None
     from txl.eval.api import evaluate_checkpoint
     from txl.eval.report import result_table, save_per_token
@@ -205,7 +211,11 @@ def _check_text_encoding(ckpt, args: argparse.Namespace) -> None:
     elif args.data and args.split == "all":  # --data text:FILE --split all: the file read with this vocabulary
         spec = parse_spec(args.data)
         path = Path(spec.path) if spec.name == "text" and spec.path else None
-    if path is not None and path.is_file():
+    try:
+        is_file = path is not None and path.is_file()
+    except (OSError, ValueError):  # a name too long or with a NUL: the reader names it later
+        is_file = False
+    if is_file:
         check_utf8_text(path, read_at(Segment(path, 0, SNIFF), 0, SNIFF), f"a {ckpt.vocab.kind} vocabulary reads UTF-8")
 
 

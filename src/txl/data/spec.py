@@ -262,10 +262,13 @@ def _unknown_corpus(name: str, body: str, text: str) -> str:
     most common first try) gets the `text:` spec that reads it; a misspelt name the nearest known names."""
     import difflib
 
-    local = Path(os.path.expanduser(body))
-    if local.is_file() or local.is_dir():
-        kind = "a file" if local.is_file() else "a folder"
-        holds = "" if local.is_file() else " (it reads train.txt, and valid.txt and test.txt when there)"
+    try:
+        local = Path(os.path.expanduser(body))
+        kind = "a file" if local.is_file() else "a folder" if local.is_dir() else None
+    except (OSError, ValueError):  # a name too long for a path, or with a NUL: no file of ours
+        kind = None
+    if kind is not None:
+        holds = "" if kind == "a file" else " (it reads train.txt, and valid.txt and test.txt when there)"
         return f"{body!r} is {kind}, not a corpus name: for your own text write the spec text:{text}{holds}"
     close = difflib.get_close_matches(name, KNOWN, n=2, cutoff=0.6)
     if close:
