@@ -91,7 +91,9 @@ def open_eval_corpus(ckpt: LoadedCheckpoint, data: str | None, split: str, text:
         raise UsageError(f"{ckpt.path} does not record its training data; pass --data SPEC")
     if ckpt.vocab is not None and ckpt.vocab.text_rules is not None:
         return _fixed_vocab_corpus(ckpt, spec, split)
-    corpus = open_corpus(spec)
+    # a fine-tuned run (run.json `init_from`) read its text with its checkpoint's vocabulary (issue 45)
+    fixed = ckpt.vocab if isinstance(ckpt.run.get("init_from"), str) and ckpt.vocab is not None else None
+    corpus = open_corpus(spec, vocab=fixed)
     if ckpt.vocab is not None:
         try:
             corpus.vocab.check_same(ckpt.vocab, what=f"the checkpoint {ckpt.path}")
