@@ -169,6 +169,7 @@ async function generateOne(stream, prompt, cont) {
     delete body.seed;  // the session's random stream draws on: Generate 20 + Continue 15 = Generate 35
   } else {
     stream.ids = []; stream.pieces = []; stream.logprobs = []; stream.el.replaceChildren();
+    stream.session = null;  // a new text: Continue waits for its session (not the cleared text's)
   }
   stream.abort = new AbortController();
   const response = await fetch("/api/generate", {
