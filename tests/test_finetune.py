@@ -103,13 +103,15 @@ def test_text_read_with_another_tokenizer_than_the_checkpoints_says_which(chars_
 
 def test_unknown_words_read_as_unk_with_one_note_counting_them(tmp_path, corpus):
     run = train(tmp_path, corpus, "run", "words")
-    text = write_lines(tmp_path / "new.txt", ["the", "of", "zebra"], lines=200)
+    text = write_lines(tmp_path / "new.txt", ["the", "of", "zebra", "The"], lines=200)
     count = text.read_text().split().count("zebra")
+    capitalised = text.read_text().split().count("The")
     code, err = call("train", "--init-from", str(run), "--data", f"text:{text}?tokenizer=words",
                      "--out", str(tmp_path / "ft"), "--max-steps", "2", "--quiet")
     assert code == 0, err
     notes = [line for line in err.splitlines() if "read as <unk>" in line]
-    assert len(notes) == 1 and f"'zebra' ×{count}" in notes[0] and f"{count} occurrence" in notes[0], err
+    assert len(notes) == 1 and f"'zebra' ×{count}" in notes[0] and f"{count + capitalised} occurrence" in notes[0], err
+    assert f"{capitalised} of them are known in lower case" in notes[0], notes[0]
     assert vocab_of(tmp_path / "ft" / "last") == vocab_of(run / "last")
     code, err = call("eval", str(tmp_path / "ft"), "--device", "cpu", "--quiet")
     assert code == 0, err

@@ -196,8 +196,10 @@ def open_training_corpus(objective, spec: str, out: Path, *, init_from: str | Pa
                         f"vocabulary; fine-tune with the same tokenizer: {err.fix}") from None
     if corpus.unknown and not resume and say is not None:
         total = sum(corpus.unknown.values())
+        lower = sum(n for word, n in corpus.unknown.items() if vocab.kind == "words" and word.lower() in vocab.stoi)
+        hint = f"; {lower:,} of them are known in lower case: lower-case the text to keep them" if lower else ""
         say(f"note: {where}: {total:,} occurrence(s) of {len(corpus.unknown):,} symbol(s) of {spec} that the "
-            f"checkpoint's vocabulary lacks read as {vocab.unk} ({describe_symbols(corpus.unknown)})")
+            f"checkpoint's vocabulary lacks read as {vocab.unk} ({describe_symbols(corpus.unknown)}){hint}")
     return corpus
 
 
