@@ -30,15 +30,20 @@ def boundary_ids(vocab) -> list[int]:
     return ids or [0]
 
 
+CLITICS = ("n't", "'s", "'re", "'ve", "'ll", "'d", "'m", "'")  # split off as words of their own by PTB's tokenizer
+
+
 def _spelled_as_known(vocab, word: str) -> str | None:
     """How a word the vocabulary lacks may be spelled in it: lower-cased (PTB and other lower-case corpora),
-    with a clitic split off as PTB does ("Bob's" -> "bob 's"); None when no such spelling is known."""
-    for spelling in (word.lower(), word):
-        if spelling in vocab.stoi and spelling != word:
+    with a clitic split off as PTB does ("Bob's" -> "bob 's", "Don't" -> "do n't"); None when no such
+    spelling is known."""
+    for spelling in dict.fromkeys((word.lower(), word)):
+        if spelling != word and spelling in vocab.stoi:
             return spelling
-        stem, quote, clitic = spelling.partition("'")
-        if quote and stem in vocab.stoi and quote + clitic in vocab.stoi:
-            return f"{stem} {quote}{clitic}"
+        for clitic in CLITICS:
+            stem = spelling[: -len(clitic)]
+            if spelling.endswith(clitic) and stem in vocab.stoi and clitic in vocab.stoi:
+                return f"{stem} {clitic}"
     return None
 
 
