@@ -117,6 +117,14 @@ def test_unknown_words_read_as_unk_with_one_note_counting_them(tmp_path, corpus)
     assert code == 0, err
 
 
+def test_a_bytes_checkpoint_fine_tunes_on_any_text(tmp_path, corpus):
+    run = train(tmp_path, corpus, "run", "bytes")
+    text = write_lines(tmp_path / "new.txt", ["été", "ø", "the"], lines=100)
+    code, err = call("train", "--init-from", str(run), "--data", f"text:{text}", "--out", str(tmp_path / "ft"),
+                     "--max-steps", "2", "--quiet")
+    assert code == 0 and "<unk>" not in err, err
+
+
 def test_a_bpe_checkpoint_reads_new_text_with_its_own_merges(tmp_path, corpus):
     pytest.importorskip("tokenizers")
     run = train(tmp_path, corpus, "run", "bpe", "--data", f"text:{corpus}?tokenizer=bpe&vocab_size=300")
