@@ -102,3 +102,10 @@ def _(ctx):
 @case("serve-run-tgt-len-negative", "a run.json whose tgt_len is -5", "txl serve RUN", "train.tgt_len", ">= 1")
 def _(ctx):
     return _run_json(ctx, "tgt_len", -5)
+
+
+@case("serve-allow-host-url", "a URL where --allow-host takes host names", "txl serve RUN --allow-host http://box.lan:8000",
+      "--allow-host takes host names", "without scheme or port",
+      test="tests/test_serve.py::test_txl_serve_on_0000_serves_requests_by_ip_address_and_allowed_names")
+def _(ctx):
+    return _serve(ctx.run_copy(), "--allow-host", "http://box.lan:8000")
