@@ -71,25 +71,37 @@ def test_ddp_two_gloo_processes_equal_one_process(tmp_path, corpus):
 
 def test_ddp_ranks_share_one_clock_for_the_minutes_budget(tmp_path, corpus):
     """max_minutes under DDP: the ranks stop at the same step (their mean clock decides), so nobody
-    waits forever in the next all-reduce, and the cosine follows that shared clock."""
+    waits forever in the next all-reduce, and the cosine follows that shared clock. Each rank runs on a
+    fake clock of its own (rank 0: one second per reading, rank 1: three), so the step the run stops at
+    and its learning rates do not depend on this machine's speed or load (a real 0.1-minute budget did)."""
     config = write_config(tmp_path, corpus, steps=10**6, dropout=0.0, varlen="false")
+    launcher = tmp_path / "fake_clock_txl.py"
+    launcher.write_text(
+        "import itertools, os, sys\n"
+        "import txl.train.loop as loop\n"
+        "ticks, pace = itertools.count(), 1.0 + 2.0 * int(os.environ['RANK'])\n"
+        "loop.clock = lambda: pace * next(ticks)\n"
+        "from txl.cli.main import main\n"
+        "sys.exit(main(sys.argv[1:]))\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "txl",
-         "train", "--config", str(config), "--out", str(tmp_path / "two"), "--quiet", "--set", "max_minutes=0.1",
-         "--set", "schedule_clock=minutes", "--set", "schedule=cosine", "--set", "warmup_steps=0",
-         "--set", "save_interval=0"],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(launcher),
+         "train", "--config", str(config), "--out", str(tmp_path / "two"), "--quiet", "--set", "max_minutes=1",
+         "--set", "schedule=cosine", "--set", "warmup_steps=0", "--set", "save_interval=0"],
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "two" / "result.json").read_text())
-    assert result["stopped_by"] == "max_minutes" and result["steps"] > 1
+    # two readings a step after the session's start (the all-reduced clock, the log record): at step k the
+    # mean clock says 2·(2k - 1) s, so the 60 s budget ends the run at step 16; rank 0's own clock would have
+    # run to step 31, rank 1's to step 11
+    assert result["stopped_by"] == "max_minutes" and result["steps"] == 16
     lrs = [r["lr"] for r in map(json.loads, (tmp_path / "two" / "metrics.jsonl").read_text().splitlines())
            if r.get("split") == "train"]
     peak = json.loads((tmp_path / "two" / "run.json").read_text())["config"]["train"]["lr"]
-    # down the cosine of the minutes although max_steps is a million (how far down depends on how many
-    # steps a loaded machine fits into the budget: the clock's arithmetic is pinned by the next test)
-    assert lrs and lrs[-1] < peak
+    # down the cosine of the minutes although max_steps is a million, to (almost) eta_min at the end
+    assert len(lrs) == 16 and lrs[0] == peak and lrs[-1] < 0.05 * peak
+    assert all(b < a for a, b in zip(lrs, lrs[1:], strict=False))
 
 
 def test_the_all_reduced_clock_decides_the_stop_and_the_schedule(tmp_path, corpus):
@@ -122,8 +134,11 @@ def test_resuming_with_a_new_time_budget_states_the_schedule_or_refuses_a_spent_
     assert "max_minutes 10 -> 20" in note and "decays more slowly" in note
     with pytest.raises(UsageError, match="--max-minutes 10 is not beyond the run's 15.0 minutes"):
         schedule_note(after, before, step=50, elapsed=900.0)
-    steps_clock = build_run_config(config_file=write_config(tmp_path, corpus), sets=["max_minutes=20"]).train
-    plain = build_run_config(config_file=write_config(tmp_path, corpus), sets=["max_minutes=10"]).train
+    # (schedule_clock=steps: the default follows the minutes since issue 45)
+    steps_clock = build_run_config(config_file=write_config(tmp_path, corpus),
+                                   sets=["max_minutes=20", "schedule_clock=steps"]).train
+    plain = build_run_config(config_file=write_config(tmp_path, corpus),
+                             sets=["max_minutes=10", "schedule_clock=steps"]).train
     assert "does not depend on it" in schedule_note(plain, steps_clock, step=5, elapsed=60.0)
 
 

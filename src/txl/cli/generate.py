@@ -11,6 +11,7 @@ from txl.cli.arguments import (
     BEAM_SIZE,
     LENGTH_PENALTY,
     add_checkpoint,
+    add_threads,
     check_nonnegative,
     check_positive,
     resolve_device,
@@ -46,6 +47,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
                         help="print one JSON document: each sample's text, token ids and per-token log-probabilities")
     parser.add_argument("--no-echo", dest="echo", action="store_false", help="do not print the prompt first")
+    add_threads(parser)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="where to run (default: auto, a GPU when there is one)")
     seq2seq = parser.add_argument_group("sequence-to-sequence runs (arch = encoder-decoder)")

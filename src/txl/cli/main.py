@@ -98,7 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     first = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(only=first if first in COMMANDS else None)
     try:
-        args = parser.parse_args(argv)
+        args, extras = parser.parse_known_args(argv)
+        if extras:
+            raise _unknown_argument(parser, args, extras)
     except ArgumentMistake as err:
         print(f"{err.prog}: error: {_argument_line(str(err))}; see `{err.prog} --help`", file=sys.stderr)
         return 2
@@ -108,6 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = _load(args.command, "run")
     prefix = f"txl {args.command}"
     try:
+        if getattr(args, "threads", None) is not None:  # every command that computes: --threads (0 = txl's choice)
+            from txl.cli.arguments import apply_threads
+
+            apply_threads(args.threads)
         return int(run(args) or 0)
     except TxlError as err:
         if args.debug:
@@ -162,6 +168,27 @@ _MEMORY_FIX = {
     "train": "use a smaller model (n_layer, d_model, d_inner), a smaller batch_size or tgt_len, or grad_accum",
     "": "use a smaller model, batch or segment length, or a machine with more memory",
 }
+
+
+def _unknown_argument(parser: argparse.ArgumentParser, args: argparse.Namespace, extras: list[str]) -> ArgumentMistake:
+    """The arguments no parser took, as one line for the deepest (sub)command chosen (`txl bench train`),
+    with the closest option of that command to the first unknown one ("did you mean", as `--set` has)."""
+    from txl.errors import did_you_mean
+
+    chosen = parser
+    while True:  # down the chosen subcommands: txl -> txl bench -> txl bench train
+        actions = [a for a in chosen._actions if isinstance(a, argparse._SubParsersAction)]
+        picked = next((a.choices.get(getattr(args, a.dest, None)) for a in actions if getattr(args, a.dest, None)),
+                      None)
+        if picked is None:
+            break
+        chosen = picked
+    options = [o for a in chosen._actions for o in a.option_strings if o.startswith("--")]
+    flag = next((e.partition("=")[0] for e in extras if e.startswith("-") and e != "-"), None)
+    hint = did_you_mean(flag, options) if flag else ""
+    given = " ".join(extras)
+    given = given if len(given) <= 80 else f"{given[:80]}... ({len(given):,} characters)"
+    return ArgumentMistake(chosen.prog, f"unrecognized arguments: {given}{hint}")
 
 
 def _argument_line(message: str) -> str:

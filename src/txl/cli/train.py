@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from pathlib import Path
 
 import torch.distributed as dist
 
-from txl.cli.arguments import integer, real
+from txl.cli.arguments import add_threads, integer, real
 from txl.errors import UsageError
 from txl.train.config import apply_sets, build_run_config, preset_names
 from txl.train.distributed import env_int
@@ -52,6 +53,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="launch N processes on this machine (torchrun --nproc-per-node N; at most one per CPU)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="where to train (default: auto, a GPU when there is one)")
+    add_threads(parser)
     parser.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
     parser.add_argument("--force", action="store_true",
                         help="train into an existing --out that holds files txl did not write (txl's own file "
@@ -85,7 +87,14 @@ def run(args: argparse.Namespace) -> int:
             if args.data:
                 run.train.data = args.data  # the fingerprints are compared when the checkpoint is restored
             state = saved_state(out)
-            note = schedule_note(before.train, run.train, int(state["step"]), float(state.get("elapsed") or 0.0))
+            step, elapsed = int(state["step"]), float(state.get("elapsed") or 0.0)
+            note = schedule_note(before.train, run.train, step, elapsed)  # (refuses a budget already passed)
+            done = finished_line(out, run.train, step, elapsed)
+            if done:  # nothing to train: say so instead of scoring the same weights again
+                print(f"txl train: {done}", file=sys.stderr)
+                if lock is not None:
+                    lock.release()
+                return 0
             if note:
                 print(f"note: {note}", file=sys.stderr)
         else:
@@ -152,6 +161,38 @@ def saved_state(run_dir: Path) -> dict:
     from txl.models.pretrained import read_json
 
     return read_json(run_dir / LAST / STATE_FILE, "training state")
+
+
+def finished_line(out: Path, cfg, step: int, elapsed: float) -> str:
+    """One line when a resumed run has nothing left to do: its budget (the saved one, or the one given now) is
+    reached and its result.json was written. "" otherwise (a run stopped after its last checkpoint but before
+    its result still gets its final scores)."""
+    from txl.errors import TxlError
+    from txl.models.pretrained import read_json
+
+    by_steps = step >= cfg.max_steps
+    by_minutes = cfg.max_minutes > 0 and elapsed >= cfg.max_minutes * 60
+    if not (by_steps or by_minutes) or not (out / "result.json").is_file():
+        return ""
+    try:
+        result = read_json(out / "result.json", "run result", follow_links=False)
+    except TxlError:
+        result = {}
+    metric = result.get("metric") if isinstance(result, dict) else None
+    final = result.get("final", {}).get("valid", {}) if isinstance(result, dict) and isinstance(
+        result.get("final"), dict) else {}
+    value = final.get(metric) if isinstance(final, dict) and isinstance(metric, str) else None
+    if not isinstance(value, int | float):
+        value = result.get(f"best_valid_{metric}") if isinstance(result, dict) and isinstance(metric, str) else None
+    score = f", valid {metric} {value:.4f}" if isinstance(value, int | float) else ""
+    run = shlex.quote(str(out))
+    if by_steps:
+        budget, more = f"max_steps {cfg.max_steps}", f"--max-steps {max(2 * cfg.max_steps, step + 1)}"
+    else:
+        budget, more = (f"max_minutes {cfg.max_minutes:g} ({elapsed / 60:.1f} minutes trained)",
+                        f"--max-minutes {2 * max(cfg.max_minutes, elapsed / 60):g}")
+    return (f"{out} is finished: step {step}, {budget}{score} ({out / 'result.json'}); nothing was trained or "
+            f"scored; to train longer give a larger budget: txl train --resume {run} {more}")
 
 
 def schedule_note(before, after, step: int, elapsed: float = 0.0) -> str:

@@ -51,10 +51,12 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches per step, each with its own memory (the reference's batch_chunk)
     max_steps: int = 400_000  # optimiser steps; also the cosine schedule's horizon
     max_minutes: float = 0.0  # wall-clock budget (0 = none); the run stops cleanly when it is spent
-    # what the cosine schedule's horizon is: "steps" = max_steps (the reference; bit-exact on resume),
-    # "minutes" = whichever of max_steps and max_minutes is further along, so a run cut by its minutes
-    # ends at eta_min on any machine (the learning rate then depends on the clock: not bit-reproducible)
-    schedule_clock: Literal["steps", "minutes"] = "steps"
+    # what the cosine schedule's horizon is: "minutes" = whichever of max_steps and max_minutes is further
+    # along, so a run cut by its minutes ends at eta_min on any machine (with max_minutes set, the learning
+    # rate depends on the clock: not bit-reproducible; without it, the same as "steps"); "steps" = max_steps
+    # alone (the reference; bit-exact on resume, but a run cut by its minutes stops part-way down the cosine).
+    # Runs saved with "steps" (the default before issue 45) keep it: their run.json says so.
+    schedule_clock: Literal["steps", "minutes"] = "minutes"
     # muon: Muon on the hidden matrices, AdamW on the rest (txl.train.optim.MuonAdam; Adam's lr, decoupled decay)
     optimizer: Literal["adam", "adamw", "lamb", "muon"] = "adam"
     lr: float = 2.5e-4

@@ -37,6 +37,9 @@ class FinishingRun(Protocol):
     average: object | None  # txl.train.averaging.WeightAverage
     validates: bool
     sample_prompt: list[int]
+    progress: object  # txl.train.checkpoint.Progress (its step)
+    best_score: tuple[int, object] | None  # (step, EvalResult) of valid when this session saved `best`
+    last_scores: dict[str, tuple[int, object]]  # the last validation's (step, EvalResult) per weights
 
     def evaluate_split(self, split: str, *, max_tokens: int = 0, progress: bool = False): ...
 
@@ -105,10 +108,17 @@ def finish(trainer: FinishingRun, summary: dict) -> dict:
         if trainer.average is not None:  # which weights won on valid: the live ones or their average
             state = read_json(trainer.out / BEST / STATE_FILE, "best checkpoint state", follow_links=False)
             best_weights = state.get("weights") if isinstance(state, dict) else None
+    # the same weights on the same tokens are not scored twice: `best` saved by this session was scored on
+    # valid's first eval_max_tokens tokens when it was saved; a final cap of as many tokens reuses that score
+    same_tokens = final_cap(cfg) == cfg.eval_max_tokens
+    reused = {}
     for split in cfg.final_splits:
         if split not in trainer.corpus.splits:
             continue
-        result = trainer.evaluate_split(split, max_tokens=final_cap(cfg), progress=True)
+        if split == "valid" and same_tokens and trainer.best_score is not None and (trainer.out / BEST).is_dir():
+            reused[split], result = trainer.best_score
+        else:
+            result = trainer.evaluate_split(split, max_tokens=final_cap(cfg), progress=True)
         results[split] = result.to_dict()
         if trainer.dist.main:  # a sequence-to-sequence run's decoding scores
             results[split].update(trainer.objective.final_extras(trainer.model, split))
@@ -116,8 +126,12 @@ def finish(trainer: FinishingRun, summary: dict) -> dict:
         # what the average bought: the same splits scored with the live weights of the last step (reported
         # beside the best weights' scores, never chosen by them)
         trainer.model.load_state_dict(live)
+        last_live = trainer.last_scores.get("live")
         for split in results:
-            live_results[split] = trainer.evaluate_split(split, max_tokens=final_cap(cfg)).to_dict()
+            if split == "valid" and same_tokens and last_live is not None and last_live[0] == trainer.progress.step:
+                live_results[split] = last_live[1].to_dict()  # the last step's validation of these weights
+            else:
+                live_results[split] = trainer.evaluate_split(split, max_tokens=final_cap(cfg)).to_dict()
         trainer.model.load_state_dict(best.state_dict())  # the sample comes from `best`
     best_valid = summary.pop("best_valid", math.inf)
     metric = trainer.metric
@@ -127,6 +141,8 @@ def finish(trainer: FinishingRun, summary: dict) -> dict:
                "data": cfg.data, "out": str(trainer.out.absolute())}
     if best_weights is not None:
         summary["best_weights"] = best_weights
+    if reused:
+        summary["final_from_validation"] = reused  # split -> the step whose validation gave its score
     if live_results:
         summary["final_live"] = live_results
     if not trainer.validates:
@@ -186,6 +202,9 @@ def print_summary(trainer: FinishingRun, summary: dict) -> None:
             live = ", ".join(f"{split} {r[metric]:.4f}" for split, r in summary.get("final_live", {}).items())
             print("(best weights: the weight average, train.ema, scored better on valid than the live weights"
                   + (f"; the last step's live weights score {live})" if live else ")"))
+        for split, step in summary.get("final_from_validation", {}).items():
+            print(f"({split}: the score of the validation at step {step}, which chose these weights; the same weights "
+                  "on the same tokens are not scored again)")
         if cap:
             print(f"(scored on the first {cap:,} tokens of each split; train.final_max_tokens=0 scores them whole)")
     elif not trainer.validates:

@@ -53,6 +53,7 @@ from txl.train.rundir import (
     create_out_dir,
     load_initial_weights,
     open_run_dir,
+    open_training_corpus,
     previous_run_record,
     resolve_data,
     write_run_file,
@@ -108,7 +109,9 @@ class Trainer:
         data_as_typed = cfg.data
         cfg.data = resolve_data(cfg.data)  # absolute: the run works from any directory
         objective = objective_class(cfg, cfg.data)  # a pair corpus trains an encoder-decoder (txl.models.seq2seq)
-        self.corpus = objective.open_corpus(cfg.data)
+        # a fine-tuning run reads its text with the checkpoint's vocabulary (issue 45)
+        self.corpus = open_training_corpus(objective, cfg.data, self.out, init_from=init_from, resume=resume,
+                                           say=(lambda line: print(line, file=sys.stderr)) if dist.main else None)
         self.metric = self.corpus.metric
         self.validates = "valid" in self.corpus.splits
         if not self.validates and dist.main and not resume:
@@ -159,6 +162,11 @@ class Trainer:
                                    precision=precision, scaler=self.scaler, ddp=ddp)
         self.train_iter = self.objective.batches()
         self.progress = Progress()
+        # this session's scores of valid on eval_max_tokens, so the run's end does not score the same weights
+        # on the same tokens again (txl.train.finish): `best`'s (step, result) when this session saved it, and
+        # the last validation's per weights ("live", "average")
+        self.best_score: tuple[int, EvalResult] | None = None
+        self.last_scores: dict[str, tuple[int, EvalResult]] = {}
         self.stop_requested = False
         self.checkpointer = Checkpointer(
             self.out, dist, model=ModelState(self.model, self.model_config), optimizer=OptimizerState(self.optimizer),
@@ -213,13 +221,21 @@ class Trainer:
             write_run_file(self.out, self.run_record)
         log = MetricsLog(self.out, enabled=self.dist.main, truncate_after=progress.step)
         bar = ProgressBar(total=cfg.max_steps, initial=progress.step, enabled=self.dist.main and not self.quiet,
-                       metric=self.metric)
+                          metric=self.metric)
+        if self.dist.main and progress.step < cfg.warmup_steps and 2 * cfg.warmup_steps >= cfg.max_steps:
+            self._warn(bar, f"warning: train.warmup_steps={cfg.warmup_steps} is {cfg.warmup_steps / cfg.max_steps:.0%} "
+                            f"of max_steps={cfg.max_steps}: the learning rate reaches its peak only at step "
+                            f"{min(cfg.warmup_steps, cfg.max_steps)} and has little of the run left to decay; lower "
+                            f"warmup_steps (e.g. --set warmup_steps={max(cfg.max_steps // 10, 1)}) or raise --max-steps")
         previous_handlers = self._install_signal_handlers()
         # scored = tokens the loss averages over (mlm: the masked ones); tokens = all tokens processed
-        window_nll, window_scored, window_tokens, window_start = 0.0, 0, 0, time.perf_counter()
+        window_nll, window_scored, window_tokens, window_start = 0.0, 0, 0, clock()
         window_skipped = 0  # steps of the window whose loss was not finite (their update skipped)
-        session_start = time.perf_counter()
-        elapsed_before = progress.elapsed
+        session_start = clock()
+        elapsed_before, step_before = progress.elapsed, progress.step
+        # when the run will end by its minutes, checked once the step rate is known (the first log record or
+        # step 50 of this session, whichever comes first)
+        rate_known_at = progress.step + min(cfg.log_interval, 50)
         reason = "max_steps"
         batches = iter(self.train_iter)  # endless; continues from a resumed position
         try:
@@ -243,7 +259,7 @@ class Trainer:
                 # max_minutes stop are the same decision everywhere
                 total_nll, total_count, bad, stop, elapsed_sum = self.dist.all_sum(
                     [0.0 if local_bad else nll_sum, count, local_bad, float(self.stop_requested),
-                     elapsed_before + time.perf_counter() - session_start]
+                     elapsed_before + clock() - session_start]
                 )
                 finite = bad == 0
                 self.optimizer_step(lr, finite)
@@ -272,7 +288,7 @@ class Trainer:
                             "fp32/bf16"
                         )
                 if progress.step % cfg.log_interval == 0 or progress.step == cfg.max_steps:
-                    now = time.perf_counter()
+                    now = clock()
                     # the mean over the window's finite steps; none finite: no loss (JSON null), never 0.0
                     loss = window_nll / window_scored if window_scored else math.nan
                     speed = window_tokens / max(now - window_start, 1e-9)
@@ -289,7 +305,10 @@ class Trainer:
                     bar.show(step=progress.step, loss=loss, lr=lr, speed=speed)
                     window_nll, window_scored, window_tokens, window_start = 0.0, 0, 0, now
                     window_skipped = 0
-                bar.advance(progress.step)
+                bar.advance(progress.step, total=self.projected_steps(progress.elapsed - elapsed_before,
+                                                                      progress.step - step_before))
+                if progress.step == rate_known_at and self.dist.main:
+                    self._check_warmup_fits(bar, progress.elapsed - elapsed_before, progress.step - step_before)
                 time_up = cfg.max_minutes > 0 and progress.elapsed >= cfg.max_minutes * 60
                 stopping = stop > 0 or time_up or progress.step == cfg.max_steps
                 validating = self.validates and (progress.step % cfg.eval_interval == 0 or time_up
@@ -317,6 +336,34 @@ class Trainer:
             self._restore_signal_handlers(previous_handlers)
         return {"steps": progress.step, "stopped_by": reason, "tokens": progress.tokens_seen, "elapsed": progress.elapsed,
                 "tokens_per_second": progress.tokens_seen / max(progress.elapsed, 1e-9), "best_valid": progress.best_valid}
+
+    def projected_steps(self, seconds: float, steps: int) -> int:
+        """The step the run will likely end at: max_steps, or sooner where max_minutes binds first at this
+        session's pace (`steps` took `seconds`, validations included, as the budget counts them)."""
+        cfg = self.cfg
+        if cfg.max_minutes <= 0 or steps <= 0 or seconds <= 0:
+            return cfg.max_steps
+        left = max(cfg.max_minutes * 60 - self.progress.elapsed, 0.0)
+        return int(min(cfg.max_steps, self.progress.step + left * steps / seconds))
+
+    def _check_warmup_fits(self, bar, seconds: float, steps: int) -> None:
+        """A warning when the minutes budget will likely end the run inside its warm-up or soon after it."""
+        cfg = self.cfg
+        end = self.projected_steps(seconds, steps)
+        if end >= cfg.max_steps or self.progress.step >= cfg.warmup_steps or 2 * cfg.warmup_steps < end:
+            return
+        where = "inside its warm-up" if end < cfg.warmup_steps else "soon after its warm-up"
+        self._warn(bar, f"warning: at {seconds / steps:.2g} s a step, max_minutes={cfg.max_minutes:g} will end the run "
+                        f"near step {end}, {where} of {cfg.warmup_steps} steps (train.warmup_steps), so the learning "
+                        f"rate has little or no time to decay; lower warmup_steps (e.g. --set warmup_steps="
+                        f"{max(end // 10, 1)}) or raise --max-minutes")
+
+    def _warn(self, bar, text: str) -> None:
+        """A warning line on stderr, above the progress bar when there is one (shown with --quiet too)."""
+        if bar.enabled:
+            bar.write(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
 
     def check_finite_state(self) -> None:
         """Before a validation or a checkpoint: the weights, the optimiser's state and the weight average must be
@@ -358,8 +405,10 @@ class Trainer:
         which = " (weight average)" if averaged else ""
         bar.write(f"step {self.progress.step}: valid {self.metric}{which} {result.value:.4f} (loss {result.loss:.4f}, "
                   f"{result.tokens:,} tokens{accuracy})")
+        self.last_scores["average" if averaged else "live"] = (self.progress.step, result)
         if result.loss < self.progress.best_valid:
             self.progress.best_valid = result.loss
+            self.best_score = (self.progress.step, result)
             if self.dist.main:
                 self.checkpointer.save_best(result, weights="average" if averaged else "live")
 
@@ -385,6 +434,12 @@ class Trainer:
     def _restore_signal_handlers(previous) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def clock() -> float:
+    """The trainer's clock in seconds (the minutes budget, the schedule that follows it, tokens/s); tests
+    replace it with a fake one, so what a minutes budget does is pinned without waiting for it."""
+    return time.perf_counter()
 
 
 def finite_or_none(value: float) -> float | None:

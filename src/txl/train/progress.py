@@ -67,7 +67,8 @@ def _record_step(line: str) -> int:
 
 
 class Progress:
-    """A tqdm bar (loss, bpc/ppl, tokens/s, lr, ETA) on a terminal; plain log lines otherwise."""
+    """A tqdm bar (loss, bpc/ppl, tokens/s, lr, ETA) on a terminal; plain log lines otherwise. Its total is
+    the step the run will end at: max_steps, or the step the minutes budget will likely stop it at."""
 
     def __init__(self, *, total: int, initial: int, enabled: bool, metric: str):
         self.enabled, self.metric = enabled, metric
@@ -78,8 +79,12 @@ class Progress:
 
             self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
 
-    def advance(self, step: int) -> None:
+    def advance(self, step: int, *, total: int | None = None) -> None:
+        """Move to `step`; `total`: the step the run will end at as now projected (max_steps, or sooner when
+        the minutes budget binds), so the bar's length and ETA follow whichever budget binds."""
         if self.bar is not None:
+            if total is not None and total != self.bar.total:
+                self.bar.total = max(total, step)  # drawn with the update below
             self.bar.update(step - self.bar.n)
 
     def show(self, *, step: int, loss: float, lr: float, speed: float) -> None:
