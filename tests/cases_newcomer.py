@@ -114,6 +114,12 @@ def _(ctx):
     with mock.patch("urllib.request.urlopen", _no_network):
         return cli("data", "download", "ptb", "--dest", str(ctx.dir / "ptb"), "--retries", "0")
 
+@case("newcomer-eval-threads-negative", "a negative thread count for `txl eval` (it had no --threads)",
+      "txl eval CKPT --threads -1", "--threads", ">= 0")
+def _(ctx):
+    return cli("eval", str(ctx.dir / "ckpt"), "--threads", "-1")
+
+
 @case("newcomer-eval-text-name-too-long", "`txl eval --text` with a name too long for the system (a traceback)",
       "txl eval CKPT --text AAAA...", "--text", "too long")
 def _(ctx):

@@ -20,6 +20,7 @@ from txl.cli.arguments import (
     MAX_SCORED,
     PRECISIONS,
     add_checkpoint,
+    add_threads,
     check_nonnegative,
     check_positive,
     integer,
@@ -72,6 +73,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="fp32, or bf16/fp16 autocast, or auto = bf16 where the device has fast bf16 (default fp32)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="where to run (default: auto, a GPU when there is one)")
+    add_threads(parser)
     parser.add_argument("--max-tokens", type=int, default=0, help="score only the first N targets (0 = all)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--per-token", metavar="FILE",
