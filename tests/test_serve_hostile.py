@@ -463,13 +463,32 @@ def test_nan_scores_at_request_time_are_one_line_not_a_traceback(run_dir, tmp_pa
     (["--header-timeout", "inf"], "--header-timeout must be a finite number"),
     (["--header-timeout", "-1"], "--header-timeout must be >= 0.001"),
     (["--max-connections", "0"], "--max-connections must be >= 1"),
-    (["--threads", "100000"], "--threads must be <= 1,024"),
+    (["--threads", "100000"], "--threads must be >= 0 and <= 1024"),
     (["--max-score-tokens", "1000000000"], "--max-score-tokens must be <= 1,000,000"),
     (["--max-concurrent", "100000"], "--max-concurrent must be <= 1,024"),
 ])
 def test_out_of_range_numbers_end_in_one_line(run_dir, capsys, monkeypatch, argv, words):
     no_server(monkeypatch)
     assert words in one_line(capsys, ["serve", run_dir, "--port", "0", *argv])
+
+
+def test_threads_is_the_shared_option_applied_before_the_server_starts(run_dir, monkeypatch):
+    """Issue 45: `txl serve --threads` is `txl.cli.arguments.add_threads` (0 = txl's choice), applied by
+    txl.cli.main as for every command that computes."""
+    import uvicorn
+
+    import txl.cli.arguments
+
+    seen = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, **kwargs: seen.append(torch.get_num_threads()))
+    monkeypatch.setattr(txl.cli.arguments, "default_threads", lambda: 3)  # txl's choice, whatever the machine
+    before = torch.get_num_threads()
+    try:
+        assert main(["serve", str(run_dir), "--port", "0", "--threads", "2"]) == 0
+        assert main(["serve", str(run_dir), "--port", "0"]) == 0  # default 0: txl's choice
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [2, 3]
 
 
 @pytest.mark.parametrize(("key", "value"), [("eval_tgt_len", "abc"), ("tgt_len", -5), ("eval_mem_len", 1e11),

@@ -9,6 +9,7 @@ import math
 import socket
 import sys
 
+from txl.cli.arguments import add_threads
 from txl.errors import UsageError
 
 
@@ -24,7 +25,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "addresses (http://192.168.1.20:8000/) and localhost always work, other names are "
                              "refused so that a web page elsewhere cannot reach the server (DNS rebinding)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (default 0 = torch's choice)")
+    add_threads(parser)  # applied by txl.cli.main before run(), as for every command that computes
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="where to run (default: auto, a GPU when there is one)")
     limits = parser.add_argument_group("limits (each request is refused with a 4xx past them)")
@@ -45,7 +46,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 # (low, high) of each number: out of range or not finite ends the start in one line (issue 50)
 RANGES = {
-    "port": (0, 65535), "threads": (0, 1024), "max_new_tokens": (1, 1_000_000), "max_prompt_tokens": (1, 1_000_000),
+    "port": (0, 65535), "max_new_tokens": (1, 1_000_000), "max_prompt_tokens": (1, 1_000_000),
     "max_score_tokens": (1, 1_000_000), "max_concurrent": (1, 1024), "timeout": (0.001, 86400.0),
     "max_sessions": (1, 1_000_000), "session_memory": (1.0, 1_048_576.0), "max_connections": (1, 1_000_000),
     "header_timeout": (0.001, 3600.0),
@@ -92,15 +93,11 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as err:
         raise UsageError(f"txl serve needs the serve extra ({err.name} is not installed): "
                          "pip install 'txl[serve]'") from None
-    import torch
-
     from txl.cli.arguments import resolve_device
     from txl.serve.app import MB, Limits, create_app
     from txl.serve.connections import Guard, connection_cap, server_config
     from txl.serve.engine import open_run
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     runs = [open_run(path, device=device) for path in args.runs]
     if len(runs) == 2 and runs[0].name == runs[1].name:
