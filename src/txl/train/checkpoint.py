@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from txl.data.corpus import fingerprint_matches  # today's content form, or the path-hashing one of old runs
 from txl.errors import CheckpointError, DataError, parse_json
 from txl.models.pretrained import (
     WEIGHTS_NAME,
@@ -155,7 +156,7 @@ class DataState(Component):
             raise CheckpointError(f"{path} was trained on a different vocabulary than {self.spec!r} has now "
                                   "(the corpus files changed); restore them or start a new run")
         saved_corpus = state.get("corpus_fingerprint")  # absent in runs saved before it was recorded
-        if isinstance(saved_corpus, str) and saved_corpus != self.corpus.fingerprint:
+        if isinstance(saved_corpus, str) and not fingerprint_matches(self.corpus, saved_corpus):
             raise CheckpointError(f"{path} was trained on other text than {self.spec!r} holds now (same vocabulary, "
                                   "different content); resume with the corpus the run trained on, or start a new "
                                   "run with --init-from")
