@@ -103,6 +103,14 @@ def _(ctx):
     return cli("eval", str(run), "--text", str(path), "--device", "cpu")
 
 
+@case("newcomer-generate-prompt-file-utf16", "`txl generate --prompt-file` in UTF-16 (it said: not UTF-8, byte 0)",
+      "txl generate RUN --prompt-file FILE", "UTF-16", "iconv -f UTF-16 -t UTF-8")
+def _(ctx):
+    run = _chars_run(ctx)
+    path = ctx.write("prompts.txt", TEXT.encode("utf-16"))
+    return cli("generate", str(run), "--prompt-file", str(path), "--device", "cpu")
+
+
 def _no_network(request, timeout=None):
     """What urlopen raises on a machine without a network (the same line on every machine)."""
     raise urllib.error.URLError(OSError(errno.ENETUNREACH, "Network is unreachable"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from txl.cli.arguments import (
     BEAM_SIZE,
@@ -16,8 +17,9 @@ from txl.cli.arguments import (
     check_positive,
     resolve_device,
 )
+from txl.data.segment import SNIFF, check_utf8_text
 from txl.errors import UsageError
-from txl.io import STATE_LIMIT, read_text
+from txl.io import STATE_LIMIT, read_bytes
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -65,7 +67,13 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         raise UsageError("give --prompt or --prompt-file, not both")
     if args.prompt_file:
         # a path the user typed (a link is followed), bounded and regular (a FIFO would wait for ever)
-        text = read_text(args.prompt_file, what="prompt file", limit=STATE_LIMIT, error=UsageError, follow_links=True)
+        data = read_bytes(args.prompt_file, what="prompt file", limit=STATE_LIMIT, error=UsageError, follow_links=True)
+        check_utf8_text(Path(args.prompt_file), data[:SNIFF], "prompts are read as UTF-8")  # UTF-16: iconv line
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise UsageError(f"prompt file {args.prompt_file} is not UTF-8 text (byte {err.start}); prompts are "
+                             "read as UTF-8") from None
         prompts = [line for line in text.splitlines() if line.strip()]
         if not prompts:
             raise UsageError(f"prompt file {args.prompt_file} has no prompts (one per line)")

@@ -13,6 +13,7 @@ from txl.cli.arguments import (
     MAX_SCORED,
     PRECISIONS,
     add_checkpoint,
+    add_threads,
     check_nonnegative,
     check_positive,
     resolve_device,
@@ -69,6 +70,7 @@ def parse_rs(text: str) -> list[float]:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     add_checkpoint(parser, nargs="+")
+    add_threads(parser)
     parser.add_argument("--data", help="data spec (default: the corpus the first checkpoint trained on)")
     parser.add_argument("--split", default="valid", help="valid or test (default: valid)")
     parser.add_argument("--contexts", required=True, metavar="C1,C2,... | START:STOP:STEP",
