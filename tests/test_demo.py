@@ -225,3 +225,20 @@ def test_every_computing_command_takes_threads_and_main_applies_them(command, mo
     with pytest.raises(SystemExit):
         cli_main.main([*command, "--threads", "3"])
     assert applied == [3]
+
+
+def test_a_resumed_run_keeps_the_schedule_clock_it_was_saved_with(tmp_path, corpus):
+    """Runs saved while "steps" was the default recorded it, and resume with it; runs saved before the key
+    existed followed the minutes (its behaviour then), which the new default gives them."""
+    from txl.train import LAST
+    from txl.train.state import STATE_FILE, resume_config
+
+    config = write_config(tmp_path, corpus, steps=2)
+    run = build_run_config(config_file=config, sets=["schedule_clock=steps", "max_minutes=5"])
+    Trainer(run, tmp_path / "run", quiet=True).fit()
+    assert resume_config(tmp_path / "run").train.schedule_clock == "steps"
+    state_file = tmp_path / "run" / LAST / STATE_FILE
+    state = json.loads(state_file.read_text())
+    del state["run"]["train"]["schedule_clock"]
+    state_file.write_text(json.dumps(state))
+    assert resume_config(tmp_path / "run").train.schedule_clock == "minutes"

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from txl.cli.arguments import add_threads, integer, real
@@ -132,7 +133,8 @@ def _train(trainer: Trainer, run, out: Path) -> int:
         start = f", weights from {trainer.init_from}" if trainer.init_from else ""
         print(f"txl train: {trainer.model.num_parameters():,} parameters, data {run.train.data} "
               f"({len(trainer.corpus.vocab):,} tokens in the vocabulary, metric {trainer.metric}), "
-              f"out {out}, world size {trainer.dist.world}{start}", file=sys.stderr)
+              f"out {out}, world size {trainer.dist.world}, {torch.get_num_threads()} torch thread"
+              f"{'s' if torch.get_num_threads() > 1 else ''}{start}", file=sys.stderr)
     summary = trainer.fit()
     if summary["stopped_by"] != "signal":
         finish(trainer, summary)
