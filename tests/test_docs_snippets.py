@@ -108,6 +108,7 @@ MADE_RUNS = {
     "runs/ptb-char": f"--data ptb-char:{{ptb}} {MICRO} --set model.mem_len=32",
     "runs/ptb-char-mem0": f"--data ptb-char:{{ptb}} {MICRO} --set model.mem_len=0",
     "runs/ptbc": f"--data ptb-char:{{ptb}} {MICRO}",
+    "runs/ptbw": f"--data ptb-word:{{ptb}} {MICRO}",
 }
 
 
@@ -264,7 +265,9 @@ def world(tmp_path_factory):
         (base / "files" / name).parent.mkdir(parents=True, exist_ok=True)
         (base / "files" / name).write_text(text, encoding="utf-8")
     paths["made"] = base / "made"
-    return paths
+    yield paths
+    if "hub" in paths:
+        paths["hub"].close()
 
 
 def _env(world, extra: dict | None = None) -> dict:
@@ -385,10 +388,11 @@ def test_every_snippet_of_the_document_runs(doc, world, tmp_path, tmp_path_facto
     shutil.copytree(world["ptb"], sandbox / "data" / "ptb")  # `txl data download ptb --dest data/ptb`
     env = _env(world, _hub(world, tmp_path_factory) if _needs_hub(doc) else None)
     for s in todo:
-        for name in MADE_RUNS:
-            if re.search(rf"(?<![\w/-]){re.escape(name)}(?![\w-])", s.text) and not (sandbox / name).exists():
-                if not re.search(rf"--out {re.escape(name)}(?![\w-])", s.text):
-                    _made_run(world, name, sandbox, env)
+        for name in MADE_RUNS:  # (c) a run the command uses and no earlier command of the page made
+            uses = re.search(rf"(?<![\w/-]){re.escape(name)}(?![\w-])", s.text)
+            makes = re.search(rf"--out {re.escape(name)}(?![\w-])", s.text)
+            if uses and not makes and not (sandbox / name).exists():
+                _made_run(world, name, sandbox, env)
         where, started = f"{doc}:{s.line}", time.monotonic()
         if s.kind == "python":
             r = subprocess.run([sys.executable, "-c", s.text], cwd=sandbox, env=env, capture_output=True, text=True,
