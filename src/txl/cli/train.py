@@ -91,8 +91,9 @@ def run(args: argparse.Namespace) -> int:
             step, elapsed = int(state["step"]), float(state.get("elapsed") or 0.0)
             note = schedule_note(before.train, run.train, step, elapsed)  # (refuses a budget already passed)
             done = finished_line(out, run.train, step, elapsed)
-            if done:  # nothing to train: say so instead of scoring the same weights again
-                print(f"txl train: {done}", file=sys.stderr)
+            if done:  # nothing to train: say so instead of scoring the same weights again (every rank stops)
+                if main:
+                    print(f"txl train: {done}", file=sys.stderr)
                 if lock is not None:
                     lock.release()
                 return 0
@@ -212,7 +213,7 @@ def schedule_note(before, after, step: int, elapsed: float = 0.0) -> str:
     change = " and ".join(
         [f"max_steps {before.max_steps} -> {after.max_steps}"] * steps_changed
         + [f"max_minutes {before.max_minutes:g} -> {after.max_minutes:g}"] * minutes_changed)
-    by_clock = after.schedule_clock == "minutes"
+    by_clock = after.schedule_clock == "minutes" and after.max_minutes > 0  # without minutes: the steps alone
     if after.schedule == "constant" or (after.schedule == "inv_sqrt" and step >= after.warmup_steps) or (
             not steps_changed and not by_clock):
         return f"{change}; the {after.schedule} schedule does not depend on it"
