@@ -158,7 +158,7 @@ def test_resuming_a_run_whose_minutes_are_spent_names_the_minutes(tmp_path):
     (tmp_path / "result.json").write_text(json.dumps({"metric": "bpc", "final": {"valid": {"bpc": 2.5}}}))
     line = finished_line(tmp_path, cfg, step=400, elapsed=181.0)
     assert "is finished: step 400, max_minutes 3 (3.0 minutes trained), valid bpc 2.5000" in line
-    assert line.endswith(f"txl train --resume {tmp_path} --max-minutes 6.03333")
+    assert line.endswith(f"txl train --resume {tmp_path} --max-minutes 7")
     assert finished_line(tmp_path, cfg, step=400, elapsed=100.0) == ""  # budget left: it trains on
     (tmp_path / "result.json").unlink()  # stopped after its last checkpoint, before its result: finish it
     assert finished_line(tmp_path, cfg, step=1000, elapsed=100.0) == ""

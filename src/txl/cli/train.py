@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import sys
 import time
@@ -193,7 +194,7 @@ def finished_line(out: Path, cfg, step: int, elapsed: float) -> str:
         budget, more = f"max_steps {cfg.max_steps}", f"--max-steps {max(2 * cfg.max_steps, step + 1)}"
     else:
         budget, more = (f"max_minutes {cfg.max_minutes:g} ({elapsed / 60:.1f} minutes trained)",
-                        f"--max-minutes {2 * max(cfg.max_minutes, elapsed / 60):g}")
+                        f"--max-minutes {math.ceil(2 * max(cfg.max_minutes, elapsed / 60))}")
     return (f"{out} is finished: step {step}, {budget}{score} ({out / 'result.json'}); nothing was trained or "
             f"scored; to train longer give a larger budget: txl train --resume {run} {more}")
 
