@@ -352,11 +352,13 @@ class Trainer:
         end = self.projected_steps(seconds, steps)
         if end >= cfg.max_steps or self.progress.step >= cfg.warmup_steps or 2 * cfg.warmup_steps < end:
             return
-        where = "inside its warm-up" if end < cfg.warmup_steps else "soon after its warm-up"
+        inside = end < cfg.warmup_steps
+        where = "inside its warm-up" if inside else "soon after its warm-up"
+        effect = "never reaches its peak" if inside else "has little time to decay"
         self._warn(bar, f"warning: at {seconds / steps:.2g} s a step, max_minutes={cfg.max_minutes:g} will end the run "
                         f"near step {end}, {where} of {cfg.warmup_steps} steps (train.warmup_steps), so the learning "
-                        f"rate has little or no time to decay; lower warmup_steps (e.g. --set warmup_steps="
-                        f"{max(end // 10, 1)}) or raise --max-minutes")
+                        f"rate {effect}; lower warmup_steps (e.g. --set warmup_steps={max(end // 10, 1)}) or raise "
+                        "--max-minutes")
 
     def _warn(self, bar, text: str) -> None:
         """A warning line on stderr, above the progress bar when there is one (shown with --quiet too)."""
