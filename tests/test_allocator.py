@@ -30,12 +30,14 @@ def probe(**env) -> dict:
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc only")
+@pytest.mark.slow
 def test_thresholds_are_set_once_and_reported():
     seen = probe(TXL_SYSTEM_MALLOC="")
     assert seen["before"] is False and seen["first"] is True and seen["second"] is True and seen["after"] is True
     assert "freed memory kept" in seen["machine"]
 
 
+@pytest.mark.slow
 def test_system_malloc_leaves_the_c_library_alone():
     seen = probe(TXL_SYSTEM_MALLOC="1")
     assert seen["first"] is False and seen["after"] is False
@@ -43,6 +45,7 @@ def test_system_malloc_leaves_the_c_library_alone():
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc only")
+@pytest.mark.slow
 def test_every_txl_command_sets_it():
     code = ("import sys, txl.cli.main, txl.allocator as a; txl.cli.main.main(['data', 'list']); "
             "print('kept' if a.freed_memory_kept() else 'not kept', file=sys.stderr)")

@@ -31,6 +31,7 @@ def run_cli(args, tmp_path, capsys):
     return json.loads(out_json.read_text()), capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_bench_cli_imports_no_torch():
     code = "import sys, txl.cli.bench; print(any(m == 'torch' or m.startswith('torch.') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -88,6 +89,7 @@ def test_train_bench_against_hf_with_rss_probe(smoke_shape, tmp_path, capsys, mo
     assert "× HF" in text
 
 
+@pytest.mark.slow
 def test_probe_measures_a_fresh_process():
     out = subprocess.run(
         [sys.executable, "-m", "txl.bench.probe", "eval",
@@ -146,6 +148,7 @@ def test_flop_count_by_hand():
     assert train_step_flops(shape) == 3 * forward_flops(shape)
 
 
+@pytest.mark.slow
 def test_all_quick_writes_the_report(smoke_shape, tmp_path, capsys, monkeypatch):
     from txl.bench import mfu, report
 
@@ -163,6 +166,7 @@ def test_all_quick_writes_the_report(smoke_shape, tmp_path, capsys, monkeypatch)
     assert {r["bench"] for r in report["results"]} >= {"train", "eval", "generate", "mfu"}
 
 
+@pytest.mark.slow
 def test_unknown_or_missing_bench_is_a_one_line_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "txl", "bench", "nonsense"], capture_output=True, text=True)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr

@@ -90,6 +90,7 @@ def test_report_tables_rank_the_ablation_and_pair_the_sweep(tmp_path):
     assert "| xl | mem 64 |" in text
 
 
+@pytest.mark.slow
 def test_claims_without_a_corpus_is_one_clear_line(tmp_path):
     code, text = helpers.finish(studies.script("claims", "--out", str(tmp_path / "o"), cwd=tmp_path))
     assert code == 2
@@ -99,6 +100,7 @@ def test_claims_without_a_corpus_is_one_clear_line(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_claims_end_to_end_on_a_small_corpus(tmp_path, corpus):
     """Train two tiny variants, evaluate, RECL, report; a second call reuses everything."""
     args = ("--corpus", f"c=text:{corpus}", "--variants", "xl,vanilla", "--seeds", "1",

@@ -27,11 +27,13 @@ def test_each_subcommand_has_help(name, capsys):
     assert "usage: txl " + name in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_console_script_and_module_entry_point():
     out = subprocess.run([sys.executable, "-m", "txl", "--help"], capture_output=True, text=True, check=True)
     assert "import-hf" in out.stdout
 
 
+@pytest.mark.slow
 def test_user_error_is_one_line_without_traceback(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "txl", "import-hf", str(tmp_path / "missing"), str(tmp_path / "out")],

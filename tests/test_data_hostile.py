@@ -296,6 +296,7 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
     return lines[-1]
 
 
+@pytest.mark.slow
 def test_a_fifo_as_cache_meta_does_not_hang_stats(tmp_path):
     spec, corpus = prepared(tmp_path)
     meta = corpus.path / "meta.json"
@@ -305,6 +306,7 @@ def test_a_fifo_as_cache_meta_does_not_hang_stats(tmp_path):
     assert "meta.json" in line and "FIFO" in line and "--force" in line
 
 
+@pytest.mark.slow
 def test_a_fifo_as_cache_array_is_prepared_again_not_read(tmp_path):
     """A FIFO where an array was is treated as a missing array: the cache is prepared again (opening the
     FIFO would block for ever)."""
@@ -323,6 +325,7 @@ def test_a_fifo_as_cache_array_is_prepared_again_not_read(tmp_path):
 
 
 @pytest.mark.parametrize("tokenizer", ["bytes", "words"])
+@pytest.mark.slow
 def test_a_fifo_as_the_corpus_is_one_line(tmp_path, tokenizer):
     fifo = tmp_path / "corpus.txt"
     os.mkfifo(fifo)
@@ -389,6 +392,7 @@ def test_a_sparse_3_gib_array_for_a_small_corpus_is_prepared_again(tmp_path):
     assert open_corpus(spec).num_tokens("train") == expected
 
 
+@pytest.mark.slow
 def test_an_oversized_meta_is_refused_unread(tmp_path):
     spec, corpus = prepared(tmp_path)
     meta = corpus.path / "meta.json"
@@ -414,6 +418,7 @@ def test_bpe_pieces_bound_every_run_and_keep_the_text():
     assert list(bpe_pieces("ordinary text\n", limit=1000)) == ["ordinary text\n"]
 
 
+@pytest.mark.slow
 def test_bpe_preparation_of_a_corpus_with_one_huge_word(tmp_path):
     pytest.importorskip("tokenizers")
     root = tmp_path / "corpus"
@@ -483,6 +488,7 @@ def test_a_killed_prepare_leaves_nothing_after_the_next_run(tmp_path):
     assert not any(p.name.startswith(f".{key}.tmp") for p in root.iterdir())
 
 
+@pytest.mark.slow
 def test_a_temporary_in_use_by_another_prepare_is_kept(tmp_path):
     """The other process holds the corpus's lock: its temporary directory is not touched."""
     root = tmp_path / "cache" / "corpora"

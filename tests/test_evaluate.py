@@ -324,6 +324,7 @@ def test_unknown_checkpoint_directory(tmp_path, capsys):
     assert code == 2 and "neither a checkpoint" in err
 
 
+@pytest.mark.slow
 def test_bad_input_in_a_subprocess_has_no_traceback(tmp_path):
     import subprocess
     import sys

@@ -74,6 +74,7 @@ def test_every_memory_kind_goes_through_export(overrides):
         torch.testing.assert_close(exported_tensor, eager_tensor, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_compile_fullgraph_of_a_training_step_with_memory():
     model = default_model()  # dropout 0.1 as the default config: the fast backend's dropout modules trace too
     reference = default_model()

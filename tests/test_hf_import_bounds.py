@@ -66,6 +66,7 @@ print(json.dumps({"code": os.waitstatus_to_exitcode(status), "err": err, "rss_mb
 
 
 @pytest.mark.parametrize("weights", ["model.safetensors", "pytorch_model.bin"])
+@pytest.mark.slow
 def test_a_vocab_size_its_weights_lack_is_refused_under_300_mb(tmp_path, weights):
     src = hf_dir(tmp_path / "hf", weights=weights, vocab_size=2**21)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -204,6 +204,7 @@ def test_a_non_utf8_out_path_is_refused_before_training(tmp_path, corpus):
 # One writer per run
 
 
+@pytest.mark.slow
 def test_two_trainings_on_one_out_ten_trials(tmp_path, corpus):
     """Both start at once; the lock lets exactly one through; its last/ resumes."""
     config = helpers.write_config(tmp_path, corpus, steps=6, varlen="false")
@@ -222,6 +223,7 @@ def test_two_trainings_on_one_out_ten_trials(tmp_path, corpus):
         assert code == 0 and helpers.saved_step(out) == 7, text
 
 
+@pytest.mark.slow
 def test_a_second_writer_is_refused_naming_the_holder_and_a_killed_holder_never_blocks(tmp_path):
     from txl.io.rundir import RunLock
 
@@ -280,6 +282,7 @@ def _run_measured(*args: str) -> tuple[int, str, float, float]:
 @pytest.mark.parametrize("changes", [{"n_layer": 1_000_000_000}, {"n_layer": 1024, "d_model": 4096, "d_head": 512,
                                                                    "n_head": 8, "d_inner": 16384}],
                          ids=["n_layer-1e9", "within-bounds-but-1024-layers"])
+@pytest.mark.slow
 def test_a_config_bomb_fails_before_allocating(changes, trained, tmp_path):
     ckpt = _checkpoint(trained, tmp_path, **changes)
     code, err, seconds, rss_mb = _run_measured("eval", str(ckpt), "--device", "cpu", "--quiet")

@@ -94,6 +94,7 @@ JOURNEYS = [(kind, preset) for kind, (_, _, presets) in KINDS.items() for preset
 
 
 @pytest.mark.parametrize(("kind", "preset"), JOURNEYS, ids=[f"{k}-{p}" for k, p in JOURNEYS])
+@pytest.mark.slow
 def test_journey(kind, preset, corpora, workdir, capsys, tmp_path, monkeypatch):
     spec_template, new_file, _ = KINDS[kind]
     # --data relative to the working directory, the way a user types it; the run must store it absolute
@@ -127,6 +128,7 @@ def test_journey(kind, preset, corpora, workdir, capsys, tmp_path, monkeypatch):
     assert (elsewhere / "curves.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_tiny_on_ptb_char_exits_zero_with_result_and_sample(corpora, workdir, capsys):
     """Before: exit 2 after training, "word 'def' is not in the vocabulary" (tiny's prompt was Python)."""
     ok(capsys, "train", "--preset", "tiny", "--data", f"ptb-char:{corpora / 'ptb'}", "--max-steps", 20, "--out", "run",

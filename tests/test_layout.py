@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "txl"
 
@@ -258,6 +260,7 @@ def test_kernels_import_only_the_registry_and_masks_from_the_attention_package()
     assert pattern <= {"txl.nn.attention.masks"}, pattern
 
 
+@pytest.mark.slow
 def test_every_module_imports_on_its_own(tmp_path):
     """Each module first in a clean txl namespace (torch stays loaded): a cycle that Python would
     trip over (a name read from a partly initialised module) fails here."""

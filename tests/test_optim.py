@@ -156,6 +156,7 @@ def test_a_checkpoint_cannot_switch_a_group_between_muon_and_adam(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["lstm", "sha-rnn"])
+@pytest.mark.slow
 def test_muon_is_refused_for_the_recurrent_lms_in_one_line(tmp_path, corpus, arch):
     config = tmp_path / "rnn.toml"
     config.write_text(f'[model]\narch = "{arch}"\nn_layer = 1\nd_model = 16\nd_inner = 16\n'

@@ -110,6 +110,7 @@ def _read_in_child(tmp_path: Path, data: bytes) -> dict:
     ],
     ids=["6KB-shared-tuple-keys", "6KB-shared-tuple-keys-21-levels", "10MB-of-EMPTY_SET", "231B-100MB-error-line", "error-line-within-bounds"],
 )
+@pytest.mark.slow
 def test_the_review_files_end_in_one_short_line_under_300_mb(tmp_path, bomb, why):
     got = _read_in_child(tmp_path, bomb())
     message = got["message"]

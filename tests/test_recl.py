@@ -121,6 +121,7 @@ def group(tmp_path_factory) -> tuple[Path, Path, str]:
 
 
 @pytest.mark.parametrize("mode", ["window", "memory"])
+@pytest.mark.slow
 def test_recl_cli_end_to_end_and_its_cache(group, tmp_path, capsys, mode):
     a, b, spec = group
     argv = ["recl", a, b, "--data", spec, "--contexts", "4,8,16", "--r", "0.1,1.0", "--mode", mode,

@@ -348,6 +348,7 @@ def test_a_fifo_among_a_runs_records_ends_eval_in_one_line(run, name):
     assert code == 2 and "FIFO" in line and path.name in line, line
 
 
+@pytest.mark.slow
 def test_a_sparse_1_gb_config_json_is_refused_by_its_size_unread(run, tmp_path):
     path = run / "last" / "config.json"
     with open(path, "r+b") as f:

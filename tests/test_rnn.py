@@ -369,6 +369,7 @@ def chars(tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.slow
 def test_cli_journey(arch, chars, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "run"

@@ -138,6 +138,7 @@ SMALL = ["--set", "model.n_layer=1", "--set", "model.n_encoder_layer=1", "--set"
          "--set", "schedule=inv_sqrt"]  # (cosine's lr depends on max_steps, which the resume test changes)
 
 
+@pytest.mark.slow
 def test_journey_train_resume_eval_generate(tmp_path, capsys):
     data = ["--data", "reverse?size=200&max_len=6"]
     straight, split = tmp_path / "straight", tmp_path / "split"

@@ -250,6 +250,7 @@ def test_ip_addresses_and_allowed_names_are_served_other_names_refused(served):
                 assert "not served here" in body["error"] and "--allow-host" in body["error"], body
 
 
+@pytest.mark.slow
 def test_txl_serve_on_0000_serves_requests_by_ip_address_and_allowed_names(run_dir, capsys):
     """Issue 45: `--host 0.0.0.0` warned that anyone could reach the model, then refused every request
     addressed by IP (Host: 192.168.1.20:8000). Now: addresses and --allow-host names are served, other
@@ -279,6 +280,7 @@ def test_txl_serve_on_0000_serves_requests_by_ip_address_and_allowed_names(run_d
     assert "--allow-host takes host names" in err and "\n" not in err
 
 
+@pytest.mark.slow
 def test_bounded_load_no_errors(url, capsys):
     stats = run_load(url, clients=16, requests=20, tokens=8)
     assert stats["requests"] == 320 and stats["errors"] == 0, stats["first_errors"]
@@ -428,6 +430,7 @@ def test_a_full_server_queues_then_refuses(served):
         busy.close()
 
 
+@pytest.mark.slow
 def test_txl_serve_binds_loopback_and_stops_on_ctrl_c(run_dir):
     import signal
     import subprocess

@@ -24,6 +24,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 
 pytestmark = [
+    pytest.mark.slow,  # a browser and a server: end to end
     pytest.mark.usefixtures("one_thread"),
     pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None,
                        reason="no Chromium installed: apt-get install chromium chromium-driver (Debian) runs this test"),

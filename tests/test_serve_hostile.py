@@ -79,6 +79,7 @@ def one_line(capsys, argv) -> str:
 # The attention view: bounded cells and bytes, inside the deadline
 
 
+@pytest.mark.slow
 def test_attention_view_of_10kb_at_the_largest_segment_and_memory_is_bounded(served, capsys):
     """10 KB of text at tgt_len = mem_len = 4096 (the largest the server allows), the query in the second
     segment (4096 queries x 8192 keys): at most VIEW_QUERIES x VIEW_KEYS cells, rows still sum to 1, the
@@ -182,6 +183,7 @@ def test_a_session_holds_no_more_than_its_reservation(served):
     assert served.session_bytes(mem_len=4096, window=None) >= decoder.nbytes()
 
 
+@pytest.mark.slow
 def test_200_sessions_at_the_largest_memory_stay_within_the_budget(served):
     """A budget for 5 sessions at mem_len 4096: 200 clients each start one; the least recently used are
     dropped (continuing one of those is a 404 naming the fix), none is refused, and the sessions never
@@ -332,6 +334,7 @@ def _low_descriptor_limit():
     resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
 
 
+@pytest.mark.slow
 def test_1100_half_open_connections_at_a_1024_descriptor_limit(run_dir, capsys):
     """`txl serve` under ulimit -n 1024; 1,100 clients connect and send nothing. /health still answers, the
     server stays under its descriptor limit (the oldest silent connections are closed) and its log stays
@@ -509,6 +512,7 @@ def test_hostile_lengths_in_run_json_end_in_one_line(run_dir, tmp_path, capsys, 
 
 
 @pytest.mark.parametrize("name", ["metrics.jsonl", "run.json"])
+@pytest.mark.slow
 def test_a_fifo_in_the_run_does_not_hang_serve(run_dir, tmp_path, name):
     """A FIFO planted in the run: `txl serve` refuses it in one line (metrics.jsonl, read for the page's
     curve) or starts without it (run.json, which the checkpoint loader skips when it is not a regular

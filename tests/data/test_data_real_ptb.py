@@ -36,6 +36,7 @@ def test_ptb_char_counts(capsys):
     assert s["vocab_size"] == 50 and s["metric"] == "bpc"
 
 
+@pytest.mark.slow
 def test_preparing_ptb_char_peak_rss_under_500_mb(tmp_path):
     code = (
         "import resource, sys; from txl.data import open_corpus; "
