@@ -22,7 +22,7 @@ def _(ctx):
 
 
 @case("cli-bench-threads-negative", "a negative thread count", "txl bench train --threads -1", "--threads", ">= 0",
-      "torch's choice")
+      "txl's choice")
 def _(ctx):
     return cli("bench", "train", "--threads", "-1")
 

@@ -122,7 +122,7 @@ def test_no_numeric_flag_takes_a_number_past_every_bound(value, tmp_path, monkey
     (["bench", "train", "--steps", "0"], "--steps must be >= 1 and <= 10,000, got 0"),
     (["bench", "train", "--steps", "1000000000"], "--steps must be >= 1 and <= 10,000"),
     (["bench", "train", "--warmup", "-1"], "--warmup must be >= 0"),
-    (["bench", "train", "--threads", "-1"], "--threads must be >= 0 and <= 1024 (0 = torch's choice), got -1"),
+    (["bench", "train", "--threads", "-1"], "--threads must be >= 0 and <= 1024 (0 = txl's choice), got -1"),
     (["bench", "train", "--threads", "1000000000"], "--threads must be >= 0 and <= 1024"),
     (["bench", "train", "--profile", "1000000000"], "--profile must be >= 0 and <= 1000"),
     (["bench", "generate", "--context", "1"], "--context must be >= 2"),

@@ -60,7 +60,7 @@ def _mistake(text: str) -> argparse.ArgumentTypeError:
 
 def integer(low: int | None = None, high: int | None = None, *, meaning: str = "") -> Callable[[str], int]:
     """An argparse type: a whole number in [low, high] (either end None: unbounded). `meaning` is added
-    to the message (e.g. "0 = torch's choice")."""
+    to the message (e.g. "0 = txl's choice")."""
     bounds = _range(low, high)
     note = f" ({meaning})" if meaning else ""
 
@@ -125,5 +125,5 @@ def integer_list(low: int | None = None, high: int | None = None, *, at_most: in
 
 
 def threads(*, auto: bool = True) -> Callable[[str], int]:
-    """Torch threads: 1 to MAX_THREADS, and 0 (torch's choice) when `auto`."""
-    return integer(0 if auto else 1, MAX_THREADS, meaning="0 = torch's choice" if auto else "")
+    """Torch threads: 1 to MAX_THREADS, and 0 (txl's choice: `txl.cli.arguments.default_threads`) when `auto`."""
+    return integer(0 if auto else 1, MAX_THREADS, meaning="0 = txl's choice" if auto else "")

@@ -230,7 +230,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="vanilla windows per forward (0 = ~4096 tokens)")
     parser.add_argument("--steps", type=integer(1, 10_000), default=5, help="timed rounds (default 5)")
     parser.add_argument("--warmup", type=integer(0, 10_000), default=1, help="untimed rounds first (default 1)")
-    parser.add_argument("--threads", type=threads(), default=0, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=threads(), default=0, help="torch threads (default 0: txl's choice, as every command)")
     parser.add_argument("--impl", default="auto", help="attention_impl: auto, eager or fast")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 

@@ -65,7 +65,7 @@ def add_shared_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | N
                                      help="timed steps per contender (default 5)")),
         "warmup": (("--warmup",), dict(type=integer(0, MAX_STEPS), default=None,
                                        help="untimed steps first (default 2)")),
-        "threads": (("--threads",), dict(type=threads(), default=0, help="torch threads (default: torch's choice)")),
+        "threads": (("--threads",), dict(type=threads(), default=0, help="torch threads (default 0: txl's choice, as every command)")),
         "mem_lens": (("--mem-lens",), dict(type=integer_list(1, MAX_BENCH_LENGTH), default=(), metavar="LIST",
                                            help="memory lengths to sweep (default: the benchmark's)")),
         "context": (("--context",), dict(type=integer(2, MAX_BENCH_LENGTH), default=1024,
