@@ -103,6 +103,17 @@ def _(ctx):
     return cli("eval", str(run), "--text", str(path), "--device", "cpu")
 
 
+@case("newcomer-init-from-before-first-checkpoint", "`txl train --init-from` a run that has not saved yet",
+      "txl train --init-from RUN", "no checkpoint yet", "step 400")
+def _(ctx):
+    record = json.loads((ctx.run_copy() / "run.json").read_text())
+    run = ctx.dir / "starting"
+    run.mkdir()
+    record["config"]["train"].update(save_interval=400, eval_interval=1000, max_steps=5000)
+    (run / "run.json").write_text(json.dumps(record))
+    return cli(*train_args(ctx, "--init-from", str(run)))
+
+
 @case("newcomer-generate-prompt-file-utf16", "`txl generate --prompt-file` in UTF-16 (it said: not UTF-8, byte 0)",
       "txl generate RUN --prompt-file FILE", "UTF-16", "iconv -f UTF-16 -t UTF-8")
 def _(ctx):

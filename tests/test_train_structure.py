@@ -81,3 +81,14 @@ def imported_packages(path: Path) -> set[str]:
 def test_train_imports_only_the_packages_below_it(module):
     allowed = {"train", "eval", "models", "generate", "fast", "nn", "data", "io", "errors", "allocator"}
     assert imported_packages(TRAIN / module) <= allowed, imported_packages(TRAIN / module) - allowed
+
+
+@pytest.mark.parametrize("objective", [LanguageModelling, SequenceToSequence])
+@pytest.mark.parametrize("splits", [("train", "valid", "test"), ("train", "valid"), ("train",)])
+def test_the_printed_next_commands_name_only_splits_the_corpus_has(objective, splits):
+    """`txl train`'s closing hint: `--split test` only when the corpus has a test split (it failed as printed)."""
+    corpus = type("Corpus", (), {"splits": splits})()
+    step = objective.__new__(objective)
+    step.corpus = corpus
+    lines = " ".join(command + " " + what for command, what in step.next_commands("runs/x"))
+    assert ("--split test" in lines) == ("test" in splits)

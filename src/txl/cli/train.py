@@ -149,9 +149,13 @@ def _train(trainer: Trainer, run, out: Path) -> int:
 
 def init_model_section(source: str) -> dict:
     """`--init-from`: the model section is the checkpoint's (its vocabulary size comes from the data)."""
+    from txl.errors import CheckpointError
+    from txl.models.checkpoint import no_checkpoint_yet
     from txl.models.pretrained import resolve_checkpoint
     from txl.models.registry import load_config
 
+    if line := no_checkpoint_yet(source):  # a run before its first save: when that comes, not "not a run"
+        raise CheckpointError(line)
     config = load_config(resolve_checkpoint(source)).to_dict()
     config.pop("vocab_size", None)
     return config

@@ -150,7 +150,8 @@ class LanguageModelling:
 
     def next_commands(self, run: str) -> list[tuple[str, str]]:
         """What to do with the finished run (the summary's last lines): (command, what it does)."""
-        return [(f"txl eval {run}", "score it again (--split test; --text FILE scores new text)"),
+        held = "--split test; " if "test" in self.corpus.splits else ""
+        return [(f"txl eval {run}", f"score it again ({held}--text FILE scores new text)"),
                 (f"txl generate {run} --prompt TEXT", "continue a prompt (--num-samples, --stop, --json)"),
                 (f"txl plot {run}", "training curves as a PNG"),
                 (f"txl train --resume {run} --max-steps N", "train longer")]
@@ -261,7 +262,8 @@ class SequenceToSequence(LanguageModelling):
 
     def next_commands(self, run: str) -> list[tuple[str, str]]:
         steps = super().next_commands(run)
-        steps[:2] = [(f"txl eval {run} --split test", "loss, token accuracy, exact match, ROUGE, sample outputs"),
+        test = " --split test" if "test" in self.corpus.splits else ""
+        steps[:2] = [(f"txl eval {run}{test}", "loss, token accuracy, exact match, ROUGE, sample outputs"),
                      (f"txl generate {run} --input FILE", "decode one source per line of FILE")]
         return steps
 
