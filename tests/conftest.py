@@ -54,14 +54,15 @@ MAX_FAST_WORKERS = 4
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
-    """`pytest -m "not slow"` as typed runs on pytest-xdist workers, whole files per worker (module
-    fixtures build their tiny runs once); `-n N` (`-n 0`: one process), `-p no:xdist`, or any other
-    selection keeps pytest's own behaviour."""
+    """`pytest -m "not slow"` as typed (or on folders) runs on pytest-xdist workers, whole files per worker
+    (module fixtures build their tiny runs once); `-n N` (`-n 0`: one process), `-p no:xdist`, test files
+    or node ids named on the command line, or any other selection keep pytest's own behaviour."""
     option = config.option
     if (" ".join(str(getattr(option, "markexpr", "")).split()) != "not slow"
             or not config.pluginmanager.hasplugin("xdist") or os.environ.get("PYTEST_XDIST_WORKER")
             or getattr(option, "numprocesses", 0) is not None or getattr(option, "tx", None)
-            or option.collectonly or option.usepdb):
+            or option.collectonly or option.usepdb
+            or any(".py" in arg for arg in config.args)):
         return
     workers = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
                   MAX_FAST_WORKERS)
