@@ -1,6 +1,6 @@
 """The arena: train every attention kernel and positional encoding on the same corpus, with the same
 parameter count and the same CPU budget, and tabulate valid bpc, tokens/s and peak memory (issue 8;
-README "The arena"; the current result is docs/results/arena.md).
+docs/guide/models.md, "The arena"; the current result is docs/results/arena.md).
 
     python experiments/arena.py --minutes 5 --jobs 2 [--data ptb-char:DIR]
 
@@ -338,7 +338,7 @@ def markdown(report: dict) -> str:
         "Dai et al. (2019, §3.3) built relative positions to remove. The sinusoidal-mem0 and learned-mem0 rows "
         "train the same encodings without memory, where that confusion cannot arise.",
         "",
-        "Linformer and inducing points cannot be causal (README \"The arena\"): they appear only in the "
+        "Linformer and inducing points cannot be causal (docs/guide/models.md, \"The arena\"): they appear only in the "
         "masked-LM table.",
         "",
         "![train bpc against minutes](arena.png)",

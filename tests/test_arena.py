@@ -1,5 +1,5 @@
 """The long-text arena: sliding window / Longformer, sparse strided, Performer, Linformer, compressive
-memory and the bidirectional encoder, each pinned against a reference (README "The arena")."""
+memory and the bidirectional encoder, each pinned against a reference (docs/guide/models.md, "The arena")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`txl bench attention-scaling`: time and peak memory of ONE attention layer against sequence length
-(512 … 32k) for every attention variant of the arena (issue 8; README "The arena").
+(512 … 32k) for every attention variant of the arena (docs/guide/models.md, "The arena").
 
 The layer is `txl.nn.attention.Attention` (q/kv/output projections + the kernel) on one sequence of n
 tokens with no memory (queries = keys = n), the same shape for every variant (default 4 heads × 64,

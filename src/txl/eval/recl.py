@@ -15,7 +15,7 @@ consecutive values of `contexts`. When every step still gains, the answer is cen
 the last context (reported as ">= c"). Note f_i(c, c) = mean of b over T for every model, because
 b(c, t) <= l_i(c, t): all models are measured against the same baseline, which is the point of RECL.
 
-How l_i(c, t) is obtained for a Transformer-XL (docs/guide/recl.md has the reasoning):
+How l_i(c, t) is obtained for a Transformer-XL (docs/guide/evaluation.md, "Relative effective context length", has the reasoning):
 
 - mode "window" (default, the definition literally): a fresh forward over exactly the c previous tokens,
   no memory, scoring only the last one (`txl.eval.vanilla.context_nll`). Nothing outside the c tokens can

@@ -104,7 +104,7 @@ class LayerPositions:
 
 class PositionalEncoding(nn.Module):
     """Base: no position information at all (each subclass overrides what it uses). A new encoding
-    subclasses it and joins the registry with `@register_encoding("name")` (README, "Add a kernel or
+    subclasses it and joins the registry with `@register_encoding("name")` (docs/guide/models.md, "Add a kernel or
     a positional encoding")."""
 
     name: ClassVar[str] = ""

@@ -24,7 +24,7 @@ from txl.nn.options import MAX_LENGTH, MAX_WIDTH
 # These are the built-in entries of the registries (`txl.nn.positional.register_encoding`,
 # `txl.nn.attention.register`); a name registered from user code is accepted too.
 PositionalName = Literal["xl", "shaw", "sinusoidal", "learned", "rope", "alibi", "t5", "xpos"]
-# The long-text arena (README "The arena"): every kernel takes the same inputs, see txl/nn/attention/.
+# The long-text arena (docs/guide/models.md, "The arena"): every kernel takes the same inputs, see txl/nn/attention/.
 AttentionName = Literal[
     "full", "sliding", "sparse", "performer", "linformer", "linear", "bigbird", "lsh", "routing", "sinkhorn",
     "compressed", "synthesizer", "inducing",

@@ -4,7 +4,7 @@ Reads top to bottom: adaptive embedding (-> whole-word dropout) -> dropout (or l
 blocks over [memory ; segment] -> (final LayerNorm when pre-LN) -> dropout -> adaptive softmax.
 Tensors are batch-first; memory is explicit state passed in and returned (`Memory`).
 
-Two arena options change the data flow (README "The arena"): compressive memory (`cmem_len > 0`,
+Two arena options change the data flow (docs/guide/models.md, "The arena"): compressive memory (`cmem_len > 0`,
 Rae et al. 2020) attends over [compressed ; memory ; segment] and returns `aux_loss`; `causal=False`
 makes the same blocks a bidirectional encoder for a masked-LM objective (no memory, no causal mask).
 """

@@ -1,4 +1,4 @@
-// txl playground: talks to the JSON API of `txl serve` (README "txl serve"). No dependencies.
+// txl playground: talks to the JSON API of `txl serve` (docs/guide/evaluation.md, "The playground: txl serve"). No dependencies.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
