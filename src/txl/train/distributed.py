@@ -7,7 +7,14 @@ whole batch sees. Only rank 0 writes.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -68,3 +75,55 @@ def init_distributed(device: str) -> Dist:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     return Dist(rank=rank, world=world, local_rank=local_rank, device=dev)
+
+
+def launch_local(nproc: int, argv: list[str], *, cpus: int) -> int:
+    """`txl train --nproc N`: N ranks of `python -m txl ARGV` on this machine, as `torchrun --standalone`
+    starts them (MASTER_ADDR/PORT, RANK, LOCAL_RANK, WORLD_SIZE), without torchrun's agent, whose report of a
+    failed rank is a Python traceback. Rank 0 talks to the terminal; the others' output is kept and shown
+    (prefixed) only when a rank failed differently from rank 0, so a mistake stays one line. Each rank gets
+    `cpus // nproc` threads unless OMP_NUM_THREADS or --threads says otherwise. Returns the exit code: rank 0's,
+    else the first failing rank's."""
+    with socket.socket() as probe:  # a free port for the rendezvous (torchrun --standalone does the same)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
+                LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", TORCHELASTIC_RUN_ID="txl-local")
+    if "OMP_NUM_THREADS" not in os.environ:
+        base["OMP_NUM_THREADS"] = str(max(1, cpus // nproc))  # N ranks x all cores would oversubscribe
+    with contextlib.ExitStack() as files:
+        logs = [None] + [files.enter_context(tempfile.TemporaryFile()) for _ in range(1, nproc)]
+        procs = [subprocess.Popen([sys.executable, "-m", "txl", *argv], stdout=logs[rank], stderr=logs[rank],
+                                  env=dict(base, RANK=str(rank), LOCAL_RANK=str(rank))) for rank in range(nproc)]
+        return _wait_for_ranks(procs, logs)
+
+
+def _wait_for_ranks(procs: list, logs: list) -> int:
+    # Ctrl-C reaches every rank from the terminal (they stop at a step boundary and save); the launcher waits.
+    # A SIGTERM sent to the launcher alone (a job scheduler) is passed on to every rank, as torchrun does.
+    def forward(signum, frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.signal(signal.SIGTERM, forward)
+    try:
+        failed_at = None  # once a rank failed, the others may wait in a collective for it: SIGTERM, then SIGKILL
+        while any(p.poll() is None for p in procs):
+            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+                failed_at = time.monotonic()
+            waited = time.monotonic() - failed_at if failed_at is not None else 0.0
+            for p in procs:
+                if waited > 10 and p.poll() is None:
+                    p.kill() if waited > 20 else p.terminate()
+            time.sleep(0.1)
+    finally:
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+    codes = [p.returncode if p.returncode >= 0 else 128 - p.returncode for p in procs]
+    for rank in range(1, len(procs)):
+        if codes[rank] not in (0, codes[0]):
+            logs[rank].seek(0)
+            for line in logs[rank].read().decode("utf-8", "replace").splitlines()[-20:]:
+                print(f"rank {rank}: {line}", file=sys.stderr)
+    return codes[0] or next((code for code in codes if code), 0)
