@@ -92,3 +92,26 @@ def test_the_printed_next_commands_name_only_splits_the_corpus_has(objective, sp
     step.corpus = corpus
     lines = " ".join(command + " " + what for command, what in step.next_commands("runs/x"))
     assert ("--split test" in lines) == ("test" in splits)
+
+
+@pytest.mark.parametrize(("eval_max", "final_max", "expected"), [(0, None, 0), (10, None, 2), (0, 4, 1), (10, 0, 0),
+                                                                 (1, None, 1)])
+def test_a_seq2seq_runs_final_decoding_follows_the_final_scores_cap(monkeypatch, eval_max, final_max, expected):
+    """The decoded pairs are bounded like the final scores (final_max_tokens, else eval_max_tokens): a
+    2-step run decoded its whole test split, for minutes."""
+    import txl.eval.seq2seq as decoding
+
+    seen = []
+
+    class Result:
+        def to_dict(self):
+            return {}
+
+    monkeypatch.setattr(decoding, "decode_split", lambda *a, max_pairs=0, **k: seen.append(max_pairs) or Result())
+    step = SequenceToSequence.__new__(SequenceToSequence)
+    step.cfg = type("Cfg", (), {"eval_max_tokens": eval_max, "final_max_tokens": final_max, "length_penalty": 0.6,
+                                "eval_batch_size": 8, "beam_size": 1})()
+    step.dist = type("Dist", (), {"device": "cpu"})()
+    step.corpus = type("Corpus", (), {"pairs": lambda self, split: [([1], [1, 2, 3, 4])] * 5})()
+    step.final_extras(None, "test")
+    assert seen == [expected]

@@ -255,8 +255,20 @@ class SequenceToSequence(LanguageModelling):
         from txl.eval.seq2seq import decode_split
 
         cfg = self.cfg
+        # the final scores' cap (final_max_tokens, else eval_max_tokens; 0 = whole split) bounds the decoding
+        # too: the first pairs whose target tokens fit in it (at least one)
+        cap = cfg.eval_max_tokens if cfg.final_max_tokens is None else cfg.final_max_tokens
+        max_pairs = 0
+        if cap:
+            total = 0
+            for _, target in self.corpus.pairs(split):
+                total += len(target)
+                if total > cap and max_pairs:
+                    break
+                max_pairs += 1
         decoded = [decode_split(model, self.corpus, split, beam_size=beam, alpha=cfg.length_penalty,
-                                batch_size=max(cfg.eval_batch_size, 32), device=self.dist.device).to_dict()
+                                batch_size=max(cfg.eval_batch_size, 32), device=self.dist.device,
+                                max_pairs=max_pairs).to_dict()
                    for beam in sorted({1, cfg.beam_size})]
         return {"decoded": decoded}
 
