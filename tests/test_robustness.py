@@ -598,14 +598,14 @@ def _(ctx):
     return cli("train", "--resume", str(ctx.dir))
 
 
-@case("resume-other-shape", "`--resume` with a checkpoint of a different model shape", "txl train --resume RUN",
+@case("resume-other-shape", "`--resume` with a checkpoint of a different model shape", "txl train --resume RUN --max-steps 4",
       "does not match", "same configuration")
 def _(ctx):
     run = ctx.run_copy()
     config = json.loads((run / "last" / "config.json").read_text())
     config["d_inner"] = 48  # a `last` copied in from another run
     (run / "last" / "config.json").write_text(json.dumps(config))
-    return cli("train", "--resume", str(run), "--quiet")
+    return cli("train", "--resume", str(run), "--max-steps", "4", "--quiet")  # longer: a finished run only says so
 
 
 @case("resume-state-damaged", "`--resume` with a damaged trainer_state.json", "txl train --resume RUN",
@@ -619,7 +619,7 @@ def _(ctx):
 
 
 @case("resume-optimizer-damaged", "`--resume` with optimizer state that does not fit the model",
-      "txl train --resume RUN", "optimizer state does not fit", "exp_avg")
+      "txl train --resume RUN --max-steps 4", "optimizer state does not fit", "exp_avg")
 def _(ctx):
     from safetensors.torch import load_file
 
@@ -631,7 +631,7 @@ def _(ctx):
     tensors[name] = torch.zeros(3)
     # well-formed and with its digest (a file without one is refused before its shapes are looked at)
     save_tensors(run / "last" / "optimizer.safetensors", tensors, {"txl_kind": "optimizer"})
-    return cli("train", "--resume", str(run), "--quiet")
+    return cli("train", "--resume", str(run), "--max-steps", "4", "--quiet")  # longer: a finished run only says so
 
 
 @case("resume-with-set", "`--resume` with settings that would change the run", "txl train --resume RUN --set lr=1",
@@ -640,14 +640,14 @@ def _(ctx):
     return cli("train", "--resume", str(ctx.run_copy()), "--set", "lr=1")
 
 
-@case("resume-corpus-changed", "`--resume` after the corpus files changed", "txl train --resume RUN",
+@case("resume-corpus-changed", "`--resume` after the corpus files changed", "txl train --resume RUN --max-steps 4",
       "different vocabulary", "restore")
 def _(ctx):
     run = ctx.run_copy()
     state = json.loads((run / "last" / "trainer_state.json").read_text())
     state["vocab_fingerprint"] = "0" * 64
     (run / "last" / "trainer_state.json").write_text(json.dumps(state))
-    return cli("train", "--resume", str(run), "--quiet")
+    return cli("train", "--resume", str(run), "--max-steps", "4", "--quiet")  # longer: a finished run only says so
 
 
 @case("run-exists", "`--out` that already holds a run", "txl train --out RUN", "already holds a run", "--resume")
