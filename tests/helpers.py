@@ -83,7 +83,9 @@ def write_config(tmp_path, corpus, *, steps=30, dropout=0.1, varlen="true", eval
 
 def txl(*args, **kwargs) -> subprocess.Popen:
     """`python -m txl ARGS` with its output captured."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **kwargs.pop("env", {})}
+    # one thread unless the caller says otherwise: txl's default counts idle cores, so two runs compared bit for
+    # bit (a run and its resume) could otherwise use different thread counts, hence different fp32 sum orders
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1", **kwargs.pop("env", {})}
     return subprocess.Popen([sys.executable, "-m", "txl", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kwargs)
 

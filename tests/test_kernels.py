@@ -769,7 +769,12 @@ def test_memory_tokens_whose_scores_vanish_change_nothing(impl):
     k_all[:, :, :3, 0] = -1e6
     kernel = KERNELS[("full", impl)]
     got = attend(kernel, q, k_all, v_all, AttentionMask(memory_tokens=3))
-    torch.testing.assert_close(got, attend(kernel, q, k, v), atol=0.0, rtol=0.0)
+    # equal up to the order of fp32 sums, which SIMD width and blocking decide (exact on AVX2 and AVX-512, not
+    # on ATen's default/ARM code paths): each output sums n = 34 weighted values, within gamma_n * max|v| of
+    # the exact sum (Higham 2002, eq. 3.5), plus the exp and the division of the softmax
+    n = k_all.shape[2] + 2
+    gamma = n * 2.0**-24 / (1 - n * 2.0**-24)
+    torch.testing.assert_close(got, attend(kernel, q, k, v), atol=2 * gamma * v.abs().max().item(), rtol=0.0)
 
 
 @pytest.mark.parametrize("name", ["full", "sliding"])

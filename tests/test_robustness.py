@@ -1758,6 +1758,7 @@ def current_results(tmp: Path) -> dict[str, Outcome]:
     return {c.id: RESULTS.get(c.id) or run_case(c, tmp / c.id) for c in CASES}
 
 
+@pytest.mark.slow  # runs every case, the three that start processes too
 def test_docs_table_is_current(tmp_path):
     text = DOC.read_text()
     assert START in text and END in text, f"{DOC} lacks the table markers"

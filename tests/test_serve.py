@@ -321,7 +321,15 @@ def test_a_disconnect_mid_stream_frees_its_slot(served, capsys):
               f"at {ended['tokens']} of 20000 tokens")
 
 
-def test_work_is_time_limited(served):
+def test_work_is_time_limited(served, monkeypatch):
+    """The request's clock (txl.serve.app.monotonic) advances 0.01 s per reading: the 0.3 s limit stops the
+    generation after about 30 readings, however fast or busy the machine."""
+    import itertools
+
+    import txl.serve.app as app_module
+
+    ticks = itertools.count()
+    monkeypatch.setattr(app_module, "monotonic", lambda: 0.01 * next(ticks))
     with running(create_app([served], Limits(max_new_tokens=100000, request_timeout=0.3))) as base:
         tokens, _, done = generation(base, prompt="the", max_new_tokens=100000)
         assert done["stopped_by"] == "time_limit" and 0 < len(tokens) < 100000
@@ -398,31 +406,46 @@ def test_a_bug_in_one_request_is_a_500_json_and_the_server_keeps_serving(served,
         assert result["error"] == "internal error (RuntimeError); the server keeps running"
         assert [e for e, _ in result["events"]][-1] == "done"
         # the slot is freed when the worker thread has ended, which may be just after "done" is sent
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60  # a hang guard, not a speed
         while request(base, "GET", "/health")[1]["active"] and time.monotonic() < deadline:
             time.sleep(0.01)
         assert request(base, "GET", "/health")[1]["active"] == 0
 
 
+def open_stream(base: str, body: dict):
+    host, port = base.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection.request("POST", "/api/generate", json.dumps(body), {"Content-Type": "application/json"})
+    return connection, connection.getresponse()
+
+
 def test_a_full_server_queues_then_refuses(served):
-    """One slot, one waiting place: the second request waits (and gives up after queue_timeout with a
-    503 event), the third is refused at once with 429."""
-    limits = Limits(max_new_tokens=100000, max_concurrent=1, max_waiting=1, queue_timeout=1.0, request_timeout=30)
+    """One slot, one waiting place: the second request waits, the third is refused at once with 429, and
+    the waiting one is served when the slot frees (no clock decides any of it: queue_timeout is a hang guard)."""
+    limits = Limits(max_new_tokens=100000, max_concurrent=1, max_waiting=1, queue_timeout=60, request_timeout=60)
     with running(create_app([served], limits)) as base:
-        host, port = base.removeprefix("http://").split(":")
-        busy = http.client.HTTPConnection(host, int(port), timeout=60)
-        busy.request("POST", "/api/generate", json.dumps({"prompt": "the", "max_new_tokens": 100000}),
-                     {"Content-Type": "application/json"})
-        events = sse_events(busy.getresponse())
-        assert next(events)[0] == "start"
-        waiting = http.client.HTTPConnection(host, int(port), timeout=60)
-        waiting.request("POST", "/api/generate", json.dumps({"prompt": "the", "max_new_tokens": 5}),
-                        {"Content-Type": "application/json"})
-        response = waiting.getresponse()
+        busy, busy_response = open_stream(base, {"prompt": "the", "max_new_tokens": 100000})
+        assert next(sse_events(busy_response))[0] == "start"
+        waiting, response = open_stream(base, {"prompt": "the", "max_new_tokens": 5})
         while request(base, "GET", "/health")[1]["waiting"] == 0:
             time.sleep(0.01)
         status, body, _ = request(base, "POST", "/api/generate", {"prompt": "the", "max_new_tokens": 5})
         assert status == 429 and "busy" in body["error"]
+        busy.sock.close()  # the busy client leaves: its generation stops at the next token and frees the slot
+        busy.close()
+        events = [event for event, _ in sse_events(response)]
+        assert events[0] == "start" and events.count("token") == 5 and events[-1] == "done"
+        waiting.close()
+
+
+def test_a_request_that_waits_past_queue_timeout_gets_a_503_event(served):
+    """The waiting request gives up after queue_timeout with a 503 event (the busy one, 100,000 tokens
+    under a 60 s limit, outlasts any 0.2 s wait)."""
+    limits = Limits(max_new_tokens=100000, max_concurrent=1, max_waiting=1, queue_timeout=0.2, request_timeout=60)
+    with running(create_app([served], limits)) as base:
+        busy, busy_response = open_stream(base, {"prompt": "the", "max_new_tokens": 100000})
+        assert next(sse_events(busy_response))[0] == "start"
+        waiting, response = open_stream(base, {"prompt": "the", "max_new_tokens": 5})
         event, data = next(sse_events(response))
         assert event == "error" and data["status"] == 503 and "no work slot" in data["error"]
         waiting.close()

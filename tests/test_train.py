@@ -26,7 +26,7 @@ corpus, cache_dir = helpers.corpus, helpers.cache_dir  # fixtures
 
 
 def test_sigkill_then_resume_matches_an_uninterrupted_run_bitwise(tmp_path, corpus):
-    config = write_config(tmp_path, corpus, steps=40)
+    config = write_config(tmp_path, corpus, steps=200)  # the kill lands in steps 12..200: a poller descheduled for 188 steps is no race
     code, log = finish(txl("train", "--config", str(config), "--out", str(tmp_path / "a"), "--quiet"))
     assert code == 0, log
     proc = txl("train", "--config", str(config), "--out", str(tmp_path / "b"), "--quiet")
@@ -37,11 +37,11 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run_bitwise(tmp_path, corp
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     killed_at = saved_step(tmp_path / "b")
-    assert 12 <= killed_at < 40
+    assert 12 <= killed_at < 200
     code, log = finish(txl("train", "--resume", str(tmp_path / "b"), "--quiet"))
     assert code == 0, log
     a, b = train_losses(tmp_path / "a"), train_losses(tmp_path / "b")
-    assert sorted(a) == sorted(b) == list(range(1, 41))
+    assert sorted(a) == sorted(b) == list(range(1, 201))
     assert all(a[s] == b[s] for s in a), [(s, a[s], b[s]) for s in a if a[s] != b[s]][:3]
     wa, _ = load_tensors(tmp_path / "a" / LAST / "model.safetensors")
     wb, _ = load_tensors(tmp_path / "b" / LAST / "model.safetensors")

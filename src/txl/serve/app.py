@@ -24,12 +24,12 @@ import json
 import logging
 import secrets
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from importlib import resources
+from time import monotonic, perf_counter  # `monotonic`: the request deadlines' clock (tests fake it)
 from typing import Any
 
 import torch
@@ -295,7 +295,7 @@ def create_app(runs: list[ServedRun], limits: Limits | None = None, *, allowed_h
 
         def job() -> bytes:  # in a worker thread: the scoring and the JSON (never on the event loop)
             result = score(run, ids, mem_len=mem_len, tgt_len=tgt_len, attention=attention,
-                           cancelled=lambda: time.monotonic() > deadline)
+                           cancelled=lambda: monotonic() > deadline)
             result.update(run=args["run"], ids=ids, tokens=token_pieces(run.vocab, ids), metric=run.card["metric"])
             body = json.dumps(result, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
             if len(body) > limits.max_response_bytes:
@@ -304,12 +304,12 @@ def create_app(runs: list[ServedRun], limits: Limits | None = None, *, allowed_h
             return body
 
         await server.acquire()
-        deadline = time.monotonic() + limits.request_timeout
+        deadline = monotonic() + limits.request_timeout
         future = server.start(job)
         late = ApiError(503, f"scoring took longer than this server's limit of {limits.request_timeout:g} s; score a "
                              "shorter text or smaller tgt_len/mem_len", retry_after=1)
         try:  # answered at the deadline even while a long forward pass is still running (it stops after it)
-            body = await asyncio.wait_for(asyncio.shield(future), max(deadline - time.monotonic(), 0.001))
+            body = await asyncio.wait_for(asyncio.shield(future), max(deadline - monotonic(), 0.001))
         except (asyncio.TimeoutError, Cancelled):
             raise late from None
         except NotFinite as err:
@@ -361,11 +361,11 @@ async def _generation(server: Server, run: ServedRun, session: Session, session_
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     stop = threading.Event()
-    deadline = time.monotonic() + limits.request_timeout
+    deadline = monotonic() + limits.request_timeout
     timed_out = []
 
     def cancelled() -> bool:
-        if time.monotonic() > deadline:
+        if monotonic() > deadline:
             timed_out.append(True)
             return True
         return stop.is_set()
@@ -376,7 +376,7 @@ async def _generation(server: Server, run: ServedRun, session: Session, session_
     def job() -> None:
         decoder = session.decoder
         count = 0
-        started = time.perf_counter()
+        started = perf_counter()
 
         def on_token(token: int, logprob: float, text: str) -> None:
             nonlocal count
@@ -415,7 +415,7 @@ async def _generation(server: Server, run: ServedRun, session: Session, session_
                               "status": 500})
         finally:
             server.sessions.release(session)
-        seconds = time.perf_counter() - started
+        seconds = perf_counter() - started
         server.served_tokens += count
         server.recent.append({"stopped_by": stopped_by, "tokens": count, "seconds": round(seconds, 4)})
         put("done", {"stopped_by": stopped_by, "tokens": count, "seconds": seconds,
