@@ -81,6 +81,12 @@ class TrainConfig:
     # has fast bf16 (CUDA with bf16, a CPU with AVX512-BF16 or AMX), else fp32
     precision: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
     compile: bool = False  # torch.compile the model (slow first steps, faster after)
+    # blocks = recompute each block in the backward instead of keeping its activations (less memory, ~1/3
+    # more compute; gradients identical)
+    activation_checkpointing: Literal["none", "blocks"] = "none"
+    # with several processes: ddp = a full copy per process (DistributedDataParallel); fsdp = parameters,
+    # gradients and optimizer state sharded across processes (FSDP2, torch.distributed.fsdp.fully_shard)
+    parallelism: Literal["ddp", "fsdp"] = "ddp"
     seed: int = 1111
     varlen: bool = False  # reference's variable segment length during training
     roll: bool = False  # NVIDIA's per-epoch random roll of each training stream

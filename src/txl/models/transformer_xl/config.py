@@ -29,7 +29,9 @@ AttentionName = Literal[
     "full", "sliding", "sparse", "performer", "linformer", "linear", "bigbird", "lsh", "routing", "sinkhorn",
     "compressed", "synthesizer", "inducing",
 ]
-AttentionImpl = Literal["auto", "eager", "fast"]
+# eager = the reference; fast = the CPU-tuned kernel; sdpa / flex = fused GPU kernels (torch SDPA with the
+# position term as a bias / FlexAttention with a score_mod); auto = chosen per call by device (txl.nn.attention.registry)
+AttentionImpl = Literal["auto", "eager", "fast", "sdpa", "flex"]
 Backend = Literal["auto", "reference"]
 CompressionName = Literal["conv", "mean", "max"]
 

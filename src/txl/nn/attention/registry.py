@@ -42,7 +42,7 @@ from txl.nn.options import NoOptions, Options
 Kernel = Callable[..., Any]
 
 KERNELS: dict[tuple[str, str], Kernel] = {}
-IMPLS = ("eager", "fast")
+IMPLS = ("eager", "fast", "sdpa", "flex")
 
 
 @dataclass(frozen=True)
