@@ -54,7 +54,7 @@ from txl.data.cache import (
     replace_dir,
     sha256_file,
 )
-from txl.data.encode import _encode, _texts, build
+from txl.data.encode import _encode, _texts, build, write_splits
 from txl.data.readers import READER_VERSION, Log, Plan, make_plan
 from txl.data.spec import DataSpec, parse_spec
 from txl.data.vocab import Vocab
@@ -451,7 +451,6 @@ def _unknown_symbols(plan: Plan, vocab: Vocab) -> dict[str, int]:
 def _build_with_vocab(plan: Plan, out: Path, vocab: Vocab, log: Log | None) -> dict:
     """`txl.data.encode.build` with a given vocabulary: every split encoded with it (symbols it lacks as its
     `<unk>`), the vocabulary saved as the corpus's. Returns the per-split part of meta.json."""
-    say = log or (lambda _msg: None)
     unknown = _unknown_symbols(plan, vocab)
     if unknown and vocab.unk is None:
         total = sum(unknown.values())
@@ -459,30 +458,14 @@ def _build_with_vocab(plan: Plan, out: Path, vocab: Vocab, log: Log | None) -> d
                              f"occurrences: {describe_symbols(unknown)}) and the vocabulary has no <unk> to read "
                              "them as", unknown)
     vocab.save(out / "vocab.json")
-    splits: dict[str, dict] = {}
-    for split, segments in plan.splits.items():
-        say(f"{plan.spec.name}: tokenizing {split} with the given {vocab.kind} vocabulary")
-        writer = NpyWriter(out / f"{split}.npy", vocab.dtype)
-        offsets = NpyWriter(out / f"{split}.offsets.npy", np.uint64) if plan.words and plan.words.sentences else None
-        try:
-            if vocab.kind == "chars" and unknown:  # the vocabulary's <unk> (a built one never has one)
-                for seg in segments:
-                    for _off, text, _open in _texts(seg, lines=False, why="a character-level corpus must be UTF-8"):
-                        writer.write(vocab.encode("".join(vocab.unk if c in unknown else c for c in text)))
-            else:
-                _encode(plan, vocab, segments, writer, offsets)  # words: stoi.get(word, unk)
-            n = writer.close()
-            entry = {"file": f"{split}.npy", "tokens": n, "dtype": vocab.dtype.name}
-            if offsets is not None:
-                offsets.close()
-                entry.update(offsets=f"{split}.offsets.npy", sentences=offsets.count - 1)
-        except BaseException:
-            writer.abort()
-            if offsets is not None:
-                offsets.abort()
-            raise
-        if n < 2:
-            raise DataError(f"{plan.spec.name}: the {split} split has {n} token(s) with the given vocabulary; a split "
-                            "needs at least 2 tokens, use a larger corpus")
-        splits[split] = entry
+
+    def encode(plan: Plan, vocab: Vocab, segments: list, writer: NpyWriter, offsets: NpyWriter | None) -> None:
+        if vocab.kind == "chars" and unknown:  # the vocabulary's <unk> (a built one never has one)
+            for seg in segments:
+                for _off, text, _open in _texts(seg, lines=False, why="a character-level corpus must be UTF-8"):
+                    writer.write(vocab.encode("".join(vocab.unk if c in unknown else c for c in text)))
+        else:
+            _encode(plan, vocab, segments, writer, offsets)  # words: stoi.get(word, unk)
+
+    splits = write_splits(plan, out, vocab, log, encode=encode, given_vocab=True)
     return {"splits": splits, "vocab_size": vocab.size, "vocab_fingerprint": vocab.fingerprint, "unknown": unknown}

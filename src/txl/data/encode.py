@@ -9,7 +9,7 @@ exists in Python.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -89,9 +89,26 @@ def build(plan: Plan, out: Path, log: Log | None = None) -> dict:
     say(f"{plan.spec.name}: building the {plan.tokenizer} vocabulary")
     vocab = _build_vocab(plan)
     vocab.save(out / "vocab.json")
+    splits = write_splits(plan, out, vocab, log)
+    return {"splits": splits, "vocab_size": vocab.size, "vocab_fingerprint": vocab.fingerprint}
+
+
+Encoder = Callable[[Plan, Vocab, list[Segment], NpyWriter, "NpyWriter | None"], None]
+
+
+def write_splits(plan: Plan, out: Path, vocab: Vocab, log: Log | None = None, *, encode: Encoder | None = None,
+                 given_vocab: bool = False) -> dict[str, dict]:
+    """Encode every split of `plan` with `vocab` into `out/<split>.npy` (+ `.offsets.npy` for sentence
+    corpora) through `encode` (default: the plan's tokenizer). A split that fails leaves no file
+    behind; one with fewer than 2 tokens is a `DataError`. `given_vocab`: the vocabulary came from
+    elsewhere (fine-tuning), which the messages say. Returns the per-split entries of `meta.json`."""
+    say = log or (lambda _msg: None)
+    encode = encode or _encode
     splits: dict[str, dict] = {}
     for split, segments in plan.splits.items():
-        say(f"{plan.spec.name}: tokenizing {split} ({sum(s.end - s.start for s in segments):,} bytes)")
+        how = (f"with the given {vocab.kind} vocabulary" if given_vocab
+               else f"({sum(s.end - s.start for s in segments):,} bytes)")
+        say(f"{plan.spec.name}: tokenizing {split} {how}")
         writer = NpyWriter(out / f"{split}.npy", vocab.dtype)
         offsets = (
             NpyWriter(out / f"{split}.offsets.npy", np.uint64)
@@ -99,7 +116,7 @@ def build(plan: Plan, out: Path, log: Log | None = None) -> dict:
             else None
         )
         try:
-            _encode(plan, vocab, segments, writer, offsets)
+            encode(plan, vocab, segments, writer, offsets)
             n = writer.close()
             entry = {"file": f"{split}.npy", "tokens": n, "dtype": vocab.dtype.name}
             if offsets is not None:
@@ -113,12 +130,13 @@ def build(plan: Plan, out: Path, log: Log | None = None) -> dict:
             raise
         if n < 2:
             where = ", ".join(sorted({s.label for s in segments})) or str(plan.root)
+            source = "with the given vocabulary" if given_vocab else f"(from {where})"
             raise DataError(
-                f"{plan.spec.name}: the {split} split has {n} token(s) (from {where}); "
+                f"{plan.spec.name}: the {split} split has {n} token(s) {source}; "
                 f"a split needs at least 2 tokens, use a larger corpus"
             )
         splits[split] = entry
-    return {"splits": splits, "vocab_size": vocab.size, "vocab_fingerprint": vocab.fingerprint}
+    return splits
 
 
 def _build_vocab(plan: Plan) -> Vocab:
