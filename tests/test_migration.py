@@ -14,7 +14,7 @@ from txl import ConfigError, EncoderDecoderConfig, RecurrentConfig, TransformerX
 from txl.errors import CheckpointError
 from txl.models.checkpoint import RUN_SETTINGS, check_run_setting
 from txl.models.configuration import CONFIGS
-from txl.models.migration import KEPT, LEGACY_DEFAULTS, OPTION_KEYS, migrate
+from txl.models.migration import ADDED_SINCE, KEPT, LEGACY_DEFAULTS, OPTION_KEYS, migrate
 from txl.models.registry import config_from_dict, load_config
 from txl.train.config import build_run_config, check_train_value
 
@@ -27,13 +27,16 @@ def legacy_config(name: str) -> dict:
 
 
 def test_each_architecture_has_only_its_own_fields():
-    """76 fields in one config before; now 39 (decoder), 23 (encoder-decoder), 15 (recurrent LMs)."""
+    """76 fields in one config before; then 39 (decoder), 23 (encoder-decoder), 15 (recurrent LMs); the
+    decoder has 6 more since (issue 47's block options: defaults = the old behaviour, so no migration step)."""
     assert len(LEGACY_DEFAULTS) == 76
     counts = {cls.__name__: len(dataclasses.fields(cls)) for cls in (TransformerXLConfig, EncoderDecoderConfig,
                                                                     RecurrentConfig)}
-    assert counts == {"TransformerXLConfig": 39, "EncoderDecoderConfig": 23, "RecurrentConfig": 15}
+    assert counts == {"TransformerXLConfig": 39 + 6, "EncoderDecoderConfig": 23, "RecurrentConfig": 15}
     for arch, cls in CONFIGS.items():  # the migration's frozen table is this change's shapes
-        assert set(cls.field_names()) - OPTION_FIELDS == KEPT[arch], arch
+        added = ADDED_SINCE.get(arch, frozenset())
+        assert set(cls.field_names()) - OPTION_FIELDS - added == KEPT[arch], arch
+        assert not added & set(LEGACY_DEFAULTS), arch  # new keys: never in a legacy config.json
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in LEGACY.iterdir() if (p / "config.json").is_file()))

@@ -140,7 +140,7 @@ def projection_key(model: nn.Module, dtype: torch.dtype) -> tuple:
     autocast = torch.is_autocast_enabled(device)
     params = [block.attn.kv_proj.weight for block in model.blocks]  # bias-free; read per call, never cached
     if model.config.pre_lnorm:
-        params += [p for block in model.blocks for p in (block.attn_norm.weight, block.attn_norm.bias)]
+        params += [p for block in model.blocks for p in block.attn_norm.parameters()]  # LayerNorm or RMSNorm
     return (dtype, autocast, torch.get_autocast_dtype(device) if autocast else None,
             *((p.data_ptr(), p._version) for p in params))
 

@@ -112,6 +112,12 @@ KEPT: dict[str, frozenset[str]] = {
     "lstm": frozenset(_RECURRENT),
     "sha-rnn": frozenset(_RECURRENT),
 }
+# Fields added to an architecture's config after this migration (issue 47: the recurrence variant and the
+# block options). They need no step: a config written before them lacks the keys and gets the defaults, which
+# are the behaviour it was trained with (the paper's recurrence, residual, LayerNorm, ReLU, n_head k/v heads).
+ADDED_SINCE: dict[str, frozenset[str]] = {
+    "decoder": frozenset(("memory_source", "residual", "norm", "ffn", "n_kv_head", "qk_norm")),
+}
 # Values the old checks forced on an architecture (besides the defaults): dropped like defaults.
 FORCED: dict[str, dict[str, Any]] = {"encoder-decoder": {"mem_len": 0}}
 
@@ -171,4 +177,4 @@ def legacy_option(key: str) -> tuple[str, tuple[str, ...], str] | None:
     return OPTION_KEYS.get(key)
 
 
-__all__ = ["KEPT", "LEGACY_DEFAULTS", "OPTION_KEYS", "legacy_option", "migrate"]
+__all__ = ["ADDED_SINCE", "KEPT", "LEGACY_DEFAULTS", "OPTION_KEYS", "legacy_option", "migrate"]

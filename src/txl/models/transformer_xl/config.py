@@ -34,6 +34,11 @@ AttentionName = Literal[
 AttentionImpl = Literal["auto", "eager", "fast", "sdpa", "flex"]
 Backend = Literal["auto", "reference"]
 CompressionName = Literal["conv", "mean", "max"]
+# Recurrence and block options (docs/guide/models.md, "Block options and recurrence variants")
+MemorySource = Literal["previous-layer", "same-layer"]
+Residual = Literal["add", "gru-gate"]
+NormName = Literal["layernorm", "rmsnorm"]
+FeedForwardName = Literal["relu", "gelu", "swiglu", "geglu"]
 
 POSITIONAL_NAMES: tuple[str, ...] = get_args(PositionalName)
 ATTENTION_NAMES: tuple[str, ...] = get_args(AttentionName)
@@ -75,6 +80,20 @@ class TransformerXLConfig(ModelConfig):
     attention_impl: AttentionImpl = "auto"  # the kernel: eager = the reference einsum; fast = fused/strided; auto = fast if any
     backend: Backend = "auto"  # auto = the CPU fast backend (txl/fast: dropout RNG, oneDNN linears, caches); reference = plain PyTorch
     causal: bool = True  # False = bidirectional encoder (masked LM): no memory, no causal mask
+    # --- recurrence variant and block options (defaults: the paper's) ---------------------------
+    # previous-layer: layer l attends over [its own input of the previous segment ; its input] (Dai et al.);
+    # same-layer: over [its own OUTPUT of the previous segment ; its input] (ERNIE-Doc's enhanced recurrence,
+    # Ding et al. 2021): a longer effective context, at the price of segment invariance
+    memory_source: MemorySource = "previous-layer"
+    # add: x + sublayer(x); gru-gate: GTrXL's gated residual (Parisotto et al. 2019), GRU gate g(x, ReLU(sublayer)),
+    # with the identity-map reordering (needs pre_lnorm=true); the gate starts near identity (b_g = 2)
+    residual: Residual = "add"
+    norm: NormName = "layernorm"  # every block norm and the final one; rmsnorm: x / rms(x) * g, no bias and no centring
+    # relu (the paper) | gelu: Linear(d_model, d_inner) -> act -> Linear(d_inner, d_model); swiglu | geglu (Shazeer
+    # 2020): d_inner is the gated width, fc1 makes value and gate (2·d_inner): 3·d_model·d_inner weights, not 2·
+    ffn: FeedForwardName = "relu"
+    n_kv_head: int | None = None  # key/value heads (grouped-query attention); None = n_head, 1 = multi-query
+    qk_norm: bool = False  # RMSNorm of q and k per head (learned d_head scale) before the scores
     # memory tokens (Sukhbaatar et al. 2019 persistent memory; ETC-style global memory): m learned key/value
     # vectors per layer and head that every query attends to, beside [memory ; segment]; 0 = off
     memory_tokens: int = 0
@@ -140,6 +159,7 @@ class TransformerXLConfig(ModelConfig):
         if self.universal and self.cmem_len:
             raise ConfigError("config.cmem_len (compressive memory) is not available with universal=true")
         self._validate_memory()
+        self._validate_block_options()
         check_layers(self)
 
     def _validate_adaptive(self) -> None:
@@ -178,12 +198,40 @@ class TransformerXLConfig(ModelConfig):
                     "set cmem_len=0 or same_length=false"
                 )
 
+    def _validate_block_options(self) -> None:
+        """Grouped-query heads divide the query heads; the GTrXL gate sits in pre-LN blocks; compressive
+        memory's reconstruction loss re-runs the paper's block, so it takes the paper's options."""
+        if self.n_kv_head is not None and not (1 <= self.n_kv_head <= self.n_head and self.n_head % self.n_kv_head == 0):
+            raise ConfigError(f"config.n_kv_head={self.n_kv_head} must divide n_head={self.n_head} "
+                              "(each key/value head serves n_head/n_kv_head query heads); null = n_head")
+        if self.residual == "gru-gate" and not self.pre_lnorm:
+            raise ConfigError("config.residual='gru-gate' is GTrXL's gate on the identity-map (pre-LN) block: "
+                              "set pre_lnorm=true")
+        if self.cmem_len:
+            changed = [f"{name}={value!r}" for name, value, default in (
+                ("memory_source", self.memory_source, "previous-layer"), ("norm", self.norm, "layernorm"),
+                ("n_kv_head", self.kv_heads, self.n_head), ("qk_norm", self.qk_norm, False)) if value != default]
+            if changed:
+                raise ConfigError(f"config.cmem_len (compressive memory) takes the paper's attention, not "
+                                  f"{', '.join(changed)}: its reconstruction loss re-runs it; set cmem_len=0")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_head, or n_head (multi-head attention) when it is None."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def glu(self) -> bool:
+        """A gated feed-forward (swiglu, geglu): fc1 makes 2·d_inner features, value and gate."""
+        return self.ffn in ("swiglu", "geglu")
+
     def num_parameters_estimate(self) -> int:
         """A lower bound of the non-embedding parameter count (attention and feed-forward weights), in
         Python integers: a checkpoint loader compares it with the weights on disk before building
         anything (an absurd config.json is refused without allocating)."""
-        per_layer = 4 * self.d_model * self.n_head * self.d_head + 2 * self.d_model * self.d_inner
-        per_layer += 2 * self.memory_tokens * self.n_head * self.d_head
+        per_layer = 2 * self.d_model * (self.n_head + self.kv_heads) * self.d_head  # q, o; k, v
+        per_layer += (3 if self.glu else 2) * self.d_model * self.d_inner
+        per_layer += 2 * self.memory_tokens * self.kv_heads * self.d_head
         return self.n_layer * per_layer
 
 

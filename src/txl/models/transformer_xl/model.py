@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from txl.errors import UsageError
@@ -28,18 +29,25 @@ from txl.models.transformer_xl.universal import UniversalDepth
 from txl.nn.attention.layer import Attention
 from txl.nn.attention.masks import AttentionMask
 from txl.nn.backend import REFERENCE, Backend
+from txl.nn.feedforward import activation, fc1_width
+from txl.nn.gating import GRUGate
 from txl.nn.memory import MemoryPass, MemoryState, register_pytree
+from txl.nn.norms import build_norm
 from txl.nn.positional import LayerPositions
+from txl.nn.recurrence import same_layer_memory
 from txl.nn.regularization import locked_dropout, word_dropout
 
 
 class FeedForward(nn.Module):
-    """Position-wise FFN as the reference: Linear, ReLU, Dropout, Linear, Dropout."""
+    """Position-wise FFN: Linear, activation + Dropout, Linear, Dropout. The activation is the config's
+    `ffn` (txl/nn/feedforward.py): ReLU as the reference, GELU, or a gated unit (SwiGLU, GeGLU) whose fc1
+    makes value and gate, 2·d_inner wide."""
 
     def __init__(self, config: TransformerXLConfig, *, backend: Backend = REFERENCE):
         super().__init__()
-        self.fc1 = backend.Linear(config.d_model, config.d_inner)
-        self.activation = backend.relu_dropout(config.dropout)  # ReLU, then Dropout
+        self.fc1 = backend.Linear(config.d_model, fc1_width(config.ffn, config.d_inner))
+        self.activation = activation(config.ffn, config.dropout, dropout_cls=backend.Dropout,
+                                     relu_dropout=backend.relu_dropout)
         self.fc2 = backend.Linear(config.d_inner, config.d_model)
         self.drop = backend.Dropout(config.dropout)
 
@@ -48,30 +56,47 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """One decoder layer. Post-LN by default (the paper); pre-LN with `pre_lnorm`."""
+    """One decoder layer. Post-LN by default (the paper); pre-LN with `pre_lnorm`; GTrXL's gated pre-LN
+    block with `residual="gru-gate"` (Parisotto et al. 2019: each residual sum x + y becomes a GRU gate
+    g(x, ReLU(y)), txl/nn/gating.py). The norms are the config's `norm` (LayerNorm or RMSNorm)."""
 
     def __init__(self, config: TransformerXLConfig, *, layer_idx: int = 0, backend: Backend = REFERENCE):
         super().__init__()
         self.pre_lnorm = config.pre_lnorm
         self.attn = Attention(config, layer_idx=layer_idx, backend=backend)
-        self.attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.attn_norm = build_norm(config.norm, config.d_model, eps=config.layer_norm_eps)
         self.ff = FeedForward(config, backend=backend)
-        self.ff_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.ff_norm = build_norm(config.norm, config.d_model, eps=config.layer_norm_eps)
+        gated = config.residual == "gru-gate"
+        self.attn_gate = GRUGate(config.d_model, backend=backend) if gated else None
+        self.ff_gate = GRUGate(config.d_model, backend=backend) if gated else None
+        # ERNIE-Doc (memory_source="same-layer"): the memory keeps this block's output, not its input
+        self.keeps_output = config.memory_source == "same-layer"
 
     def forward(
         self, h: Tensor, *, memory: MemoryPass | None, positions: LayerPositions, mask: AttentionMask,
         need_weights: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """h (b, t, d_model) -> (b, t, d_model), and the attention probabilities with `need_weights`.
-        `memory` gives the attention [memory ; h] and keeps h (this layer's input) for the next segment."""
-        if self.pre_lnorm:  # the context [memory ; h] is normalised too
+        `memory` gives the attention [memory ; h] and keeps h (this layer's input) for the next segment,
+        or the output with `memory_source="same-layer"` (a `txl.nn.recurrence.SameLayerUpdate`)."""
+        if self.attn_gate is not None:  # GTrXL: identity-map reordering, gates instead of sums
+            attended, probs = self.attn(self.attn_norm(h), h, positions=positions, mask=mask, memory=memory,
+                                        source_norm=self.attn_norm, need_weights=need_weights)
+            h = self.attn_gate(h, F.relu(attended))
+            out = self.ff_gate(h, F.relu(self.ff(self.ff_norm(h))))
+        elif self.pre_lnorm:  # the context [memory ; h] is normalised too
             attended, probs = self.attn(self.attn_norm(h), h, positions=positions, mask=mask, memory=memory,
                                         source_norm=self.attn_norm, need_weights=need_weights)
             h = h + attended
-            return h + self.ff(self.ff_norm(h)), probs
-        attended, probs = self.attn(h, positions=positions, mask=mask, memory=memory, need_weights=need_weights)
-        h = self.attn_norm(h + attended)
-        return self.ff_norm(h + self.ff(h)), probs
+            out = h + self.ff(self.ff_norm(h))
+        else:
+            attended, probs = self.attn(h, positions=positions, mask=mask, memory=memory, need_weights=need_weights)
+            h = self.attn_norm(h + attended)
+            out = self.ff_norm(h + self.ff(h))
+        if self.keeps_output and memory is not None:
+            memory.keep_output(self.attn.layer_idx, out)  # layer_idx: the universal transformer's step too
+        return out, probs
 
 
 @dataclass
@@ -138,16 +163,19 @@ class TransformerXL(nn.Module):
         self.blocks = nn.ModuleList(Block(config, layer_idx=i, backend=backend)
                                     for i in range(1 if config.universal else config.n_layer))
         final_norm = config.pre_lnorm and config.final_norm  # post-LN output is already normalised
-        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if final_norm else nn.Identity()
+        self.norm = build_norm(config.norm, config.d_model, eps=config.layer_norm_eps) if final_norm else nn.Identity()
         self.head = AdaptiveLogSoftmax(config, self.embed, linear=backend.linear)
         self.compressor = MemoryCompressor(config) if config.cmem_len else None
-        self.memory_kind = backend.memory_kind  # how a forward pass reads and writes the memory (txl.nn.memory)
+        # how a forward pass reads and writes the memory (txl.nn.memory); ERNIE-Doc's same-layer
+        # recurrence keeps each layer's output instead (txl.nn.recurrence, the same pass on both backends)
+        same_layer = config.memory_source == "same-layer"
+        self.memory_kind = same_layer_memory if same_layer else backend.memory_kind
         self.reset_parameters()
 
     # ------------------------------------------------------------------------------------------
     def reset_parameters(self) -> None:
         """The reference's normal init: weights N(0, init_std), projections N(0, proj_init_std),
-        LayerNorm weights N(1, init_std), biases 0."""
+        LayerNorm (and RMSNorm) weights N(1, init_std), biases 0; GTrXL gates' b_g at its start value."""
         std, proj_std = self.config.init_std, self.config.proj_init_std
         for module in self.modules():
             if isinstance(module, nn.Linear):
@@ -159,6 +187,10 @@ class TransformerXL(nn.Module):
             elif isinstance(module, nn.LayerNorm):
                 nn.init.normal_(module.weight, 1.0, std)
                 nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.RMSNorm):
+                nn.init.normal_(module.weight, 1.0, std)
+            elif isinstance(module, GRUGate):
+                module.reset_bias()
         for name, param in self.named_parameters():
             if ".projs." in f".{name}":
                 nn.init.normal_(param, 0.0, proj_std)

@@ -17,6 +17,20 @@ in the sequence: distance 0 would add each encoding's own-position term to every
 The plain score is the same under every encoding and leaves segment invariance and causality as they
 are. Under RoPE, xPos and ALiBi it is exactly distance 0 (equal rotations cancel, the decay and the
 bias are neutral at 0). The kernel learns of them through `AttentionMask.memory_tokens`.
+
+Grouped-query attention (`config.n_kv_head`; Ainslie et al. 2023, GQA; multi-query at n_kv_head = 1,
+Shazeer 2019): the key/value projection makes n_kv_head heads, and query head j reads key/value head
+j // (n_head / n_kv_head) (consecutive query heads share one, as Hugging Face's `repeat_kv`). What a
+memory keeps is therefore only the key/value heads wherever it keeps projections (the fast backend's
+projection cache holds the (b, n, 2·n_kv_head·d_head) projection); the plain memory keeps the layer's
+input states (d_model wide), which GQA does not change. The heads are repeated for the kernel, whose
+signature stays (b, n_head, n, d) for q, k and v. Memory tokens are per key/value head.
+
+qk-norm (`config.qk_norm`; Henry et al. 2020, Dehghani et al. 2023, as OLMo 2 and Qwen3 use it): q and
+k are RMS-normalised per head over d_head, each with a learned gain of d_head (shared by the heads),
+after the projection and before the kernel (so before positions: xl's u and v biases, RoPE's rotation).
+The scores keep their 1/sqrt(d_head) scale; the gains can learn a sharper one. The memory's projections
+are cached before the norm, so a cache stays valid.
 """
 
 from __future__ import annotations
@@ -47,14 +61,18 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx  # which layer's memory `memory.keys_values` reads and writes
         self.n_head, self.d_head = config.n_head, config.d_head
+        self.n_kv_head = getattr(config, "n_kv_head", None) or config.n_head  # grouped-query: fewer k/v heads
         inner = config.n_head * config.d_head
         self.q_proj = backend.Linear(config.d_model, inner, bias=False)
-        self.kv_proj = backend.Linear(config.d_model, 2 * inner, bias=False)
+        self.kv_proj = backend.Linear(config.d_model, 2 * self.n_kv_head * config.d_head, bias=False)
         self.o_proj = backend.Linear(inner, config.d_model, bias=False)
         self.drop = backend.Dropout(config.dropout)
         self.dropatt = config.dropatt
-        m = config.memory_tokens  # learned keys (index 0) and values (1), per head
-        self.memory_tokens = nn.Parameter(torch.zeros(2, config.n_head, m, config.d_head)) if m else None
+        m = config.memory_tokens  # learned keys (index 0) and values (1), per key/value head
+        self.memory_tokens = nn.Parameter(torch.zeros(2, self.n_kv_head, m, config.d_head)) if m else None
+        qk_norm = getattr(config, "qk_norm", False)  # per-head RMSNorm of q and k (a learned d_head gain)
+        self.q_norm = nn.RMSNorm(config.d_head, eps=config.layer_norm_eps) if qk_norm else None
+        self.k_norm = nn.RMSNorm(config.d_head, eps=config.layer_norm_eps) if qk_norm else None
         # Kernels that own parameters or buffers (Linformer projections, Performer features) are
         # modules built per layer.
         kernel = resolve_kernel(config.attention, config.attention_impl)
@@ -79,11 +97,15 @@ class Attention(nn.Module):
         project = self.kv_proj if source_norm is None else _Normed(source_norm, self.kv_proj)
         kv = project(source) if memory is None else memory.keys_values(self.layer_idx, source, project)
         q = self.q_proj(x).view(b, i, self.n_head, self.d_head).transpose(1, 2)  # (b, h, i, d)
-        k, v = split_kv(kv, self.n_head)  # (b, h, n, d) each
+        k, v = split_kv(kv, self.n_kv_head)  # (b, kv_h, n, d) each
         if self.memory_tokens is not None:  # keys and values over [tokens ; memory ; segment]
-            tokens = self.memory_tokens.to(k.dtype)[:, None].expand(-1, b, -1, -1, -1)  # (2, b, h, m, d)
+            tokens = self.memory_tokens.to(k.dtype)[:, None].expand(-1, b, -1, -1, -1)  # (2, b, kv_h, m, d)
             k, v = torch.cat([tokens[0], k], dim=2), torch.cat([tokens[1], v], dim=2)
             mask = dataclasses.replace(mask, memory_tokens=tokens.shape[3])
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.n_kv_head != self.n_head:
+            k, v = repeat_kv(k, self.n_head), repeat_kv(v, self.n_head)  # (b, h, n, d) each
         out, probs = self.kernel(q, k, v, positions=positions, mask=mask, dropatt=self.dropatt,
                                  training=self.training, need_weights=need_weights)
         out = out.transpose(1, 2).reshape(b, i, self.n_head * self.d_head)  # (b, i, h*d)
@@ -94,6 +116,12 @@ def split_kv(kv: Tensor, n_head: int) -> tuple[Tensor, Tensor]:
     """The key/value projection (b, n, 2·h·d) as k and v (b, h, n, d): views of its two halves."""
     b, n, width = kv.shape
     return kv.view(b, n, 2, n_head, width // (2 * n_head)).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+def repeat_kv(x: Tensor, n_head: int) -> Tensor:
+    """(b, kv_h, n, d) -> (b, n_head, n, d): each key/value head serves n_head / kv_h consecutive query heads."""
+    b, kv_heads, n, d = x.shape
+    return x[:, :, None].expand(b, kv_heads, n_head // kv_heads, n, d).reshape(b, n_head, n, d)
 
 
 class _Normed:
