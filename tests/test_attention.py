@@ -278,8 +278,8 @@ def kernel_config(tiny, name: str, **overrides):
 @pytest.mark.parametrize("name", KERNEL_NAMES)
 def test_every_kernel_fast_equals_its_eager_reference(name, tiny):
     impls = {impl for n, impl in KERNELS if n == name}
-    if impls != {"eager", "fast"}:
-        pytest.skip(f"attention={name!r} has one implementation ({', '.join(sorted(impls))})")
+    if not {"eager", "fast"} <= impls:  # (the fused sdpa/flex impls: tests/test_fused_attention.py)
+        pytest.skip(f"attention={name!r} has no fast implementation ({', '.join(sorted(impls))})")
     config = kernel_config(tiny, name)
     torch.manual_seed(0)
     eager = TransformerXL(config.replace(attention_impl="eager", backend="reference")).eval()

@@ -160,11 +160,13 @@ def test_chunked_evaluation_equals_one_chunk(monkeypatch):
     torch.testing.assert_close(chunked, reference, atol=1e-5, rtol=0)
 
 
-def test_auto_prefers_the_fast_kernel():
+def test_auto_prefers_the_fast_kernel_on_the_cpu():
+    """auto chooses per call by device (issue 46): the fast kernel on the CPU, a fused one on CUDA
+    (tests/test_fused_attention.py tests the choice)."""
     assert KERNELS[("full", "fast")] is fast_attention
-    assert resolve_kernel("full", "auto") is fast_attention
+    assert resolve_kernel("full", "auto").kernels["cpu"] is fast_attention
     config = TransformerXLConfig(vocab_size=11, n_layer=1, d_model=8, n_head=2, d_head=4, d_inner=8)
-    assert TransformerXL(config).blocks[0].attn.kernel is fast_attention
+    assert TransformerXL(config).blocks[0].attn.kernel.kernels["cpu"] is fast_attention
 
 
 @pytest.mark.parametrize(("q_len", "k_len"), [(5, 5), (4, 9), (1, 7), (6, 13)])

@@ -14,8 +14,10 @@ owns the projections. Every kernel has this one signature:
 
 out is (b, h, i, d). A kernel that cannot honour part of the request (a padding mask, the
 probabilities, a window) raises `UsageError` naming itself. `impl` is "eager" for the reference (plain
-PyTorch, readable top to bottom) and "fast" for a faster kernel tested against it; a kernel class
-(an `nn.Module`, for kernels with parameters or buffers) is built once per layer with the config.
+PyTorch, readable top to bottom), "fast" for a faster kernel tested against it (tuned on the CPU), and
+"sdpa" / "flex" for the fused GPU kernels of `txl.nn.attention.fused` (added to a registered kernel
+by `add_impl`); `attention_impl="auto"` picks per call by device (`auto_impl`, `by_device`). A kernel
+class (an `nn.Module`, for kernels with parameters or buffers) is built once per layer with the config.
 
 `register` also says what a kernel can take (causal, bidirectional, score terms), declares its
 options (`options=SlidingOptions`, a `txl.nn.options.Options` dataclass that validates itself; the
@@ -64,8 +66,15 @@ SPECS: dict[str, KernelSpec] = {}
 # The kernels that ship with txl (each module registers its own).
 BUILTIN_MODULES = (
     "eager", "xl_fast", "sliding", "sparse", "performer", "linformer", "linear", "bigbird", "lsh", "routing",
-    "sinkhorn", "compressed", "synthesizer", "inducing",
+    "sinkhorn", "compressed", "synthesizer", "inducing", "fused",  # fused last: it adds impls to the kernels above
 )
+
+# The impl `attention_impl="auto"` runs on a CUDA device, per kernel (on every other device: "fast" where
+# there is one, else "eager"). A constant until a GPU measures the choice (scripts/device_check.sh times
+# sdpa against flex): full takes SDPA (one dense fused kernel with the position term as a bias);
+# sliding and sparse take FlexAttention, whose block mask skips the blocks outside the band, where
+# SDPA would run the whole (i, n) score matrix and hold an (h, i, n) mask (txl.nn.attention.fused).
+CUDA_AUTO = {"full": "sdpa", "sliding": "flex", "sparse": "flex"}
 
 
 def register(
@@ -81,7 +90,7 @@ def register(
     cross_attention: bool = True,
     options: type[Options] | None = None,
 ) -> Callable[[Kernel], Kernel]:
-    """Decorator: make `kernel` the `impl` ("eager" or "fast") of attention `name`. The keyword
+    """Decorator: make `kernel` the `impl` ("eager", "fast", "sdpa" or "flex") of attention `name`. The keyword
     arguments describe what the kernel can take (`KernelSpec`); the last registration of a name sets them.
     `options`: the kernel's options dataclass (None: keep the one an earlier registration of `name`
     gave, else `NoOptions`)."""
@@ -98,6 +107,21 @@ def register(
         SPECS[name] = KernelSpec(causal=causal, bidirectional=bidirectional, score_terms=score_terms, check=check,
                                  global_mask=global_mask, memory_tokens=memory_tokens,
                                  cross_attention=cross_attention, options=chosen)
+        return kernel
+
+    return add
+
+
+def add_impl(name: str, impl: str) -> Callable[[Kernel], Kernel]:
+    """Decorator: one more impl of the registered attention `name`, which keeps what `register` said the
+    kernel can take (its `KernelSpec`): the fused "sdpa" and "flex" impls of `txl.nn.attention.fused`."""
+    if impl not in IMPLS:
+        raise ValueError(f"kernel impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+
+    def add(kernel: Kernel) -> Kernel:
+        if name not in SPECS:
+            raise ValueError(f"add_impl({name!r}, {impl!r}): register the attention {name!r} first")
+        KERNELS[(name, impl)] = kernel
         return kernel
 
     return add
@@ -127,11 +151,25 @@ def check_attention_name(attention: str) -> None:
         raise ConfigError(f"config.attention={attention!r} is not a registered attention kernel{hint}")
 
 
+def auto_impl(attention: str, device_type: str) -> str:
+    """The impl `attention_impl="auto"` runs for `attention` on a device of this type ("cuda", "cpu",
+    ...): `CUDA_AUTO`'s fused impl on CUDA where the kernel has it, else "fast" where there is one, else
+    "eager"."""
+    load_builtin_kernels()
+    fused = CUDA_AUTO.get(attention)
+    if device_type == "cuda" and (attention, fused) in KERNELS:
+        return fused
+    return "fast" if (attention, "fast") in KERNELS else "eager"
+
+
 def resolve_kernel(attention: str, impl: str) -> Kernel:
-    """The kernel for `attention` and `impl`; "auto" takes "fast" when there is one, else "eager"."""
+    """The kernel for `attention` and `impl`. "auto" is `auto_impl`'s choice, made per call by the
+    device of the queries (`by_device`) when it differs between CUDA and the CPU, else that kernel itself."""
     load_builtin_kernels()
     if impl == "auto":
-        impl = "fast" if (attention, "fast") in KERNELS else "eager"
+        impl, cuda = auto_impl(attention, "cpu"), auto_impl(attention, "cuda")
+        if cuda != impl and (attention, impl) in KERNELS:
+            return by_device(KERNELS[(attention, impl)], KERNELS[(attention, cuda)])
     if (attention, impl) in KERNELS:
         return KERNELS[(attention, impl)]
     check_attention_name(attention)
@@ -140,6 +178,43 @@ def resolve_kernel(attention: str, impl: str) -> Kernel:
         f"config.attention_impl={impl!r} is not available for attention={attention!r} "
         f"(available: {', '.join(available)})"
     )
+
+
+_BY_DEVICE: dict[tuple[Kernel, Kernel], Kernel] = {}
+
+
+def by_device(cpu: Kernel, cuda: Kernel) -> Kernel:
+    """One kernel that runs `cuda` when the queries are on a CUDA device and `cpu` otherwise, decided per
+    call by `q.is_cuda` (one attribute read and a branch: no lookup, no import), so a model moved
+    between devices after it was built runs the right one. Kernel functions give a function; kernel
+    classes give a subclass of `cuda`, which must subclass `cpu` (one `__init__`, one set of
+    parameters). The same pair gives the same object."""
+    key = (cpu, cuda)
+    if key in _BY_DEVICE:
+        return _BY_DEVICE[key]
+    if isinstance(cpu, type):
+        if not (isinstance(cuda, type) and issubclass(cuda, cpu)):
+            raise TypeError(f"by_device: {cuda!r} must subclass {cpu!r}")
+
+        def forward(self, q, k, v, *, positions, mask, dropatt, training, need_weights=False):
+            kernel = cuda if q.is_cuda else cpu
+            return kernel.forward(self, q, k, v, positions=positions, mask=mask, dropatt=dropatt, training=training,
+                                  need_weights=need_weights)
+
+        chosen: Kernel = type(f"Auto{cpu.__name__}", (cuda,), {"forward": forward, "__module__": cuda.__module__,
+                                                               "__doc__": f"{cpu.__name__} on the CPU, {cuda.__name__} on CUDA"})
+    else:
+        def chosen(q, k, v, *, positions, mask, dropatt, training, need_weights=False):
+            if q.is_cuda:
+                return cuda(q, k, v, positions=positions, mask=mask, dropatt=dropatt, training=training,
+                            need_weights=need_weights)
+            return cpu(q, k, v, positions=positions, mask=mask, dropatt=dropatt, training=training,
+                       need_weights=need_weights)
+
+        chosen.__name__ = chosen.__qualname__ = f"auto[cpu: {cpu.__name__}, cuda: {cuda.__name__}]"
+    chosen.kernels = {"cpu": cpu, "cuda": cuda}  # what it chooses between (tests, reports)
+    _BY_DEVICE[key] = chosen
+    return chosen
 
 
 def refuse(
