@@ -175,6 +175,70 @@ def test_adaptive_softmax_under_half_autocast_is_finite(impl, precision):
     assert loss_rel < 2e-2, loss_rel
 
 
+# Fused attention (txl.nn.attention.fused) against the eager reference, both on the device. Few cases:
+# on CUDA every new shape and dtype of a flex call compiles Triton kernels (forward and backward).
+FUSED_CASES = [
+    ("full", "sdpa", "xl"), ("full", "flex", "xl"), ("full", "sdpa", "rope"), ("full", "sdpa", "t5"),
+    ("full", "auto", "xl"), ("sliding", "flex", "xl"), ("sliding", "sdpa", "alibi"),
+]
+SLIDING_OPTIONS = {"sliding": {"window": 8}}
+
+
+@pytest.fixture
+def _flex_cpu_backward(monkeypatch):
+    """With TXL_CUDA_TEST_DEVICE=cpu: FlexAttention's math backward, which torch refuses on the CPU."""
+    if DEVICE == "cpu":
+        from txl.nn.attention import fused
+
+        monkeypatch.setattr(fused, "FLEX_CPU_BACKWARD", True)
+        monkeypatch.setattr(torch.nn.attention.flex_attention, "_validate_device", lambda *tensors: None)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize(("attention", "impl", "pos"), FUSED_CASES)
+def test_fused_attention_equals_eager_on_the_gpu(attention, impl, pos, precision, _flex_cpu_backward):
+    """sdpa / flex (and auto, which is sdpa on CUDA for full) against eager on the device, with memory
+    over 3 segments: fp32 within 1e-4 (logits, memory, relative gradients); bf16 autocast within 2% of
+    eager fp32 (losses), gradients by direction, and no further from it than eager bf16 is, times 2."""
+    overrides = dict(attention=attention, pos_encoding=pos, attention_options=SLIDING_OPTIONS.get(attention))
+    eager = build("eager", **overrides).to(DEVICE).train()
+    fused = build(impl, **overrides).to(DEVICE).train()
+    fused.load_state_dict(eager.state_dict())
+    parts = segments()
+    reference = run_segments(eager, parts, DEVICE)
+    if precision == "fp32":
+        got = run_segments(fused, parts, DEVICE)
+        figures = dict(logits=max_diff(got[0], reference[0]), memory=max(max_diff(x, y) for x, y in zip(got[2], reference[2])),
+                       grad_rel=grad_error(got[3], reference[3]))
+        record(f"fused_equals_eager[{attention},{impl},{pos},fp32]", **figures)
+        assert figures["logits"] < 1e-4 and figures["memory"] < 1e-4, figures
+        assert figures["grad_rel"] < 1e-4, figures
+        return
+    got = run_segments(fused, parts, DEVICE, precision="bf16")
+    eager_half = run_segments(eager, parts, DEVICE, precision="bf16")
+    assert all(math.isfinite(x) for x in got[1]) and all(torch.isfinite(g).all() for g in got[3].values())
+
+    def loss_rel(run):
+        return max(abs(a - b) / abs(b) for a, b in zip(run[1], reference[1]))
+
+    def cosine(run):
+        return min(float(torch.nn.functional.cosine_similarity(run[3][k].flatten(), reference[3][k].flatten(), dim=0))
+                   for k in reference[3] if reference[3][k].norm() > 1e-6)
+
+    figures = dict(loss_rel=loss_rel(got), eager_bf16_loss_rel=loss_rel(eager_half), min_grad_cosine=cosine(got),
+                   eager_bf16_min_grad_cosine=cosine(eager_half))
+    record(f"fused_equals_eager[{attention},{impl},{pos},bf16]", **figures)
+    assert figures["loss_rel"] < 2e-2 and figures["loss_rel"] <= 2 * figures["eager_bf16_loss_rel"] + 1e-3, figures
+    assert figures["min_grad_cosine"] > 0.95, figures
+
+
+def test_auto_takes_the_fused_kernel_on_cuda():
+    from txl.nn.attention import registry
+
+    expected = registry.CUDA_AUTO["full"] if torch.device(DEVICE).type == "cuda" else "fast"
+    assert registry.auto_impl("full", torch.device(DEVICE).type) == expected
+
+
 def test_memory_stays_on_the_device_under_autocast():
     model = build("fast").to(DEVICE).eval()
     with torch.no_grad(), torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
