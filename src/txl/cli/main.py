@@ -28,6 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plot": ("PNG training curves (loss, bpc/ppl, lr, tokens/s) from one or more run directories", "plot"),
     "bench": ("benchmarks: train, eval, generate, mfu, kernel, curve, eval-speedup, attention-scaling, all", "bench"),
     "serve": ("a local playground page: streamed generation, attention over memory, loss vs memory length", "serve"),
+    "export": ("write a trained model's forward pass with memory as torch.export programs (and ONNX), checked "
+               "against the eager model", "export"),
     "import-hf": ("convert a Hugging Face TransfoXL checkpoint (a directory, or a hub repo id such as "
                   "transfo-xl/transfo-xl-wt103) with its vocab.pkl, read without unpickling", "import_hf"),
 }
