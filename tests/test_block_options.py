@@ -405,3 +405,25 @@ def test_three_training_steps_through_the_trainer(tmp_path, corpus, name):
         assert getattr(loaded.config, key) == value
     trained = trainer.model.state_dict()
     assert all(torch.equal(tensor, trained[key].cpu()) for key, tensor in loaded.state_dict().items())
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "flex"])
+@pytest.mark.parametrize("name", ["gqa-qk-norm-memory-tokens", "mqa", "ernie-gtrxl-modern"])
+def test_the_fused_impls_take_the_options(impl, name):
+    """The fused kernels get the layer's (b, n_head, n, d) q, k, v like every kernel: with the options they
+    equal the eager reference over three segments with memory (inference)."""
+    options = ERNIE if name == "ernie-gtrxl-modern" else OPTIONS[name]
+    if options.get("memory_tokens"):  # the fused kernels hand memory tokens to the fast kernel
+        options = {**options, "memory_tokens": 0}
+    fused, eager = build(attention_impl=impl, **options), build(backend="reference", attention_impl="eager", **options)
+    ids = _ids(fused, length=24)
+    logits = []
+    for model in (fused, eager):
+        memory, outs = None, []
+        with torch.no_grad():
+            for segment in ids.split(8, dim=1):
+                out = model(segment, memory=memory)
+                memory = out.memory
+                outs.append(out.logits)
+        logits.append(torch.cat(outs, dim=1))
+    assert (logits[0] - logits[1]).abs().max().item() < 1e-5
