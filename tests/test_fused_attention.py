@@ -48,6 +48,16 @@ def flex_cpu_backward(monkeypatch):
     monkeypatch.setattr(torch.nn.attention.flex_attention, "_validate_device", lambda *tensors: None)
 
 
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """The calls that reached SDPA or FlexAttention (not a fallback to the fast kernel)."""
+    calls = []
+    for name in ("_sdpa", "_flex"):
+        original = getattr(fused_module, name)
+        monkeypatch.setattr(fused_module, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    return calls
+
+
 def config(**overrides) -> TransformerXLConfig:
     base = dict(vocab_size=53, n_layer=2, d_model=32, n_head=N_HEAD, d_head=D_HEAD, d_inner=48, mem_len=12,
                 dropout=0.0, dropatt=0.0)
@@ -191,10 +201,11 @@ def assert_models_agree(eager, fused):
 @pytest.mark.parametrize("same_length", [False, True])
 @pytest.mark.parametrize("pos", ENCODINGS)
 @pytest.mark.parametrize("impl", FUSED)
-def test_full_model_equals_eager_over_segments_with_memory(impl, pos, same_length, flex_cpu_backward):
+def test_full_model_equals_eager_over_segments_with_memory(impl, pos, same_length, flex_cpu_backward, fused_calls):
     eager, fused = pair(impl, pos_encoding=pos, same_length=same_length, **EXTRA.get(pos, {}))
     assert fused.blocks[0].attn.kernel is KERNELS[("full", impl)]
     assert_models_agree(eager, fused)
+    assert fused_calls == [f"_{impl}"] * 8  # 2 layers x 4 segments, none handed to the fast kernel
 
 
 SLIDING = {  # name: config overrides
@@ -208,11 +219,13 @@ SLIDING = {  # name: config overrides
 @pytest.mark.parametrize("pos", ENCODINGS)
 @pytest.mark.parametrize("kernel", sorted(SLIDING))
 @pytest.mark.parametrize("impl", FUSED)
-def test_banded_model_equals_eager_over_segments_with_memory(impl, kernel, pos, same_length, flex_cpu_backward):
+def test_banded_model_equals_eager_over_segments_with_memory(impl, kernel, pos, same_length, flex_cpu_backward,
+                                                             fused_calls):
     overrides = {**SLIDING[kernel], **EXTRA.get(pos, {})}
     eager, fused = pair(impl, pos_encoding=pos, same_length=same_length, **overrides)
     assert type(fused.blocks[0].attn.kernel) is KERNELS[(overrides["attention"], impl)]
     assert_models_agree(eager, fused)
+    assert fused_calls == [f"_{impl}"] * 8  # 2 layers x 4 segments, none handed to the fast kernel
 
 
 @pytest.mark.parametrize("pos", ["rope", "learned"])
@@ -364,20 +377,25 @@ def test_auto_class_kernel_is_the_fused_class_dispatching_by_device(monkeypatch)
     assert ran == ["cuda", "cpu"]
 
 
-def test_auto_on_the_cpu_runs_the_fast_kernel(monkeypatch):
+def test_auto_on_the_cpu_runs_the_fast_kernel(fused_calls):
     """A default model (attention_impl="auto") on the CPU calls today's fast kernel and never a fused one."""
     model = TransformerXL(config())
     assert model.blocks[0].attn.kernel.kernels["cpu"] is fast_attention
-    used = []
-    for name in ("_sdpa", "_flex"):
-        original = getattr(fused_module, name)
-        monkeypatch.setattr(fused_module, name, lambda *a, _f=original, _n=name, **kw: used.append(_n) or _f(*a, **kw))
     x = torch.randint(0, 53, (2, 6))
     reference = TransformerXL(config(attention_impl="fast"))
     reference.load_state_dict(model.state_dict())
     with torch.no_grad():
         assert torch.equal(model(x).logits, reference(x).logits)
-    assert used == []
-    with torch.no_grad():  # (the patch is live: the explicit impl goes through it)
+    assert fused_calls == []
+    with torch.no_grad():  # (the counter counts: the explicit impl goes through it)
         TransformerXL(config(attention_impl="sdpa"))(x)
-    assert used
+    assert fused_calls == ["_sdpa"] * 2
+
+
+@pytest.mark.parametrize("impl", FUSED)
+def test_sliding_fallbacks_still_equal_eager(impl, flex_cpu_backward):
+    """Global tokens and memory tokens of the sliding window go to its fast kernel: same results."""
+    eager, fused = pair(impl, attention="sliding", attention_options={"window": 4, "global_tokens": 2})
+    assert_models_agree(eager, fused)
+    eager, fused = pair(impl, attention="sliding", attention_options={"window": 4}, memory_tokens=2)
+    assert_models_agree(eager, fused)

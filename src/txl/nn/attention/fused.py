@@ -33,6 +33,7 @@ Dimension names: b batch, h heads, i queries, n keys (memory + segment), d head 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -59,14 +60,14 @@ def compute_dtype(q: Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
 
 
-def has_value_term(positions: LayerPositions) -> bool:
+def has_value_term(positions: LayerPositions, q: Tensor) -> bool:
     """Whether the encoding adds a term to the output from the probabilities (Shaw's values), which a
-    fused kernel never returns."""
-    encoding = positions.encoding
-    if type(encoding).value_term is PositionalEncoding.value_term:
+    fused kernel never returns. Asked of the encoding with a 1×1 probe (only encodings that override
+    `value_term` are asked)."""
+    if type(positions.encoding).value_term is PositionalEncoding.value_term:
         return False
-    probe = torch.zeros(1, 1, 1, 1)
-    return positions.value_term(probe) is not None
+    with torch.no_grad():
+        return positions.value_term(q.new_zeros(1, 1, 1, 1)) is not None
 
 
 def score_term(positions: LayerPositions, q: Tensor, k_len: int) -> tuple[Tensor | None, bool]:
@@ -120,7 +121,7 @@ def sdpa_attention(
     need_weights: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """`eager_attention` through SDPA (see the module docstring)."""
-    if need_weights or mask.memory_tokens or has_value_term(positions):
+    if need_weights or mask.memory_tokens or has_value_term(positions, q):
         return fast_attention(q, k, v, positions=positions, mask=mask, dropatt=dropatt, training=training,
                               need_weights=need_weights)
     i, n = q.shape[-2], k.shape[-2]
@@ -160,11 +161,15 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, score_mod, block_mask, *, dtype: torc
             raise UsageError("attention_impl='flex' has no backward on the CPU (torch's FlexAttention): run it "
                              "under torch.no_grad() there, or use attention_impl='auto' (fast on the CPU) or 'sdpa'")
         q, k, v = q.detach(), k.detach(), v.detach()  # (torch refuses any input that requires grad)
-    fn = flex_module.flex_attention
+    args = (q.to(dtype), k.to(dtype), v.to(dtype))
+    kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=q.shape[-1] ** -0.5)
     if q.device.type == "cuda" and not torch.compiler.is_compiling():
-        fn = _compiled_flex()  # the fused Triton kernels; uncompiled, flex materialises the scores
-    return fn(q.to(dtype), k.to(dtype), v.to(dtype), score_mod=score_mod, block_mask=block_mask,
-              scale=q.shape[-1] ** -0.5)
+        return _compiled_flex()(*args, **kwargs)  # the fused Triton kernels
+    if torch.compiler.is_compiling():
+        return flex_module.flex_attention(*args, **kwargs)
+    with warnings.catch_warnings():  # off CUDA the unfused reference is what we mean (torch warns it is unfused)
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        return flex_module.flex_attention(*args, **kwargs)
 
 
 def _score_mod(term: Tensor, by_distance: bool, q_len: int, k_len: int, scale: float):
@@ -244,7 +249,7 @@ def flex_attention_kernel(
     need_weights: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """`eager_attention` through FlexAttention (see the module docstring)."""
-    if need_weights or mask.memory_tokens or (training and dropatt > 0) or has_value_term(positions):
+    if need_weights or mask.memory_tokens or (training and dropatt > 0) or has_value_term(positions, q):
         return fast_attention(q, k, v, positions=positions, mask=mask, dropatt=dropatt, training=training,
                               need_weights=need_weights)
     i, n, d = q.shape[-2], k.shape[-2], q.shape[-1]
@@ -300,14 +305,14 @@ class _FusedBand:
     head_windows: list[tuple[int, int]]
     global_tokens: int
 
-    def falls_back(self, positions: LayerPositions, mask: AttentionMask, *, dropatt: float, training: bool,
-                   need_weights: bool) -> bool:
+    def falls_back(self, q: Tensor, positions: LayerPositions, mask: AttentionMask, *, dropatt: float,
+                   training: bool, need_weights: bool) -> bool:
         return bool(need_weights or mask.memory_tokens or mask.global_mask is not None or self.global_tokens
-                    or has_value_term(positions))
+                    or has_value_term(positions, q))
 
     def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
                 need_weights: bool = False):
-        if self.falls_back(positions, mask, dropatt=dropatt, training=training, need_weights=need_weights):
+        if self.falls_back(q, positions, mask, dropatt=dropatt, training=training, need_weights=need_weights):
             return super().forward(q, k, v, positions=positions, mask=mask, dropatt=dropatt, training=training,
                                    need_weights=need_weights)
         self.check_mask(mask)  # (no padding mask: refused as by the fast kernel)
@@ -327,8 +332,8 @@ class _SDPABand(_FusedBand):
 
 
 class _FlexBand(_FusedBand):
-    def falls_back(self, positions, mask, *, dropatt, training, need_weights):
-        return (training and dropatt > 0) or super().falls_back(positions, mask, dropatt=dropatt, training=training,
+    def falls_back(self, q, positions, mask, *, dropatt, training, need_weights):
+        return (training and dropatt > 0) or super().falls_back(q, positions, mask, dropatt=dropatt, training=training,
                                                                   need_weights=need_weights)
 
     def attend(self, q, q_content, k_content, v, *, positions, mask, dropatt, training):
