@@ -104,7 +104,8 @@ def _scaled_term(positions: LayerPositions, q: Tensor, k_len: int, dtype: torch.
     term, by_distance = score_term(positions, q, k_len)
     if term is None:
         return None
-    term = rel_shift_fast(term) if by_distance else term  # the fast strided shift (its garbage is masked)
+    if by_distance:  # the strided shift (its garbage is masked); a traced graph takes the reference one
+        term = rel_shift_pad(term) if torch.compiler.is_compiling() else rel_shift_fast(term)
     return term.to(dtype) * q.shape[-1] ** -0.5
 
 
