@@ -105,8 +105,12 @@ class TrainConfig:
     sample_prompt: str = ""  # "" = the first line of the valid split (at most 64 tokens)
     # lm = next-token prediction with memory; mlm = masked LM (BERT) for the bidirectional encoder: the
     # model runs with causal=false and mem_len=0 (pos_encoding rope unless set) and gets one more
-    # vocabulary id, the mask token
-    objective: Literal["lm", "mlm"] = "lm"
+    # vocabulary id, the mask token; classify = one label per document (a `docs:` corpus), read segment by
+    # segment with the memory carrying the earlier segments (txl.train.objectives, issue 47)
+    objective: Literal["lm", "mlm", "classify"] = "lm"
+    # a corpus read as separate documents: each stream row's memory is emptied where its document ends
+    # (training and evaluation), so no document sees another
+    document_boundaries: bool = False
     mask_prob: float = 0.15  # mlm: positions picked per segment (80% mask, 10% random, 10% kept)
     adam_betas: tuple[float, float] = (0.9, 0.999)  # adam/adamw/lamb; Vaswani et al. 2017: (0.9, 0.98)
     adam_eps: float = 1e-8  # Vaswani et al. 2017: 1e-9
