@@ -1,6 +1,14 @@
-"""Numeric precision of a forward pass: `fp32`, `bf16`, `fp16` or `auto` (bf16 autocast only where it is
-a speed-up on the device, probed once per process on a CPU). Training, evaluation and the benchmarks
-share it."""
+"""Numeric precision of a forward pass: `fp32`, `bf16`, `fp16` or `auto`. Training, evaluation and the
+benchmarks share it.
+
+`auto` by device (issue 46, item 4):
+    CUDA, compute capability >= 8 (Ampere and later; ROCm)   bf16 autocast: bf16 tensor cores, fp32's range
+    CUDA, older GPUs (Volta, Turing, Pascal)                 fp16 autocast; the trainer scales the loss
+                                                             (its GradScaler is on whenever precision is fp16)
+    CPU                                                      bf16 where it is a measured speed-up, else fp32
+    anything else                                            fp32
+Older GPUs run bf16 only emulated (`torch.cuda.is_bf16_supported()` says True there unless asked
+`including_emulation=False`), slower than fp32; their fp16 tensor cores are the fast half precision."""
 
 from __future__ import annotations
 
@@ -65,10 +73,23 @@ def fast_bf16(device: torch.device) -> bool:
     return _CPU_BF16_VERDICT[0]
 
 
+def cuda_half(device: torch.device) -> str:
+    """The half precision of a CUDA device: "bf16" on compute capability >= 8 (and on ROCm), what
+    `torch.cuda.is_bf16_supported(including_emulation=False)` checks, but for `device` rather than the
+    current one; "fp16" on older GPUs."""
+    if torch.version.hip:
+        return "bf16"
+    return "bf16" if torch.cuda.get_device_properties(device).major >= 8 else "fp16"
+
+
 def resolve_precision(precision: str, device: torch.device) -> str:
-    """`auto` = bf16 autocast where it is a speed-up on the device (fast_bf16), else fp32; others as given."""
+    """`auto` = the device's half precision on CUDA (cuda_half: bf16, or fp16 on GPUs older than compute
+    capability 8), bf16 on a CPU where it is a speed-up (fast_bf16), else fp32; others as given."""
     if precision != "auto":
         return precision
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return cuda_half(device)
     return "bf16" if fast_bf16(device) else "fp32"
 
 
