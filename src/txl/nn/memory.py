@@ -28,6 +28,7 @@ A model's memory kind (`reference_memory` here, `txl.fast.memory.open_memory`) p
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -223,6 +224,12 @@ class MemoryPass(ABC):
         """The key/value projection of [memory ; fresh] for `layer` (`fresh`: the layer's input rows,
         `project`: a row-wise projection); the pass keeps what the next segment needs."""
 
+    def replay(self) -> MemoryPass:
+        """A pass for re-running a layer of this forward pass (activation checkpointing's recompute,
+        `txl.nn.checkpointing`): the same keys and values, and nothing kept. Passes that keep nothing
+        return themselves."""
+        return self
+
 
 class MemoryUpdate(MemoryPass):
     """One forward pass over a `MemoryState`, the reference kind.
@@ -253,6 +260,15 @@ class MemoryUpdate(MemoryPass):
         context = self.context(layer, fresh)
         self.contexts.append(context)
         return project(context)
+
+    def replay(self) -> MemoryUpdate:
+        """A copy whose contexts go to a list of its own: a recomputed layer reads the same memory and
+        leaves this pass's contexts (the next memory, already built) alone. Subclasses keeping more than
+        `contexts` override it (or, like txl.nn.recurrence's output dict, only ever overwrite an entry
+        with an equal tensor)."""
+        twin = copy.copy(self)
+        twin.contexts = []
+        return twin
 
     def finish(self) -> tuple[MemoryState | None, Tensor | None]:
         """The next memory, and an auxiliary loss (None here)."""

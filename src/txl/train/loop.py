@@ -129,6 +129,11 @@ class Trainer:
                               f"{arch!r} applies its dropouts as functions: unset train.dropout_start")
         torch.manual_seed(cfg.seed)
         self.model = build_model(self.model_config).to(dist.device)
+        if cfg.activation_checkpointing == "blocks":
+            if not hasattr(self.model, "checkpoint_blocks"):
+                raise ConfigError(f"train.activation_checkpointing='blocks' is for the Transformer-XL decoder and "
+                                  f"encoder (model.arch='decoder'), not model.arch={arch!r}; set it to 'none'")
+            self.model.checkpoint_blocks = True  # each block recomputed in the backward (txl.nn.checkpointing)
         self.init_from = None
         if init_from is not None and not resume:
             self.init_from = str(load_initial_weights(self.model, init_from, self.corpus.vocab))

@@ -29,6 +29,7 @@ from txl.models.transformer_xl.universal import UniversalDepth
 from txl.nn.attention.layer import Attention
 from txl.nn.attention.masks import AttentionMask
 from txl.nn.backend import REFERENCE, Backend
+from txl.nn.checkpointing import checkpointed, wants_checkpoint
 from txl.nn.feedforward import activation, fc1_width
 from txl.nn.gating import GRUGate
 from txl.nn.memory import MemoryPass, MemoryState, register_pytree
@@ -144,7 +145,11 @@ class TransformerXL(nn.Module):
     `txl.data.masking.mask_tokens`), -100 elsewhere. Runtime settings that do not change the
     parameters can differ from training, per call (`mem_len=`, `clamp_len=`, `same_length=`) or as
     the model's defaults (`model.mem_len`, `model.clamp_len`, `model.same_length`).
+    `model.checkpoint_blocks = True`: activation checkpointing, each block recomputed in the backward
+    (`train.activation_checkpointing = "blocks"`, txl.nn.checkpointing); same results, less memory.
     """
+
+    checkpoint_blocks: bool = False
 
     def __init__(self, config: TransformerXLConfig):
         super().__init__()
@@ -269,15 +274,20 @@ class TransformerXL(nn.Module):
         pos_state = self.pos.prepare(k_len=k_len, clamp_len=clamp_len, device=h.device, dtype=h.dtype)
         hidden_states, attentions = [], []
         ponder = None
+        recompute = wants_checkpoint(self.checkpoint_blocks)  # activation checkpointing (txl.nn.checkpointing)
         if self.universal is not None:
             h, ponder, hidden_states, attentions = self.universal(
                 self.blocks[0], h, memory=memory_update, positions=lambda i: self.pos.layer(i, pos_state), mask=mask,
-                need_weights=output_attentions)
+                need_weights=output_attentions, checkpoint=recompute)
         else:
             for i, block in enumerate(self.blocks):
                 hidden_states.append(h)
-                h, probs = block(h, memory=memory_update, positions=self.pos.layer(i, pos_state), mask=mask,
-                                 need_weights=output_attentions)
+                positions = self.pos.layer(i, pos_state)
+
+                def run(x, memory, block=block, positions=positions):
+                    return block(x, memory=memory, positions=positions, mask=mask, need_weights=output_attentions)
+
+                h, probs = checkpointed(run, h, memory_update) if recompute else run(h, memory_update)
                 attentions.append(probs)
         hidden_states.append(h)
         h = self.drop(self.norm(h))

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from txl.models.transformer_xl.config import TransformerXLConfig
 from txl.nn.attention.masks import AttentionMask
 from txl.nn.backend import REFERENCE, Backend
+from txl.nn.checkpointing import checkpointed
 from txl.nn.positional import LayerPositions, sinusoid_table
 
 
@@ -54,9 +55,11 @@ class UniversalDepth(nn.Module):
 
     def forward(
         self, block: nn.Module, h: Tensor, *, memory, positions: Callable[[int], LayerPositions], mask: AttentionMask,
-        need_weights: bool = False,
+        need_weights: bool = False, checkpoint: bool = False,
     ) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor | None]]:
-        """(output (b, t, d), ponder ρ (b, t), each step's input, each step's attention probabilities)."""
+        """(output (b, t, d), ponder ρ (b, t), each step's input, each step's attention probabilities).
+        `checkpoint`: each step's block is recomputed in the backward (txl.nn.checkpointing), with its
+        step's memory slot set again for the recompute."""
         halting = h.new_zeros(h.shape[:2], dtype=torch.float32)  # Σ p of the running positions
         running = torch.ones(h.shape[:2], dtype=torch.bool, device=h.device)
         remainder = torch.zeros_like(halting)
@@ -77,12 +80,16 @@ class UniversalDepth(nn.Module):
             steps = steps + running.float()
             running = keeps_going
             inputs.append(state)
-            block.attn.layer_idx = step  # this step's memory slot
-            try:
-                state, probs = block(state, memory=memory, positions=positions(step), mask=mask,
-                                     need_weights=need_weights)
-            finally:
-                block.attn.layer_idx = 0
+            step_positions = positions(step)
+
+            def run(x, memory, step=step, step_positions=step_positions):
+                block.attn.layer_idx = step  # this step's memory slot (set in a recompute too)
+                try:
+                    return block(x, memory=memory, positions=step_positions, mask=mask, need_weights=need_weights)
+                finally:
+                    block.attn.layer_idx = 0
+
+            state, probs = checkpointed(run, state, memory) if checkpoint else run(state, memory)
             attentions.append(probs)
             output = output + weight[..., None].to(state.dtype) * state
         return output, steps + remainder, inputs, attentions
