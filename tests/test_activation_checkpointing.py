@@ -175,3 +175,14 @@ def test_other_architectures_refuse_in_one_line(tmp_path, corpus):
     run = build_run_config(config_file=config, sets=["activation_checkpointing=blocks", "model.arch=lstm"])
     with pytest.raises(ConfigError, match="activation_checkpointing='blocks' is for the Transformer-XL"):
         Trainer(run, tmp_path / "run", quiet=True)
+
+
+def test_bench_train_runs_each_txl_contender_also_checkpointed():
+    """`txl bench train --activation-checkpointing`: txl-<impl> and txl-<impl>+ckpt side by side (a
+    training step each; the peak-RSS figures come from the same contender names)."""
+    from txl.bench.common import shape_named
+    from txl.bench.train import make_step
+
+    shape = shape_named("tiny")
+    step = make_step("txl-fast+ckpt", shape, "fp32")
+    assert step() > 0

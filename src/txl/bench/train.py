@@ -3,7 +3,9 @@
 Every contender trains the same shape on the same random tokens, starting from a full memory of
 zeros (Hugging Face starts that way; we give ours the same, so every timed step has the same shapes),
 with Adam (lr 2.5e-4) and gradient clipping at 0.25 as the reference scripts. Peak RSS comes from a
-fresh process per contender (`txl.bench.probe train`).
+fresh process per contender (`txl.bench.probe train`). With `--activation-checkpointing` every txl
+contender also runs with its blocks recomputed in the backward (`txl-<impl>+ckpt`,
+`model.checkpoint_blocks`), side by side: the peak RSS saved and the time it costs.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from txl.bench.common import (
 )
 
 TITLE = "Training throughput (forward + backward + clip + Adam)"
+CHECKPOINTED = "ckpt"  # the contender-name suffix of activation checkpointing
 
 
 def make_step(name: str, shape: Shape, precision: str, *, seed: int = 0) -> Callable[[], float]:
-    """A closure that runs one training step of contender `name` ("txl-<impl>" or "hf")."""
+    """A closure that runs one training step of contender `name` ("txl-<impl>", "txl-<impl>+ckpt" with
+    activation checkpointing, or "hf")."""
     import torch
 
     from txl.nn.memory import Memory
@@ -67,8 +71,9 @@ def make_step(name: str, shape: Shape, precision: str, *, seed: int = 0) -> Call
 
         return step
 
-    impl = name.removeprefix("txl-")
+    impl, _, checkpointing = name.removeprefix("txl-").partition("+")
     model = build_ours(shape, impl)
+    model.checkpoint_blocks = checkpointing == CHECKPOINTED
     params = list(model.parameters())
     optimizer = build_optimizer("adam", params, lr=2.5e-4, weight_decay=0.0)  # what `txl train` runs
     state = [Memory.zeros(shape.n_layer, batch, shape.mem_len, shape.d_model)]
@@ -92,6 +97,9 @@ def run(options: BenchOptions) -> dict:
     setup_torch(options)
     shape = options.shape
     names = contender_names(options)
+    if options.extra.get("activation_checkpointing"):
+        names = [f"{n}+{CHECKPOINTED}" if variant else n for n in names for variant in (False, True)
+                 if not (variant and n == "hf")]
     steps = {name: make_step(name, shape, options.precision, seed=options.seed) for name in names}
     timing = interleaved_medians(steps, warmup=options.warmup, timed=options.steps)
     tokens = shape.batch * shape.tgt_len

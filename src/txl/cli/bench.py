@@ -36,7 +36,7 @@ SUMMARIES: dict[str, str] = {
 # The shared flags and which benchmarks read them (a benchmark shows only its own).
 _COMMON = ("json", "config", "precision", "steps", "warmup", "threads", "quick")
 FLAGS_OF: dict[str, tuple[str, ...]] = {
-    "train": (*_COMMON, "against", "impl", "no_rss", "profile"),
+    "train": (*_COMMON, "against", "impl", "no_rss", "profile", "activation_checkpointing"),
     "eval": (*_COMMON, "against", "impl", "mem_lens", "no_rss"),
     "generate": (*_COMMON, "impl", "context"),
     "mfu": (*_COMMON, "impl"),
@@ -74,6 +74,9 @@ def add_shared_flags(parser: argparse.ArgumentParser, names: tuple[str, ...] | N
         "profile": (("--profile",), dict(type=integer(0, MAX_PROFILE_STEPS), default=0, metavar="N",
                                          help="also profile N more steps of each contender and list the operators "
                                               "that take the most time (default 0: off)")),
+        "activation_checkpointing": (("--activation-checkpointing",), dict(
+            action="store_true", help="also run each txl contender with its blocks recomputed in the backward "
+                                      "(train.activation_checkpointing=blocks), named txl-<impl>+ckpt")),
         "quick": (("--quick",), dict(action="store_true", help="few steps and small shapes: a smoke run")),
         "out": (("--out",), dict(default="docs/results",
                                  help="directory for benchmarks.md and the plots (default docs/results)")),
@@ -118,7 +121,8 @@ def options_from(args: argparse.Namespace):
         if impl not in ATTENTION_IMPLS:
             raise UsageError(f"--impl {impl!r} is not an attention implementation ({', '.join(ATTENTION_IMPLS)})")
     quick = args.quick
-    extra = {"context": args.context, "profile": args.profile}
+    extra = {"context": args.context, "profile": args.profile,
+             "activation_checkpointing": args.activation_checkpointing}
     if args.name == "mfu" and args.precision is None:
         extra["precisions"] = ["fp32", "bf16"]
     return BenchOptions(
