@@ -151,6 +151,19 @@ KNOWN: dict[str, CorpusInfo] = {
             path_required=False,
         ),
         CorpusInfo(
+            "docs",
+            "your own documents, one per file or JSONL record: DIR/LABEL/* (one sub-folder per label), DIR/* "
+            "(unlabelled) or FILE.jsonl with text [label]; DIR/train, valid, test give the splits (else 90/5/5); "
+            "read by txl.data.documents (`--objective classify`)",
+            "ppl",
+            options={
+                **{k: v for k, v in _TEXT_OPTIONS.items() if k != "tokenizer"},
+                "tokenizer": OptionSpec(str, "bytes", ("bytes", "chars", "words"), help="bytes | chars | words"),
+                "max_tokens": OptionSpec(int, 0, minimum=0, help="cut each document to its first N tokens (0 = whole)",
+                                         maximum=1 << 40),
+            },
+        ),
+        CorpusInfo(
             "builtin",
             "builtin:python-stdlib, this interpreter's standard-library .py sources as bytes (no download)",
             "bpc",
