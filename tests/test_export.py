@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 
-from helpers import call, one_error_line
+from helpers import call, finish, one_error_line, txl
 from serve_helpers import train_run
 from txl import Memory, TransformerXLConfig
 from txl.errors import CheckpointError
@@ -270,4 +270,24 @@ def test_onnx_export_agrees_under_onnxruntime(run_dir, tmp_path):
     ids = torch.randint(0, 200, (1, 16 + 2 * 16), generator=torch.Generator().manual_seed(6))
     got = run_programs(step, start, ids, segment_len=16, mem_len=16)
     for g, w in zip(got, eager_logits(model, ids, segment_len=16, mem_len=16), strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+
+
+def test_onnx_without_the_extra_is_one_line_before_any_work(run_dir, tmp_path, monkeypatch):
+    import txl.models.export as export
+
+    monkeypatch.setattr(export, "onnx_available", lambda: False)
+    code, err = call("export", str(run_dir), str(tmp_path / "out"), "--onnx")
+    assert code == 2 and 'pip install "txl[onnx]"' in one_error_line(err)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_txl_export_as_a_command(run_dir, tmp_path):
+    """The journey a user types: `txl export RUN OUT` as a process, then the programs loaded from OUT."""
+    code, output = finish(txl("export", str(run_dir), str(tmp_path / "exported")))
+    assert code == 0, output
+    assert "txl export: wrote" in output and "max |difference|" in output and "Traceback" not in output
+    got, want = round_trip(load_checkpoint(run_dir).model, tmp_path / "exported")
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
