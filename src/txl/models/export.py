@@ -109,12 +109,13 @@ class Exported:
     max_abs_diff: float | None = None
 
 
-def _signature(model: nn.Module, *, q_len: int, memory: bool) -> dict[str, Any]:
+def _signature(model: nn.Module, *, q_len: int, memory: bool, layers: int) -> dict[str, Any]:
+    """Names, shapes and dtypes of a program's inputs and outputs (`layers`: memory tensors it returns)."""
     c = model.config
     mem = [{"name": n, "shape": ["batch", model.mem_len, c.d_model], "dtype": "float32"}
-           for n in _names("memory", c.n_layer)]
+           for n in _names("memory", layers)]
     nxt = [{"name": n, "shape": ["batch", model.mem_len, c.d_model], "dtype": "float32"}
-           for n in _names("next_memory", c.n_layer)] if model.mem_len else []
+           for n in _names("next_memory", layers)]
     return {"inputs": [{"name": "input_ids", "shape": ["batch", q_len], "dtype": "int64"}, *(mem if memory else [])],
             "outputs": [{"name": "logits", "shape": ["batch", q_len, c.vocab_size], "dtype": "float32"}, *nxt]}
 
@@ -142,11 +143,11 @@ def export_model(model: nn.Module, *, segment_len: int) -> Exported:
         if mem_len:
             first = (example_ids(model, batch, mem_len, 0),)
             programs[START] = torch.export.export(traced, first, dynamic_shapes=({0: dim},))
-            signatures[START] = _signature(model, q_len=mem_len, memory=False)
-            memory = traced(*first)[1:]
+            memory = traced(*first)[1:]  # one (b, mem_len, d_model) tensor per layer
+            signatures[START] = _signature(model, q_len=mem_len, memory=False, layers=len(memory))
         step = (example_ids(model, batch, segment_len, 1), *memory)
         programs[STEP] = torch.export.export(traced, step, dynamic_shapes=_batch_dynamic(dim, memory))
-        signatures[STEP] = _signature(model, q_len=segment_len, memory=bool(mem_len))
+        signatures[STEP] = _signature(model, q_len=segment_len, memory=bool(mem_len), layers=len(memory))
     for program in programs.values():
         program.example_inputs = None  # torch.export.save would pickle them (module docstring)
     return Exported(programs, signatures, segment_len=segment_len, mem_len=mem_len)
