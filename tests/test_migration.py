@@ -28,11 +28,12 @@ def legacy_config(name: str) -> dict:
 
 def test_each_architecture_has_only_its_own_fields():
     """76 fields in one config before; then 39 (decoder), 23 (encoder-decoder), 15 (recurrent LMs); the
-    decoder has 6 more since (issue 47's block options: defaults = the old behaviour, so no migration step)."""
+    decoder has 6 more since (issue 47's block options: defaults = the old behaviour, so no migration step) and 3
+    for sequence classification (num_labels = 0: a language model, as before)."""
     assert len(LEGACY_DEFAULTS) == 76
     counts = {cls.__name__: len(dataclasses.fields(cls)) for cls in (TransformerXLConfig, EncoderDecoderConfig,
                                                                     RecurrentConfig)}
-    assert counts == {"TransformerXLConfig": 39 + 6, "EncoderDecoderConfig": 23, "RecurrentConfig": 15}
+    assert counts == {"TransformerXLConfig": 39 + 6 + 3, "EncoderDecoderConfig": 23, "RecurrentConfig": 15}
     for arch, cls in CONFIGS.items():  # the migration's frozen table is this change's shapes
         added = ADDED_SINCE.get(arch, frozenset())
         assert set(cls.field_names()) - OPTION_FIELDS - added == KEPT[arch], arch

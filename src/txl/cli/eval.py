@@ -156,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device=device)
+    if getattr(ckpt.model.config, "num_labels", 0):  # a document classifier (issue 47)
+        return _run_classify(args, ckpt, device)
     if args.split is None:
         args.split = "all" if args.text else _default_split(ckpt, args.data)
     _check_text_encoding(ckpt, args)
@@ -196,6 +198,47 @@ def run(args: argparse.Namespace) -> int:
         print(result_table(result))
         if args.per_token:
             print(f"per-token NLL (nats, corpus order) -> {out['per_token']}")
+    return 0
+
+
+def _run_classify(args: argparse.Namespace, ckpt, device) -> int:
+    """A classifier run (`txl train --objective classify`): accuracy, macro-F1, per-class scores and the confusion
+    matrix of a split of its documents (or of --data docs:OTHER with the same labels), as a table or --json."""
+    from txl.data.documents import open_documents
+    from txl.eval.classify import evaluate_classifier, format_report
+    from txl.eval.precision import resolve_precision
+
+    lm_only = [flag for flag, given in (("--text", args.text), ("--vanilla", args.vanilla), ("--sweep-mem", args.sweep_mem),
+                                        ("--dynamic-lr", args.dynamic_lr is not None), ("--per-token", args.per_token),
+                                        ("--mask-prob", args.mask_prob is not None), ("--max-tokens", args.max_tokens))
+               if given]
+    if lm_only:
+        raise UsageError(f"{ckpt.path} is a document classifier: {', '.join(lm_only)} apply to language models; "
+                         "give --data docs:DIR, --split, --tgt-len, --mem-len, --batch-size, --json")
+    spec = args.data or ckpt.data_spec
+    if not spec:
+        raise UsageError(f"{ckpt.path} does not record its documents; give --data docs:DIR")
+    corpus = open_documents(spec, vocab=ckpt.vocab)
+    config = ckpt.model.config
+    if len(corpus.labels) != config.num_labels:
+        raise UsageError(f"{spec} has {len(corpus.labels)} labels ({', '.join(corpus.labels[:10])}) but {ckpt.path} "
+                         f"classifies into {config.num_labels}; score it on documents of the labels it learned")
+    split = args.split
+    if split is None:
+        split = next(s for s in ("valid", "test", "train") if s in corpus.splits)
+        if split == "train":
+            print(f"note: {spec} has no valid or test documents; scoring train, which the run learned from",
+                  file=sys.stderr)
+    tgt_len = args.tgt_len or ckpt.train_setting("eval_tgt_len") or ckpt.train_setting("tgt_len") or 128
+    scores = evaluate_classifier(ckpt.model, corpus, split, tgt_len=tgt_len, batch_size=args.batch_size,
+                                 mem_len=args.mem_len, device=device, precision=resolve_precision(args.precision, device))
+    out = scores.to_dict()
+    out["checkpoint"], out["data"] = str(ckpt.path), spec
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"checkpoint  {ckpt.path}\ndata        {spec}")
+        print(format_report(scores))
     return 0
 
 

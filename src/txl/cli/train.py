@@ -38,9 +38,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-minutes", type=real(0, MAX_MINUTES, meaning="0 = none"), metavar="M",
                         help="wall-clock budget in minutes (0 = none)")
     parser.add_argument("--seed", type=int, help="random seed of the model, data order and sample")
-    parser.add_argument("--objective", choices=["lm", "mlm"],
+    parser.add_argument("--objective", choices=["lm", "mlm", "classify"],
                         help="lm: next-token LM with memory (default); mlm: masked LM (BERT 80/10/10) for the "
-                             "bidirectional encoder (causal=false, no memory, no sample)")
+                             "bidirectional encoder (causal=false, no memory, no sample); classify: label long "
+                             "documents (--data docs:DIR, one sub-folder per label), each read segment by segment "
+                             "with the memory (--set model.classifier_segments=first: the first segment only)")
     parser.add_argument("--mask-prob", type=float, metavar="P", help="mlm: share of positions masked (default 0.15)")
     parser.add_argument("--resume", metavar="RUN_DIR",
                         help="continue a run exactly where its last checkpoint left it (with --data when the corpus "

@@ -355,3 +355,93 @@ def _check_vocab(spec: DataSpec, docs: DocumentSet, vocab: Vocab) -> dict[str, i
     if counts and vocab.unk is None:
         raise UnknownSymbols(f"{spec.text}: symbols the vocabulary lacks", dict(counts))
     return dict(counts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches: documents of equal segment counts together (the classifier's exact batching, see
+# txl.models.transformer_xl.classify)
+
+
+@dataclass
+class DocumentBatch:
+    """Right-padded documents of one segment count: input_ids (b, n) int64, lengths (b,), labels (b,);
+    `step` is the batch's position in its epoch (0: an epoch starts)."""
+
+    input_ids: object  # torch.Tensor
+    lengths: object
+    labels: object
+    step: int = 0
+    epoch: int = 0
+
+
+def segments_of(length: int, tgt_len: int) -> int:
+    return max(-(-length // tgt_len), 1)
+
+
+def bucket_batches(lengths: list[int], *, tgt_len: int, batch_size: int, order: list[int] | None = None
+                   ) -> list[list[int]]:
+    """Document indices grouped into batches of at most `batch_size` whose segment counts at `tgt_len` are
+    equal, in `order` (default: as given) within each count; batches of fewer segments first."""
+    order = list(range(len(lengths))) if order is None else order
+    buckets: dict[int, list[int]] = {}
+    for i in order:
+        buckets.setdefault(segments_of(lengths[i], tgt_len), []).append(i)
+    return [group[k : k + batch_size] for _, group in sorted(buckets.items()) for k in range(0, len(group), batch_size)]
+
+
+def collate(ids: list[np.ndarray], targets: list[int], rows: list[int], *, step: int = 0, epoch: int = 0,
+            max_len: int = 0) -> DocumentBatch:
+    """The documents `rows`, right-padded with id 0 (never read: see the module docstring of classify);
+    `max_len` > 0 cuts each to its first max_len tokens."""
+    import torch
+
+    docs = [ids[r][:max_len] if max_len else ids[r] for r in rows]
+    width = max(len(d) for d in docs)
+    out = np.zeros((len(docs), width), dtype=np.int64)
+    for i, d in enumerate(docs):
+        out[i, : len(d)] = d
+    return DocumentBatch(torch.from_numpy(out), torch.tensor([len(d) for d in docs], dtype=torch.long),
+                         torch.tensor([targets[r] for r in rows], dtype=torch.long), step=step, epoch=epoch)
+
+
+class DocumentBatches:
+    """Endless training batches of a split's documents: each epoch shuffles them (seed + epoch), buckets them
+    by segment count and shuffles the batches. `max_len` > 0 reads only each document's first max_len tokens
+    (the first-segment baseline). Its position is a checkpoint's `state_dict`."""
+
+    def __init__(self, ids: list[np.ndarray], targets: list[int], *, batch_size: int, tgt_len: int, seed: int = 0,
+                 max_len: int = 0):
+        if not ids:
+            raise DataError("no documents to train on")
+        self.ids, self.targets = ids, targets
+        self.batch_size, self.tgt_len, self.seed, self.max_len = batch_size, tgt_len, seed, max_len
+        self.epoch, self.position = 0, 0
+
+    def _plan(self, epoch: int) -> list[list[int]]:
+        rng = np.random.default_rng([self.seed, epoch])
+        lengths = [min(len(d), self.max_len) if self.max_len else len(d) for d in self.ids]
+        batches = bucket_batches(lengths, tgt_len=self.tgt_len, batch_size=self.batch_size,
+                                 order=rng.permutation(len(self.ids)).tolist())
+        return [batches[i] for i in rng.permutation(len(batches)).tolist()]
+
+    def __iter__(self):
+        while True:
+            plan = self._plan(self.epoch)
+            while self.position < len(plan):
+                rows = plan[self.position]
+                batch = collate(self.ids, self.targets, rows, step=self.position, epoch=self.epoch,
+                                max_len=self.max_len)
+                self.position += 1
+                yield batch
+            self.epoch, self.position = self.epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        return {"kind": "documents", "epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or state.get("kind") != "documents" or state.get("seed") != self.seed:
+            raise DataError("the saved position is not one of a document iterator with this seed")
+        epoch, position = state.get("epoch"), state.get("position")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (epoch, position)):
+            raise DataError("the saved document position is not two counts")
+        self.epoch, self.position = epoch, position

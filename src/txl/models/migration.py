@@ -116,7 +116,8 @@ KEPT: dict[str, frozenset[str]] = {
 # block options). They need no step: a config written before them lacks the keys and gets the defaults, which
 # are the behaviour it was trained with (the paper's recurrence, residual, LayerNorm, ReLU, n_head k/v heads).
 ADDED_SINCE: dict[str, frozenset[str]] = {
-    "decoder": frozenset(("memory_source", "residual", "norm", "ffn", "n_kv_head", "qk_norm")),
+    "decoder": frozenset(("memory_source", "residual", "norm", "ffn", "n_kv_head", "qk_norm",
+                          "num_labels", "classifier_pooling", "classifier_segments")),
 }
 # Values the old checks forced on an architecture (besides the defaults): dropped like defaults.
 FORCED: dict[str, dict[str, Any]] = {"encoder-decoder": {"mem_len": 0}}

@@ -50,6 +50,9 @@ def config_from_dict(data: Any) -> ModelConfig:
 
 
 def model_class(config: ModelConfig) -> type:
+    if getattr(config, "num_labels", 0):  # the decoder with a classification head (issue 47)
+        module, name = "txl.models.transformer_xl.classify", "TransformerXLClassifier"
+        return getattr(importlib.import_module(module), name)
     module, _, name = ARCHITECTURES[config.arch][1].partition(":")
     return getattr(importlib.import_module(module), name)
 

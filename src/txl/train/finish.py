@@ -189,6 +189,11 @@ def print_summary(trainer: FinishingRun, summary: dict) -> None:
         print(f"\n| split | {metric} | loss (nats) | tokens scored |\n|---|---|---|---|")
         for split, r in summary["final"].items():
             print(f"| {split} | {r[metric]:.4f} | {r['loss']:.4f} | {r['tokens']:,} |")
+        classified = [(split, r["classification"]) for split, r in summary["final"].items() if "classification" in r]
+        if classified:  # a classifier (issue 47): its scores per split
+            print("\n| split | accuracy | macro-F1 | documents |\n|---|---|---|---|")
+            for split, c in classified:
+                print(f"| {split} | {c['accuracy']:.4f} | {c['macro_f1']:.4f} | {c['documents']:,} |")
         decoded = [(split, d) for split, r in summary["final"].items() for d in r.get("decoded", [])]
         if decoded:
             print("\n| split | decoding | exact match | ROUGE-1 | ROUGE-2 | ROUGE-L | token accuracy | pairs |\n"

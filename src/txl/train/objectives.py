@@ -6,7 +6,9 @@
 - `MaskedLanguageModelling` ("mlm"): BERT's 80/10/10 masking of each segment for the bidirectional
   encoder; only the masked positions are scored;
 - `SequenceToSequence` (a pair corpus: pairs:, reverse, pydoc-summaries): teacher forcing of an
-  encoder-decoder over length-bucketed pair batches, label smoothing in the minimised loss.
+  encoder-decoder over length-bucketed pair batches, label smoothing in the minimised loss;
+- `Classification` ("classify"): a `docs:` collection's documents read segment by segment with the memory
+  and classified from the last segment (issue 47).
 
 The trainer (`txl.train.loop`) asks its objective for a step and a score and never which one it has.
 """
@@ -42,10 +44,10 @@ class LanguageModelling:
 
     # -- what the run is built from ----------------------------------------------------------------
     @staticmethod
-    def open_corpus(spec: str):
+    def open_corpus(spec: str, *, vocab=None):
         from txl.data import open_corpus
 
-        return open_corpus(spec)
+        return open_corpus(spec, vocab=vocab)
 
     @staticmethod
     def model_config(config, corpus, data: str):
@@ -280,12 +282,104 @@ class SequenceToSequence(LanguageModelling):
         return steps
 
 
-OBJECTIVES = {cls.name: cls for cls in (LanguageModelling, MaskedLanguageModelling, SequenceToSequence)}
+class Classification(LanguageModelling):
+    """Long-document classification (issue 47): each document of a `docs:` collection read segment by segment,
+    the memory carrying the earlier segments, and classified from its last segment
+    (`txl.models.transformer_xl.classify`). A step is one batch of documents of equal segment count
+    (`txl.data.documents.DocumentBatches`); its loss the mean cross-entropy per document. The memory lives
+    inside a step (one document each row), so nothing is carried between steps or saved."""
+
+    name = "classify"
+    writes_sample = False
+
+    @staticmethod
+    def open_corpus(spec: str, *, vocab=None):
+        from txl.data.documents import open_documents
+
+        return open_documents(spec, vocab=vocab)
+
+    @staticmethod
+    def model_config(config, corpus, data: str):
+        """The decoder with a head of the collection's classes."""
+        if config.arch != "decoder":
+            raise ConfigError(f"train.objective='classify' reads documents with the Transformer-XL decoder, not "
+                              f"model.arch={config.arch!r}")
+        if len(corpus.labels) < 2:
+            raise DataError(f"{data}: classification needs labelled documents of at least 2 labels (one sub-folder "
+                            f"per label, or a 'label' field in each JSONL record); found {len(corpus.labels)}")
+        return config.replace(num_labels=len(corpus.labels))
+
+    def __init__(self, cfg, corpus, dist, **kwargs):
+        super().__init__(cfg, corpus, dist, **kwargs)
+        if dist.world > 1:
+            raise ConfigError("train.objective='classify' runs in one process for now (its step calls the model's "
+                              "classify outside DDP); drop --nproc")
+        self.model = getattr(self.ddp, "module", self.ddp)
+        self.segments = self.model.config.classifier_segments
+
+    def batches(self):
+        from txl.data.documents import DocumentBatches
+
+        ids, targets = self.corpus.documents("train")
+        keep = [i for i, t in enumerate(targets) if t >= 0]
+        cfg = self.cfg
+        return DocumentBatches([ids[i] for i in keep], [targets[i] for i in keep], batch_size=cfg.batch_size,
+                               tgt_len=cfg.tgt_len, seed=cfg.seed, max_len=cfg.tgt_len if self.segments == "first" else 0)
+
+    def check_batch(self, batch) -> None:
+        self.check_token_ids(int(batch.input_ids.max()), "train")
+
+    def tokens(self, batch, scored: int) -> int:
+        return int(batch.lengths.sum())  # the document tokens read
+
+    def step(self, forward: Callable, batch) -> tuple[float, int]:
+        """(summed cross-entropy over the batch's documents, their count); micro-batches by rows (grad_accum)."""
+        device = self.dist.device
+        rows = batch.input_ids.shape[0]
+        nll_sum = torch.zeros((), dtype=torch.float64, device=device)
+        for chunk in torch.arange(rows).tensor_split(min(self.cfg.grad_accum, rows)):
+            with autocast(device, self.precision):
+                out = self.model.classify(batch.input_ids[chunk].to(device), lengths=batch.lengths[chunk],
+                                          labels=batch.labels[chunk].to(device), tgt_len=self.cfg.tgt_len,
+                                          segments=self.segments)
+            self.scaler.scale(out.loss * (len(chunk) / rows)).backward()
+            nll_sum += out.loss.detach().double() * len(chunk)
+        return float(nll_sum), rows
+
+    def evaluate(self, model, split: str, *, max_tokens: int = 0, progress: bool = False) -> EvalResult:
+        """The split's mean cross-entropy per document, its accuracy beside it (`eval_max_tokens` is not a
+        document count: every labelled document of the split is read)."""
+        return self.scores(model, split).as_eval_result(self.corpus.metric)
+
+    def scores(self, model, split: str):
+        from txl.eval.classify import evaluate_classifier
+
+        return evaluate_classifier(model, self.corpus, split, tgt_len=self.cfg.eval_tgt_len or self.cfg.tgt_len,
+                                   batch_size=self.cfg.eval_batch_size, device=self.dist.device,
+                                   precision=self.precision)
+
+    def final_extras(self, model, split: str) -> dict:
+        """Accuracy, macro-F1, per-class scores and the confusion matrix."""
+        return {"classification": self.scores(model, split).to_dict()}
+
+    def next_commands(self, run: str) -> list[tuple[str, str]]:
+        test = " --split test" if "test" in self.corpus.splits else ""
+        return [(f"txl eval {run}{test}", "accuracy, macro-F1 and the confusion matrix (--json for JSON)"),
+                (f"txl plot {run}", "training curves as a PNG"),
+                (f"txl train --resume {run} --max-steps N", "train longer")]
+
+
+OBJECTIVES = {cls.name: cls for cls in (LanguageModelling, MaskedLanguageModelling, SequenceToSequence, Classification)}
 
 
 def objective_class(cfg, spec: str) -> type[LanguageModelling]:
-    """A pair corpus trains sequence-to-sequence; any other corpus the configured objective (lm or mlm)."""
+    """A pair corpus trains sequence-to-sequence; any other corpus the configured objective (lm, mlm or
+    classify: a `docs:` collection with labels)."""
     from txl.data import parse_spec
     from txl.data.spec import SEQ2SEQ_CORPORA
 
-    return SequenceToSequence if parse_spec(spec).name in SEQ2SEQ_CORPORA else OBJECTIVES[cfg.objective]
+    name = parse_spec(spec).name
+    if cfg.objective == "classify" and name != "docs":
+        raise ConfigError(f"train.objective='classify' reads labelled documents: write --data docs:DIR (one "
+                          f"sub-folder per label) or docs:FILE.jsonl (text and label), not {spec!r}")
+    return SequenceToSequence if name in SEQ2SEQ_CORPORA else OBJECTIVES[cfg.objective]

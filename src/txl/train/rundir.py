@@ -178,14 +178,14 @@ def open_training_corpus(objective, spec: str, out: Path, *, init_from: str | Pa
     run fine-tunes one (`fixed_vocabulary`; issue 45: new text whose symbols are a subset of the
     checkpoint's was refused). Symbols the vocabulary lacks: one line through `say` (a note on stderr)
     when they read as <unk>, else one DataError naming them and what to do."""
-    from txl.data.corpus import OtherTokenizer, UnknownSymbols, describe_symbols, open_corpus
+    from txl.data.corpus import OtherTokenizer, UnknownSymbols, describe_symbols
 
     vocab = fixed_vocabulary(out, init_from=init_from, resume=resume) if objective.name != "seq2seq" else None
     if vocab is None:
         return objective.open_corpus(spec)
     where = f"--init-from {init_from}" if not resume else f"{out} (fine-tuned from {previous_run_record(out)['init_from']})"
     try:
-        corpus = open_corpus(spec, vocab=vocab)
+        corpus = objective.open_corpus(spec, vocab=vocab)  # (a classifier's documents too: issue 47)
     except UnknownSymbols as err:
         total = sum(err.counts.values())
         raise DataError(f"{where}: the checkpoint's {vocab.kind} vocabulary has no <unk> and lacks {len(err.counts):,} "
@@ -217,6 +217,8 @@ def load_initial_weights(model, source: str | Path, vocab) -> Path:
         raise DataError(f"--init-from {source}: the checkpoint has {ckpt.model.config.vocab_size} ids but the data has "
                         f"{vocab.size}")
     weights = ckpt.model.state_dict()
+    # a classifier fine-tuned from a language model (issue 47): the LM's weights, its classification head fresh
+    weights.update({k: v for k, v in model.state_dict().items() if k.startswith("classifier.") and k not in weights})
     check_state_dict(model.state_dict(), weights, ckpt.path)
     model.load_state_dict(weights)
     return ckpt.path

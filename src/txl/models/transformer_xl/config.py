@@ -94,6 +94,13 @@ class TransformerXLConfig(ModelConfig):
     ffn: FeedForwardName = "relu"
     n_kv_head: int | None = None  # key/value heads (grouped-query attention); None = n_head, 1 = multi-query
     qk_norm: bool = False  # RMSNorm of q and k per head (learned d_head scale) before the scores
+    # sequence classification (issue 47, txl.models.transformer_xl.classify): 0 = a language model only; N > 0 adds
+    # a head of N classes over the final hidden states of a document's last segment, read with the memory
+    num_labels: int = 0
+    classifier_pooling: Literal["mean", "last"] = "mean"  # the last segment's real tokens averaged, or its last one
+    # all: every segment in turn, the memory carrying the earlier ones; first: the first segment alone (the
+    # no-memory baseline: what a fixed-context classifier reads)
+    classifier_segments: Literal["all", "first"] = "all"
     # memory tokens (Sukhbaatar et al. 2019 persistent memory; ETC-style global memory): m learned key/value
     # vectors per layer and head that every query attends to, beside [memory ; segment]; 0 = off
     memory_tokens: int = 0
@@ -204,6 +211,11 @@ class TransformerXLConfig(ModelConfig):
         if self.n_kv_head is not None and not (1 <= self.n_kv_head <= self.n_head and self.n_head % self.n_kv_head == 0):
             raise ConfigError(f"config.n_kv_head={self.n_kv_head} must divide n_head={self.n_head} "
                               "(each key/value head serves n_head/n_kv_head query heads); null = n_head")
+        if self.num_labels < 0 or self.num_labels > 100_000:
+            raise ConfigError(f"config.num_labels must be 0 (a language model) to 100,000, got {self.num_labels}")
+        if self.num_labels and not self.causal:
+            raise ConfigError("config.num_labels: the classifier reads a document segment by segment with the causal "
+                              "decoder's memory; set causal=true")
         if self.residual == "gru-gate" and not self.pre_lnorm:
             raise ConfigError("config.residual='gru-gate' is GTrXL's gate on the identity-map (pre-LN) block: "
                               "set pre_lnorm=true")
