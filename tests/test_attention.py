@@ -142,11 +142,14 @@ def test_kernels_that_cannot_pad_say_so(tiny, overrides, match):
         model(torch.ones(2, 6, dtype=torch.long), attention_mask=torch.ones(2, 6), mem_len=0)
 
 
-def test_padding_with_memory_or_the_wrong_shape_is_refused(tiny):
+def test_padding_between_real_tokens_with_memory_or_the_wrong_shape_is_refused(tiny):
+    """Padding with memory is taken (issue 47; tests/test_padding_memory.py) while each row's real tokens
+    stay one run; a gap between them would shift the relative distances and is refused."""
     model = TransformerXL(tiny())
     x = torch.ones(2, 6, dtype=torch.long)
-    with pytest.raises(UsageError, match="attention_mask works without memory"):
-        model(x, attention_mask=torch.ones(2, 6))
+    model(x, attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]]))
+    with pytest.raises(UsageError, match="padding between real tokens"):
+        model(x, attention_mask=torch.tensor([[1, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]))
     with pytest.raises(UsageError, match="attention_mask must have the shape of input_ids"):
         model(x, attention_mask=torch.ones(2, 5), mem_len=0)
 

@@ -92,7 +92,7 @@ class ProjectionCache(Memory):
     key: tuple = ()
 
 
-register_pytree(ProjectionCache, ("hidden", "compressed", "projected"), ("donated", "key"))
+register_pytree(ProjectionCache, ("hidden", "compressed", "key_padding", "projected"), ("donated", "key"))
 
 
 class ProjectionCacheUpdate(MemoryUpdate):

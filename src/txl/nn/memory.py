@@ -10,6 +10,7 @@ memory implements one interface, `MemoryState`, whatever it holds:
     update(contexts, mem_len) the next memory from each layer's [memory ; segment]: the latest
                               mem_len states, detached (the stop-gradient SG(·) of the paper)
     detach, select, cat, to, truncate, donate
+    reset(rows)               the same memory with chosen rows emptied (a row's document or session ended)
     state_dict, from_state_dict   flat name -> tensor export and restore (safetensors)
 
 The kinds: `Memory` (below: the plain Transformer-XL memory, and compressive memory's older states
@@ -97,6 +98,14 @@ class MemoryState(ABC):
         cannot return themselves."""
         return self
 
+    def reset(self, rows: Tensor | Sequence[int] | int) -> MemoryState:
+        """The same memory with `rows` emptied: those rows continue as a fresh sequence would start
+        (issue 47: a finished document, session or episode swapped for a new one in a running batch).
+        `rows`: a (batch,) bool mask, or row indices. Kinds that cannot say so refuse in one line."""
+        from txl.errors import UsageError
+
+        raise UsageError(f"{type(self).__name__} cannot reset rows; start a new memory (memory=None) instead")
+
 
 def _layers(tensors: dict[str, Tensor], prefix: str) -> tuple[Tensor, ...]:
     """`{prefix}.0`, `{prefix}.1`, ... of a flat mapping, in layer order."""
@@ -111,6 +120,11 @@ class Memory(MemoryState):
     (batch, length, d_model), batch-first, detached. It starts empty (Hugging Face starts with mem_len
     zero vectors, so its first segment attends to zeros).
 
+    `key_padding` (batch, length) bool, True for a real position and False for padding (the
+    `AttentionMask.key_padding` convention), or None when every position is real (the common case,
+    which runs the padding-free code). It is set by a forward pass given an `attention_mask` and by
+    `reset(rows)`; attention never sees a padded memory position (issue 47, docs/guide/data.md).
+
     `compressed` (compressive memory only, else empty) holds per layer the older, compressed states:
     attention runs over [compressed ; hidden ; segment].
     """
@@ -121,6 +135,7 @@ class Memory(MemoryState):
     # (evaluation at long memory then holds one memory, not two). Never saved; every method below
     # that builds a new Memory drops it. See `donate`.
     donated: bool = False
+    key_padding: Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -160,32 +175,78 @@ class Memory(MemoryState):
         return dataclasses.replace(self, donated=True)
 
     def to(self, *args, **kwargs) -> Memory:
-        return Memory(tuple(h.to(*args, **kwargs) for h in self.hidden),
-                      tuple(c.to(*args, **kwargs) for c in self.compressed))
+        hidden = tuple(h.to(*args, **kwargs) for h in self.hidden)
+        padding = None if self.key_padding is None else self.key_padding.to(device=hidden[0].device)
+        return Memory(hidden, tuple(c.to(*args, **kwargs) for c in self.compressed), key_padding=padding)
 
     def detach(self) -> Memory:
-        return Memory(tuple(h.detach() for h in self.hidden), tuple(c.detach() for c in self.compressed))
+        return Memory(tuple(h.detach() for h in self.hidden), tuple(c.detach() for c in self.compressed),
+                      key_padding=self.key_padding)
 
     def select(self, index: Tensor | slice | int) -> Memory:
         if isinstance(index, int):
             index = slice(index, index + 1)
-        return Memory(tuple(h[index] for h in self.hidden), tuple(c[index] for c in self.compressed))
+        padding = None if self.key_padding is None else self.key_padding[index]
+        return Memory(tuple(h[index] for h in self.hidden), tuple(c[index] for c in self.compressed),
+                      key_padding=padding)
 
     @classmethod
     def cat(cls, parts: Sequence[Memory]) -> Memory:
+        padding = None
+        if any(p.key_padding is not None for p in parts):
+            padding = torch.cat([p.real_positions() for p in parts])
         return cls(tuple(torch.cat(layer) for layer in zip(*(p.hidden for p in parts), strict=True)),
-                   tuple(torch.cat(layer) for layer in zip(*(p.compressed for p in parts), strict=True)))
+                   tuple(torch.cat(layer) for layer in zip(*(p.compressed for p in parts), strict=True)),
+                   key_padding=padding)
 
     def truncate(self, mem_len: int) -> Memory | None:
         """Keep the latest mem_len states per layer (the compressed memory is kept as is)."""
         if mem_len <= 0:
             return None
-        return Memory(tuple(h[:, -mem_len:] for h in self.hidden), self.compressed)
+        padding = None if self.key_padding is None else self.key_padding[:, -mem_len:]
+        return Memory(tuple(h[:, -mem_len:] for h in self.hidden), self.compressed, key_padding=padding)
+
+    def real_positions(self) -> Tensor:
+        """(batch, length) bool, True for a real position: `key_padding`, or all True without one."""
+        if self.key_padding is not None:
+            return self.key_padding
+        return torch.ones(self.batch_size, self.length, dtype=torch.bool, device=self.hidden[0].device)
+
+    def with_padding(self, key_padding: Tensor | None) -> Memory:
+        """This memory (its kind and buffers kept) with `key_padding` (batch, length) as its padding mask;
+        an all-real mask is dropped (None), so a batch whose padding has left the memory runs the
+        padding-free code again."""
+        if key_padding is not None and bool(key_padding.all()):
+            key_padding = None
+        if key_padding is None and self.key_padding is None:
+            return self
+        return dataclasses.replace(self, key_padding=key_padding)
+
+    def reset(self, rows: Tensor | Sequence[int] | int) -> Memory:
+        """`rows` emptied: their states zeroed and marked padding, so the next segment of such a row
+        sees no memory, as a fresh row (memory=None) would; the other rows are untouched. `rows`: a
+        (batch,) bool mask or row indices. Compressive memory's compressed states carry no padding
+        mask and refuse."""
+        from txl.errors import UsageError
+
+        if self.compressed_length:
+            raise UsageError("compressive memory (cmem_len > 0) cannot reset rows; start a new memory instead")
+        if not self.length:
+            return self
+        chosen = reset_rows(rows, self.batch_size, device=self.hidden[0].device)
+        if not bool(chosen.any()):
+            return self
+        keep = ~chosen
+        hidden = tuple(h * keep[:, None, None].to(h.dtype) for h in self.hidden)  # zeros in the emptied rows
+        return Memory(hidden, self.compressed, key_padding=self.real_positions() & keep[:, None])
 
     def state_dict(self, prefix: str = "memory") -> dict[str, Tensor]:
-        """The compressed memory goes under `{prefix}_compressed.{layer}`."""
+        """The compressed memory goes under `{prefix}_compressed.{layer}`, the padding mask (if any)
+        under `{prefix}_padding` (uint8, 1 = real)."""
         out = {f"{prefix}.{i}": h.detach().contiguous() for i, h in enumerate(self.hidden)}
         out.update({f"{prefix}_compressed.{i}": c.detach().contiguous() for i, c in enumerate(self.compressed)})
+        if self.key_padding is not None:
+            out[f"{prefix}_padding"] = self.key_padding.to(torch.uint8).contiguous()
         return out
 
     @classmethod
@@ -193,14 +254,38 @@ class Memory(MemoryState):
         hidden = _layers(tensors, prefix)
         if not hidden:
             return None
-        return cls(hidden, _layers(tensors, f"{prefix}_compressed"))
+        padding = tensors.get(f"{prefix}_padding")
+        return cls(hidden, _layers(tensors, f"{prefix}_compressed"),
+                   key_padding=None if padding is None else padding != 0)
 
     def tensors(self) -> tuple[Tensor, ...]:
-        return (*self.hidden, *self.compressed)
+        return (*self.hidden, *self.compressed, *(() if self.key_padding is None else (self.key_padding,)))
 
     @classmethod
     def zeros(cls, n_layer: int, batch_size: int, length: int, d_model: int, **tensor_kwargs) -> Memory:
         return cls(tuple(torch.zeros(batch_size, length, d_model, **tensor_kwargs) for _ in range(n_layer)))
+
+
+def reset_rows(rows: Tensor | Sequence[int] | int, batch_size: int, *, device: torch.device | str) -> Tensor:
+    """(batch,) bool of the rows `reset(rows)` empties: a bool mask of the batch, or row indices."""
+    from txl.errors import UsageError
+
+    if isinstance(rows, int):
+        rows = [rows]
+    rows = torch.as_tensor(rows, device=device)
+    if rows.numel() == 0:
+        return torch.zeros(batch_size, dtype=torch.bool, device=device)
+    if rows.dtype == torch.bool:
+        if rows.shape != (batch_size,):
+            raise UsageError(f"reset takes a (batch,) = ({batch_size},) bool mask, got shape {tuple(rows.shape)}")
+        return rows
+    if rows.dim() != 1 or rows.is_floating_point():
+        raise UsageError("reset takes row indices (ints) or a (batch,) bool mask")
+    if rows.numel() and (int(rows.min()) < -batch_size or int(rows.max()) >= batch_size):
+        raise UsageError(f"reset: a row index is outside the batch of {batch_size}")
+    chosen = torch.zeros(batch_size, dtype=torch.bool, device=device)
+    chosen[rows.long()] = True
+    return chosen
 
 
 def update_memory(contexts: Sequence[Tensor], mem_len: int, *, detach: bool = True) -> Memory | None:
@@ -332,4 +417,4 @@ def register_pytree(cls: type, tensor_fields: Sequence[str], static_fields: Sequ
     return cls
 
 
-register_pytree(Memory, ("hidden", "compressed"), ("donated",))
+register_pytree(Memory, ("hidden", "compressed", "key_padding"), ("donated",))

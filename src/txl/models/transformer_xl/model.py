@@ -235,9 +235,14 @@ class TransformerXL(nn.Module):
         output_hidden_states: bool = False,
         global_mask: Tensor | None = None,
     ) -> TransformerXLOutput:
-        """attention_mask: (b, t), 1 for a token and 0 for padding (the Hugging Face convention), for
-        the bidirectional encoder and for causal models run without memory; padded positions are
-        never attended to and never scored. mem_len / clamp_len / same_length: this call's settings
+        """attention_mask: (b, t), 1 for a token and 0 for padding (the Hugging Face convention); padded
+        positions are never attended to and never scored. With memory, the returned memory carries the
+        mask of what it holds (`Memory.key_padding`), so later segments never attend to the padding
+        either; a row's real tokens must be contiguous over [memory ; segment] (pad a sequence before its
+        first token or after its last, and `memory.reset(rows)` before a row starts a new sequence:
+        one-line UsageError otherwise). Left padding at a sequence's start and right padding at its end
+        give each sequence what it gets run alone, for the relative encodings (docs/guide/data.md,
+        "Padding inside the memory"). mem_len / clamp_len / same_length: this call's settings
         (default: the model's attributes). global_mask: (b, t), nonzero for global tokens (chosen
         positions that see and are seen by all, e.g. a [CLS]); for kernels that take it (bigbird, sliding)."""
         if input_ids.dim() != 2:
@@ -256,11 +261,11 @@ class TransformerXL(nn.Module):
             raise UsageError("a bidirectional model (causal=false) takes no memory: pass mem_len=0 and memory=None")
         if same_length and mem_len < 1:
             raise UsageError("same_length needs mem_len >= 1 (each query sees exactly mem_len keys)")
-        key_padding = None
-        if attention_mask is not None:
+        key_padding = None  # (b, past + t) over the keys [memory ; segment], True = real
+        if attention_mask is not None or getattr(memory, "key_padding", None) is not None:
             key_padding = self._key_padding(attention_mask, input_ids, memory=memory, mem_len=mem_len)
-            if labels is not None:
-                labels = labels.masked_fill(~key_padding, -100)  # padding is never scored
+            if labels is not None and key_padding is not None:
+                labels = labels.masked_fill(~key_padding[:, -q_len:], -100)  # padding is never scored
         if global_mask is not None:
             global_mask = self._global_mask(global_mask, input_ids)
         mask = AttentionMask(causal=self.config.causal, window=mem_len if same_length else None,
@@ -292,9 +297,11 @@ class TransformerXL(nn.Module):
         hidden_states.append(h)
         h = self.drop(self.norm(h))
         new_memory, aux_loss = memory_update.finish()
+        if key_padding is not None and new_memory is not None:  # the memory keeps the mask of what it holds
+            new_memory = new_memory.with_padding(key_padding[:, -new_memory.length :])
         ponder_depth = None
         if ponder is not None:
-            real = torch.ones_like(ponder, dtype=torch.bool) if key_padding is None else key_padding
+            real = torch.ones_like(ponder, dtype=torch.bool) if key_padding is None else key_padding[:, -q_len:]
             ponder_depth = ponder[real].mean()
             if self.training and self.config.ponder_cost:  # τ · mean ρ joins the training loss
                 cost = self.config.ponder_cost * ponder_depth
@@ -335,15 +342,37 @@ class TransformerXL(nn.Module):
                              f"got {tuple(global_mask.shape)}")
         return global_mask.to(device=input_ids.device) != 0
 
-    def _key_padding(self, attention_mask: Tensor, input_ids: Tensor, *, memory: MemoryState | None,
-                     mem_len: int) -> Tensor:
-        """The (b, t) bool padding mask of `attention_mask`, checked against the call."""
-        if attention_mask.shape != input_ids.shape:
+    def _key_padding(self, attention_mask: Tensor | None, input_ids: Tensor, *, memory: MemoryState | None,
+                     mem_len: int) -> Tensor | None:
+        """The bool padding mask of the keys, True = real, checked against the call: (b, t) of
+        `attention_mask` without memory (any mask, as always); with memory, (b, past + t) over
+        [memory ; segment] (the memory's `key_padding`, then the segment's), or None when every key is real.
+
+        Relative positions count positions, padding included, so padding between two real tokens of a
+        row would put them further apart than they are alone: with memory, each row's real keys must
+        be one run (padding only before or after it)."""
+        batch, q_len = input_ids.shape
+        if attention_mask is None:
+            segment = torch.ones(batch, q_len, dtype=torch.bool, device=input_ids.device)
+        elif attention_mask.shape != input_ids.shape:
             raise UsageError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
                              f"got {tuple(attention_mask.shape)}")
-        if mem_len or (memory is not None and memory.length):
-            raise UsageError("attention_mask works without memory: pass mem_len=0 (a memory cannot hold padding)")
-        return attention_mask.to(device=input_ids.device) != 0
+        else:
+            segment = attention_mask.to(device=input_ids.device) != 0
+        has_memory = memory is not None and memory.length > 0
+        if not mem_len and not has_memory:
+            return segment
+        if self.compressor is not None:
+            raise UsageError("compressive memory (cmem_len > 0) cannot hold padding: pass attention_mask with "
+                             "cmem_len = 0, or run each sequence alone")
+        real = torch.cat([memory.real_positions().to(segment.device), segment], dim=1) if has_memory else segment
+        runs = real[:, 0].long() + (real[:, 1:] & ~real[:, :-1]).sum(dim=1)  # runs of real keys per row
+        if bool((runs > 1).any()):
+            rows = torch.nonzero(runs > 1).flatten().tolist()
+            raise UsageError(f"row(s) {rows} have padding between real tokens over [memory ; segment]: with "
+                             "memory, pad a sequence only before its first token or after its last, and call "
+                             "memory.reset(rows) before a row starts a new sequence")
+        return None if bool(real.all()) else real
 
     def generate(self, input_ids: Tensor, max_new_tokens: int, **kwargs) -> Tensor:
         """`input_ids` (b, t) followed by up to `max_new_tokens` sampled tokens, (b, t + n), reusing
