@@ -1439,7 +1439,9 @@ def plan_text(items: list[dict], args: argparse.Namespace) -> str:
     lines.append(f"estimate ({'H100 peaks' if args.device == 'cuda' else 'before the peak is measured'}): set-up "
                  f"~{SETUP_S:.0f} s, then " + ", ".join(f"{stage} {totals.get(stage, 0):.0f} s of its "
                                                          f"{budget.slice_s(stage):.0f}" for stage in args.stages)
-                 + f"; {SETUP_S + sum(totals.values()):.0f} s of a {args.budget_minutes * 60:.0f}-second budget")
+                 + f"; {sum(totals.values()):.0f} s for the {budget.end - budget.clock():.0f} s that a "
+                   f"{args.budget_minutes * 60:.0f}-second budget leaves after the set-up and the {args.reserve_s:.0f}-second "
+                   "reserve (what does not fit is skipped and listed)")
     return "\n".join(lines)
 
 

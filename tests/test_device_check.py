@@ -203,7 +203,7 @@ def test_dry_run_writes_the_plan_with_its_estimates_and_runs_nothing(dc, tmp_pat
     assert step == pytest.approx(4.28e12 / (0.10 * 400e12), rel=0.01)
     text = capsys.readouterr().out
     assert "train: large bf16 hf (~" in text and "estimate (H100 peaks): set-up ~25 s, then env" in text
-    assert "of a 480-second budget" in text
+    assert "s for the 435 s that a 480-second budget leaves after the set-up and the 20-second reserve" in text
 
 
 def test_plan_leaves_out_what_the_arguments_leave_out(dc):
