@@ -254,6 +254,7 @@ def test_models_without_a_fixed_shape_step_are_refused(overrides, why, tmp_path)
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # 10 s: torch.onnx's exporter, twice, and two onnxruntime sessions
 @pytest.mark.skipif(not onnx_available(), reason="the onnx extra is not installed (pip install \"txl[onnx]\")")
 def test_onnx_export_agrees_under_onnxruntime(run_dir, tmp_path):
     pytest.importorskip("onnxruntime")
