@@ -19,8 +19,8 @@ Stages, each guarded (a failure is recorded in the summary and the next stage ru
              way it is fused, so the flex contender is the compiled kernel).
 4. checkpointing: txl with the impl `attention_impl="auto"` takes on the device (sdpa on CUDA, fast on
              the CPU) at the base and large shapes, with and without activation checkpointing (each
-             block recomputed in the backward, `train.activation_checkpointing="blocks"`): peak GPU
-             memory and step time.
+             block recomputed in the backward: `model.checkpoint_blocks`, which
+             `train.activation_checkpointing="blocks"` sets): peak GPU memory and step time.
 5. compile:  torch.compile of the whole model (what `train.compile=true` runs) at the base shape in bf16:
              compile seconds apart from the step time, against the same model uncompiled.
 6. eval:     evaluation throughput (no grad, memory carried) at the base shape for two memory lengths.
@@ -1104,20 +1104,17 @@ def stage_train(check: Check) -> None:
 
 
 def checkpointing_switch(model):
-    """How to turn the model's activation checkpointing ("blocks": each block recomputed in the
-    backward) on and off: a function of one bool, or a str saying why there is none. The model-level
-    switch behind `train.activation_checkpointing`: a method `set_activation_checkpointing(mode)`, else
-    an attribute `activation_checkpointing` ("none" | "blocks")."""
-    method = getattr(model, "set_activation_checkpointing", None)
-    if callable(method):
-        return lambda on: method("blocks" if on else "none")
-    if hasattr(model, "activation_checkpointing"):
-        def assign(on: bool) -> None:
-            model.activation_checkpointing = "blocks" if on else "none"
+    """How to turn the model's activation checkpointing (each block recomputed in the backward) on and
+    off: a function of one bool, or a str saying why there is none. The switch is the model's
+    `checkpoint_blocks` attribute, which `train.activation_checkpointing = "blocks"` sets."""
+    if not isinstance(getattr(model, "checkpoint_blocks", None), bool):
+        return (f"{type(model).__name__} has no activation-checkpointing switch (checkpoint_blocks, "
+                "train.activation_checkpointing)")
 
-        return assign
-    return (f"{type(model).__name__} has no activation-checkpointing switch (set_activation_checkpointing or "
-            "activation_checkpointing)")
+    def turn(on: bool) -> None:
+        model.checkpoint_blocks = on
+
+    return turn
 
 
 def stage_checkpointing(check: Check) -> None:

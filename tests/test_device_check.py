@@ -364,24 +364,15 @@ def test_a_refusal_is_a_skip_and_a_failure_an_error_row(dc, tmp_path):
 def test_the_checkpointing_switch_is_found_or_its_absence_said(dc):
     import torch
 
-    class WithMethod(torch.nn.Module):
-        mode = "none"
+    class Switched(torch.nn.Module):
+        checkpoint_blocks = False  # what train.activation_checkpointing="blocks" sets on the model
 
-        def set_activation_checkpointing(self, mode):
-            self.mode = mode
-
-    class WithAttribute(torch.nn.Module):
-        activation_checkpointing = "none"
-
-    model = WithMethod()
-    dc.checkpointing_switch(model)(True)
-    assert model.mode == "blocks"
-    model = WithAttribute()
+    model = Switched()
     switch = dc.checkpointing_switch(model)
     switch(True)
-    assert model.activation_checkpointing == "blocks"
+    assert model.checkpoint_blocks is True
     switch(False)
-    assert model.activation_checkpointing == "none"
+    assert model.checkpoint_blocks is False
     assert "Linear has no activation-checkpointing switch" in dc.checkpointing_switch(torch.nn.Linear(2, 2))
 
 
