@@ -46,8 +46,12 @@ floor × layers), with the peak measured in stage env (before it: an H100's dens
 run of this check on an H200 (docs/results/benchmarks.md: eager/fast 10-13% of the bf16 peak and
 50-75% of the fp32 one, Hugging Face 2-5% and 20-45%; ~6 ms per layer of Python and launch time in a
 training step); plus building the model (~10 ms per million parameters) and compiling (flex: ~20 s per
-shape and precision, forward and backward; the whole model: ~60 s). Estimated on an H100 (--dry-run,
-all stages): see STAGE_S; the whole run ~7 minutes with the shell's set-up, under the 8.
+shape and precision, forward and backward, ~10 s forward only; the whole model: ~60 s; guesses until a
+GPU has measured them). The defaults' plan on an H100 (--dry-run): set-up ~25 s, env 4 s, tests 120 s (its
+time limit; 55 s on the H200 before the fused-attention tests), train 189 s (132 s of it compiling flex),
+checkpointing 19 s, compile 62 s, eval 57 s (43 s of it flex), generate 12 s: 462 s of work for the 435 s
+that 8 minutes leave after the set-up and the reserve, so the compile stage and flex's evaluation rows run
+only if the stages before them finish under their estimates; else they are listed as skipped.
 
 Timing: CUDA events around each step, median over the timed steps after warm-up steps (wall clock on
 the CPU). Contenders run one after another (each builds its model once and runs both precisions), so
