@@ -175,6 +175,8 @@ def test_export_prints_the_check_and_replaces_an_earlier_export(run_dir, tmp_pat
     {"universal": True},
     {"mem_len": 0},  # no memory: one program, input_ids only
     {"same_length": True, "clamp_len": 6, "n_layer": 3},
+    {"n_kv_head": 2, "qk_norm": True, "residual": "gru-gate", "pre_lnorm": True, "ffn": "swiglu", "norm": "rmsnorm",
+     "memory_source": "same-layer"},  # the block options and ERNIE-Doc's recurrence (issue 47)
 ])
 def test_exported_programs_equal_the_eager_model(overrides, tmp_path):
     model = default_model(**overrides).eval()
