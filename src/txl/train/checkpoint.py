@@ -24,6 +24,7 @@ import torch
 from txl.data.corpus import fingerprint_matches  # today's content form, or the path-hashing one of old runs
 from txl.errors import CheckpointError, DataError, parse_json
 from txl.models.pretrained import (
+    CONFIG_NAME,
     WEIGHTS_NAME,
     atomic_directory,
     check_state_dict,
@@ -38,6 +39,13 @@ from txl.models.pretrained import (
 from txl.models.registry import load_config
 from txl.models.rnn.config import RNN_ARCHS
 from txl.nn.memory import Memory
+from txl.train.distributed import (
+    full_model_state,
+    full_optimizer_state,
+    local_tensor,
+    set_full_model_state,
+    set_full_optimizer_state,
+)
 from txl.train.optim import optimizer_state_split
 from txl.train.rundir import BEST, LAST
 from txl.train.state import (
@@ -89,11 +97,22 @@ class Component:
 
 
 class ModelState(Component):
-    def __init__(self, model, config):
-        self.model, self.config = model, config
+    """The weights. A sharded model's (train.parallelism = "fsdp") are gathered whole first (`gather`, a
+    collective every rank calls) and written as one process's; a restore gives each rank its shard."""
 
-    def write(self, directory: Path) -> None:
-        write_model_files(self.model, directory)
+    def __init__(self, model, config, *, sharded: bool = False):
+        self.model, self.config, self.sharded = model, config, sharded
+
+    def gather(self) -> dict[str, torch.Tensor] | None:
+        """The whole weights on rank 0 when sharded (a collective), else None (the model holds them)."""
+        return full_model_state(self.model) if self.sharded else None
+
+    def write(self, directory: Path, weights: dict[str, torch.Tensor] | None = None) -> None:
+        if weights is None:
+            write_model_files(self.model, directory)
+        else:  # what write_model_files writes, from the gathered weights
+            write_json(directory / CONFIG_NAME, self.config.to_dict())
+            save_tensors(directory / WEIGHTS_NAME, weights, {"txl_kind": "model"})
 
     def check_config(self, path: Path) -> None:
         if load_config(path, follow_links=False).to_dict() != self.config.to_dict():
@@ -107,20 +126,43 @@ class ModelState(Component):
         if bad is not None:
             raise CheckpointError(f"{path / WEIGHTS_NAME} holds weights that are not finite (NaN/Inf in {bad}): the "
                                   f"run had diverged when it was saved; {restart_hint(path)}")
-        self.model.load_state_dict(weights)
+        if self.sharded:
+            current = self.model.state_dict()
+            set_full_model_state(self.model, {k: v.to(local_tensor(current[k]).device) for k, v in weights.items()})
+        else:
+            self.model.load_state_dict(weights)
 
 
 class OptimizerState(Component):
-    def __init__(self, optimizer):
-        self.optimizer = optimizer
+    """The optimiser's state; a sharded model's (`model` given) is gathered whole on rank 0 for the files and
+    set back as shards on every rank, so the files are those of one process."""
 
-    def write(self, directory: Path) -> None:
-        tensors, plain = optimizer_state_split(self.optimizer)
+    def __init__(self, optimizer, *, model=None):
+        self.optimizer, self.model = optimizer, model
+
+    def gather(self) -> dict | None:
+        """The whole state in `optimizer.state_dict()`'s form on rank 0 when sharded (a collective), else None."""
+        return None if self.model is None else full_optimizer_state(self.model, self.optimizer)
+
+    def write(self, directory: Path, whole: dict | None = None) -> None:
+        tensors, plain = optimizer_state_split(self.optimizer if whole is None else _Gathered(whole))
         save_tensors(directory / "optimizer.safetensors", tensors, {"txl_kind": "optimizer"})
         write_json(directory / "optimizer.json", plain)
 
     def load(self, state, extra, path) -> None:
-        load_optimizer(self.optimizer, path, saved_step=state["step"])
+        apply = None if self.model is None else (
+            lambda joined: set_full_optimizer_state(self.model, self.optimizer, joined))
+        load_optimizer(self.optimizer, path, saved_step=state["step"], apply=apply)
+
+
+class _Gathered:
+    """A gathered optimiser state where `optimizer_state_split` reads an optimiser's."""
+
+    def __init__(self, state: dict):
+        self._state = state
+
+    def state_dict(self) -> dict:
+        return self._state
 
 
 class ScalerState(Component):
@@ -316,9 +358,10 @@ class Checkpointer:
     def non_finite(self) -> str | None:
         """What a checkpoint would hold that is NaN or Inf (the weights, the optimiser's state, the weight
         average), named; None when all of it is finite. One host sync; checked before every checkpoint."""
-        named = list(self.model.model.state_dict().items())
+        # a sharded model's tensors are DTensors: this rank checks its shards (the ranks' verdicts are summed)
+        named = [(name, local_tensor(value)) for name, value in self.model.model.state_dict().items()]
         for index, state in enumerate(self.components[1].optimizer.state.values()):
-            named += [(f"optimizer state {index} {key}", value) for key, value in state.items()]
+            named += [(f"optimizer state {index} {key}", local_tensor(value)) for key, value in state.items()]
         named += list(self.average.tensors().items())
         return first_non_finite(named)
 
@@ -326,6 +369,7 @@ class Checkpointer:
         """Everything for an exact resume in `last`, written atomically by rank 0 (the others contribute
         their memory and RNG state through all_gather). The caller has checked the state finite."""
         extra = self.memory.gather()
+        weights, whole_optimizer = self.model.gather(), self.components[1].gather()  # sharded: collectives
         if not self.dist.main:
             return
         state: dict = {}
@@ -335,16 +379,20 @@ class Checkpointer:
         state = parse_json(json.dumps(state))  # as it will read back (tuples become lists)
         extra[PROGRESS_TENSOR] = digest_tensor(state)
         with atomic_directory(self.out / LAST) as tmp:
-            self.model.write(tmp)
+            self.model.write(tmp, weights)
             self.data.write(tmp)
-            self.components[1].write(tmp)
+            self.components[1].write(tmp, whole_optimizer)
             save_tensors(tmp / "trainer.safetensors", extra, {"txl_kind": "trainer"})
             write_json(tmp / STATE_FILE, state)
 
     def save_best(self, result, *, weights: str = "live") -> None:
-        """`best`: the model's current weights (weights = "average" while the weight average is applied)."""
+        """`best`: the model's current weights (weights = "average" while the weight average is applied).
+        Rank 0 writes; a sharded model's ranks all call it (they gather the weights together)."""
+        gathered = self.model.gather()
+        if not self.dist.main:
+            return
         with atomic_directory(self.out / BEST) as tmp:
-            self.model.write(tmp)
+            self.model.write(tmp, gathered)
             self.data.write(tmp)
             write_json(tmp / STATE_FILE, {"step": self.progress.progress.step, "valid": result.to_dict(),
                                           "metric": self.progress.metric, "data": self.data.spec,

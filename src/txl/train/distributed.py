@@ -1,6 +1,8 @@
 """The distributed context of a training run: rank, world size and device under torchrun.
 
-Distribution is DistributedDataParallel under torchrun (gloo on CPU, nccl on GPU): rank r reads rows
+Distribution is DistributedDataParallel under torchrun (gloo on CPU, nccl on GPU), or with
+`train.parallelism = "fsdp"` FSDP2 (`shard_model`: parameters, gradients and optimiser state sharded per
+block; the whole state gathered for a checkpoint, `full_model_state`): rank r reads rows
 [r·B/W, (r+1)·B/W) of the same global batch, so W processes see exactly what one process with the
 whole batch sees. Only rank 0 writes.
 """
@@ -127,3 +129,94 @@ def _wait_for_ranks(procs: list, logs: list) -> int:
             for line in logs[rank].read().decode("utf-8", "replace").splitlines()[-20:]:
                 print(f"rank {rank}: {line}", file=sys.stderr)
     return codes[0] or next((code for code in codes if code), 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded training (train.parallelism = "fsdp"): FSDP2, torch.distributed.fsdp.fully_shard
+
+
+def shard_model(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2 over `model` in place: each block its own unit (its parameters gathered for its forward and
+    backward only), then the root (embeddings, softmax, positions and the rest). Returns the model."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+class GradientSync:
+    """What the objective asks of DDP (`no_sync()` on the micro-batches before the last), for an FSDP2 model:
+    gradients are reduce-scattered on the last micro-batch only."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+
+def _full_options(*, cpu_offload: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+
+
+def full_model_state(model: torch.nn.Module, *, everywhere: bool = False) -> dict[str, torch.Tensor]:
+    """The whole state_dict of a sharded model (a collective: every rank calls it): on rank 0 only, on the
+    CPU (empty elsewhere), or with `everywhere` on every rank, on the model's device."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_full_options(cpu_offload=not everywhere))
+
+
+def set_full_model_state(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Load a whole state_dict (every rank holds it) into a sharded model: each rank keeps its shard."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(model, weights, options=_full_options(cpu_offload=False))
+
+
+def _index_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    """The optimiser's parameter index (as its state_dict numbers them) -> the parameter's name."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    described = optimizer.state_dict()["param_groups"]
+    return {index: names[id(p)] for group, desc in zip(optimizer.param_groups, described)
+            for p, index in zip(group["params"], desc["params"])}
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimiser's whole state (a collective), on rank 0 (None elsewhere), in the form of
+    `optimizer.state_dict()` of one process (parameters by index), so the files stay those of any run."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    full = get_optimizer_state_dict(model, optimizer, options=_full_options(cpu_offload=True))
+    if not full:  # the other ranks
+        return None
+    by_name = full.get("state", {})
+    state = {index: by_name[name] for index, name in _index_names(model, optimizer).items() if name in by_name}
+    return {"state": state, "param_groups": optimizer.state_dict()["param_groups"]}
+
+
+def set_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, joined: dict) -> None:
+    """Load an optimiser state in `optimizer.state_dict()`'s form (whole tensors, every rank holds it) into
+    the optimiser of a sharded model."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    names = _index_names(model, optimizer)
+    state = {names[index]: value for index, value in joined["state"].items()}
+    groups = [{**group, "params": [names[index] for index in group["params"]]} for group in joined["param_groups"]]
+    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups},
+                             options=_full_options(cpu_offload=False))
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded tensor (a DTensor), or the tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor

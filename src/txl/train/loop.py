@@ -42,7 +42,7 @@ from txl.train.checkpoint import (
     ScalerState,
 )
 from txl.train.config import RunConfig
-from txl.train.distributed import init_distributed
+from txl.train.distributed import GradientSync, full_model_state, init_distributed, shard_model
 from txl.train.finish import sample_prompt_ids
 from txl.train.objectives import objective_class
 from txl.train.optim import build_optimizer, dropout_at, lr_at, set_lr
@@ -141,8 +141,12 @@ class Trainer:
             init_from = previous_run_record(self.out).get("init_from")
             self.init_from = init_from if isinstance(init_from, str) else None
         torch.manual_seed(cfg.seed + dist.rank)  # distinct dropout streams per rank
-        ddp = self.model
-        if dist.world > 1:
+        ddp = sync = self.model
+        self.sharded = check_parallelism(cfg, self.model_config, dist) and dist.world > 1
+        if self.sharded:  # FSDP2: per block, then the root (txl.train.distributed.shard_model)
+            ddp = shard_model(self.model)
+            sync = GradientSync(self.model)
+        elif dist.world > 1:
             from torch.nn.parallel import DistributedDataParallel
 
             ddp = DistributedDataParallel(
@@ -152,6 +156,7 @@ class Trainer:
                 find_unused_parameters=getattr(self.model_config, "adaptive", False) or any(
                     getattr(m, "unused_query_projection", False) for m in self.model.modules()),
             )
+            sync = ddp
         self.forward = torch.compile(ddp) if cfg.compile else ddp
         self.optimizer = build_optimizer(cfg.optimizer, self.model, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                          betas=cfg.adam_betas, eps=cfg.adam_eps)
@@ -164,7 +169,7 @@ class Trainer:
         self.scheduled_dropouts = [] if cfg.dropout_start is None else [
             m for m in self.model.modules() if isinstance(m, torch.nn.Dropout) and m.p == self.model_config.dropout]
         self.objective = objective(cfg, self.corpus, dist, vocab_size=self.model_config.vocab_size,
-                                   precision=precision, scaler=self.scaler, ddp=ddp)
+                                   precision=precision, scaler=self.scaler, ddp=sync)
         self.train_iter = self.objective.batches()
         self.progress = Progress()
         # this session's scores of valid on eval_max_tokens, so the run's end does not score the same weights
@@ -174,7 +179,8 @@ class Trainer:
         self.last_scores: dict[str, tuple[int, EvalResult]] = {}
         self.stop_requested = False
         self.checkpointer = Checkpointer(
-            self.out, dist, model=ModelState(self.model, self.model_config), optimizer=OptimizerState(self.optimizer),
+            self.out, dist, model=ModelState(self.model, self.model_config, sharded=self.sharded),
+            optimizer=OptimizerState(self.optimizer, model=self.model if self.sharded else None),
             scaler=ScalerState(self.scaler), data=DataState(self.corpus, self.train_iter, cfg.data),
             progress=ProgressState(self.progress, run=run, metric=self.metric, world=dist.world),
             average=AverageState(self.average),
@@ -339,8 +345,19 @@ class Trainer:
             bar.close()
             log.close()
             self._restore_signal_handlers(previous_handlers)
+        if self.sharded:
+            self._unshard()
         return {"steps": progress.step, "stopped_by": reason, "tokens": progress.tokens_seen, "elapsed": progress.elapsed,
                 "tokens_per_second": progress.tokens_seen / max(progress.elapsed, 1e-9), "best_valid": progress.best_valid}
+
+    def _unshard(self) -> None:
+        """After the last step of a sharded run: every rank gets the whole model, unsharded, for the run's end
+        (final scores, loading `best`, the sample on rank 0; txl.train.finish), as a DDP run has it."""
+        weights = full_model_state(self.model, everywhere=True)
+        model = build_model(self.model_config).to(self.dist.device)
+        model.load_state_dict(weights)
+        model.checkpoint_blocks = self.model.checkpoint_blocks
+        self.model = model.train()
 
     def projected_steps(self, seconds: float, steps: int) -> int:
         """The step the run will likely end at: max_steps, or sooner where max_minutes binds first at this
@@ -416,7 +433,7 @@ class Trainer:
         if result.loss < self.progress.best_valid:
             self.progress.best_valid = result.loss
             self.best_score = (self.progress.step, result)
-            if self.dist.main:
+            if self.dist.main or self.sharded:  # sharded: every rank gathers the weights, rank 0 writes
                 self.checkpointer.save_best(result, weights="average" if averaged else "live")
 
     def evaluate_split(self, split: str, *, max_tokens: int = 0, progress: bool = False) -> EvalResult:
@@ -441,6 +458,31 @@ class Trainer:
     def _restore_signal_handlers(previous) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def check_parallelism(cfg, model_config, dist) -> bool:
+    """Whether the run asks for sharded training (train.parallelism = "fsdp"), after the combinations it does
+    not run are refused in one line (checked with any world size, so a config tried on one process does not
+    fail on many). With one process there is nothing to shard: a note, and a plain run."""
+    if cfg.parallelism != "fsdp":
+        return False
+    refuse = None
+    if getattr(model_config, "arch", "decoder") != "decoder":
+        refuse = f"the Transformer-XL decoder (model.arch='decoder'), not model.arch={model_config.arch!r}"
+    elif cfg.objective != "lm":
+        refuse = f"the language-modelling objective (train.objective='lm'), not {cfg.objective!r}"
+    elif cfg.compile:
+        refuse = "the uncompiled model: unset train.compile (torch.compile of a sharded model is not supported here)"
+    elif cfg.ema > 0:
+        refuse = "runs without a weight average: set train.ema=0 (the average would hold a whole copy per rank)"
+    elif cfg.optimizer not in ("adam", "adamw"):
+        refuse = f"train.optimizer adam or adamw, not {cfg.optimizer!r}"
+    if refuse is not None:
+        raise ConfigError(f"train.parallelism='fsdp' is for {refuse}; or use parallelism='ddp'")
+    if dist.world == 1 and dist.main:
+        print("note: train.parallelism='fsdp' with one process: nothing to shard, a plain run (start several "
+              "processes, txl train --nproc N or torchrun, to shard)", file=sys.stderr)
+    return True
 
 
 def clock() -> float:

@@ -114,8 +114,10 @@ def _same_value(want: Any, got: Any) -> bool:
     return type(got) is type(want) and got == want
 
 
-def load_optimizer(optimizer, path: Path, *, saved_step: int) -> None:
-    """optimizer.safetensors + optimizer.json of `path` into `optimizer`, every value checked first."""
+def load_optimizer(optimizer, path: Path, *, saved_step: int, apply=None) -> None:
+    """optimizer.safetensors + optimizer.json of `path` into `optimizer`, every value checked first.
+    `apply(state)` loads the checked state (default `optimizer.load_state_dict`; a sharded model's
+    optimiser takes it through `txl.train.distributed.set_full_optimizer_state`)."""
     opt_tensors, _ = load_tensors(path / "optimizer.safetensors", "optimizer state", require_digest=True,
                                   follow_links=False)
     where = path / "optimizer.json"
@@ -139,7 +141,7 @@ def load_optimizer(optimizer, path: Path, *, saved_step: int) -> None:
     _check_optimizer_tensors(optimizer, opt_tensors, opt_plain.get("state", {}), path, saved_step)
     try:
         joined = optimizer_state_join(opt_tensors, {**opt_plain, "param_groups": groups})
-        optimizer.load_state_dict(joined)
+        (optimizer.load_state_dict if apply is None else apply)(joined)
     except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as err:
         raise CheckpointError(f"{unusable}: {type(err).__name__}: {err}") from None
 
