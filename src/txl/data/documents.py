@@ -353,7 +353,11 @@ def _check_vocab(spec: DataSpec, docs: DocumentSet, vocab: Vocab) -> dict[str, i
             pieces = doc.text if vocab.kind == "chars" else doc.text.split()
             counts.update(p for p in pieces if p not in vocab.stoi)
     if counts and vocab.unk is None:
-        raise UnknownSymbols(f"{spec.text}: symbols the vocabulary lacks", dict(counts))
+        from txl.data.corpus import describe_symbols
+
+        raise UnknownSymbols(f"{spec.text} holds {len(counts):,} symbol(s) the {vocab.kind} vocabulary lacks and it has no "
+                             f"<unk> ({describe_symbols(dict(counts))}); read them with the vocabulary they were "
+                             "trained with, or use tokenizer=bytes", dict(counts))
     return dict(counts)
 
 

@@ -89,7 +89,7 @@ class Plan:
 
 def make_plan(spec: DataSpec) -> Plan:
     """Resolve a parsed spec into a `Plan`; raises `DataError` for missing or malformed sources."""
-    return {
+    planners = {
         "ptb-word": _plan_ptb_word,
         "ptb-char": _plan_ptb_char,
         "enwik8": _plan_enwik8,
@@ -99,7 +99,11 @@ def make_plan(spec: DataSpec) -> Plan:
         "lm1b": _plan_lm1b,
         "text": _plan_text,
         "builtin": _plan_builtin,
-    }[spec.name](spec)
+    }
+    if spec.name not in planners:  # pair corpora and document collections have their own readers
+        raise DataError(f"{spec.text!r} is not a token stream for a language model: a pair corpus trains with "
+                        "txl.data.seq2seq, a docs: collection with --objective classify (txl.data.documents)")
+    return planners[spec.name](spec)
 
 
 def _not_found(spec: DataSpec, path: Path) -> str:
