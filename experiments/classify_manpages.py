@@ -124,7 +124,7 @@ def run(args) -> None:
     model = ["--set", "model.n_layer=2", "--set", "model.d_model=64", "--set", "model.n_head=4", "--set",
              "model.d_head=16", "--set", "model.d_inner=128", "--set", f"model.mem_len={args.tgt_len}", "--set",
              "model.dropout=0.1", "--set", f"tgt_len={args.tgt_len}", "--set", f"batch_size={args.batch_size}",
-             "--set", "eval_batch_size=16", "--set", f"eval_interval={args.steps}", "--set", "lr=0.001",
+             "--set", "eval_batch_size=16", "--set", f"eval_interval={max(args.steps // 4, 1)}", "--set", "lr=0.001",
              "--set", f"warmup_steps={args.steps // 10}"]
     rows = []
     for reading in ("first", "all"):
@@ -144,7 +144,7 @@ def run(args) -> None:
             row = {"reading": reading, "seed": seed, "accuracy": scores["accuracy"], "macro_f1": scores["macro_f1"],
                    "documents": scores["documents"], "confusion": scores["confusion"], "labels": scores["labels"],
                    "train_seconds": round(seconds, 1), "load_before": load_before, "load_after": cpu_load(),
-                   "command": shlex.join(train), "eval": shlex.join(evaluate)}
+                   "command": "txl " + shlex.join(train[3:]), "eval": "txl " + shlex.join(evaluate[3:])}
             print(json.dumps({k: row[k] for k in ("reading", "seed", "accuracy", "macro_f1", "train_seconds",
                                                    "load_after")}), flush=True)
             rows.append(row)
@@ -161,21 +161,57 @@ def write_results(args, data: str, rows: list[dict]) -> None:
     source = json.loads((Path(args.dest) / "SOURCE.json").read_text())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "classify.json").write_text(json.dumps({"data": data, "source": source, "runs": rows}, indent=2) + "\n")
+    settings = {k: getattr(args, k) for k in ("steps", "tgt_len", "max_tokens", "batch_size", "threads", "seeds")}
+    (out / "classify.json").write_text(json.dumps({"data": data, "source": source, "settings": settings,
+                                                   "runs": rows}, indent=2) + "\n")
     by = {r: [x for x in rows if x["reading"] == r] for r in ("first", "all")}
-    lines = ["| reading | seeds | test accuracy, mean ± std (min-max) | test macro-F1, mean ± std (min-max) | "
-             "train time per run |", "|---|---|---|---|---|"]
     names = {"first": "first segment only (no memory)", "all": "whole document, segment by segment with memory"}
+    table = ["| reading | seeds | test accuracy: mean ± std (min-max) | test macro-F1: mean ± std (min-max) | "
+             "train time per run |", "|---|---|---|---|---|"]
     for reading, group in by.items():
         if group:
-            lines.append(f"| {names[reading]} | {', '.join(str(g['seed']) for g in group)} | "
+            table.append(f"| {names[reading]} | {', '.join(str(g['seed']) for g in group)} | "
                          f"{summary([g['accuracy'] for g in group])} | {summary([g['macro_f1'] for g in group])} | "
                          f"{statistics.mean(g['train_seconds'] for g in group):.0f} s |")
+    diff = ""
     if by["first"] and by["all"]:
         diffs = [a["accuracy"] - f["accuracy"] for a, f in zip(by["all"], by["first"])]
-        lines.append(f"\nAccuracy difference (memory - first segment), paired by seed: {summary(diffs)}.")
-    (out / "classify_table.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        diff = f"Accuracy difference (memory - first segment), paired by seed: **{summary(diffs)}**.\n"
+    counts = source["counts"]
+    lines = [
+        "# Long-document classification: Debian manual pages by section", "",
+        "Issue 47 item 3. The same small Transformer-XL classifier reads each manual page either through its "
+        "first segment only (`--set classifier_segments=first`: no memory, what a fixed-context classifier "
+        "sees) or whole, segment by segment with the memory carrying the earlier segments, and is classified "
+        "from its last segment (mean of the final hidden states). Written by `experiments/classify_manpages.py`.",
+        "", "## Result (test split)", "", *table, "", diff,
+        "## Data", "",
+        f"- Source: the Debian packages {', '.join(f'`{p}` {v}' for p, v in source['packages'].items())} "
+        "(`apt-get install -y manpages manpages-dev man-db`), the pages of sections 2 (system calls), 3 (library "
+        "functions) and 7 (overviews) that they install; aliases (symbolic links and `.so` stubs) skipped; at most "
+        "200 pages per section (seeded sample); rendered by `man -l` (MANWIDTH=80, `col -bx`).",
+        "- The label is not in the text: the header line (\"open(2)  System Calls Manual  open(2)\") and the footer "
+        "are dropped and every section mark `name(N)` becomes `name`.",
+        "- Split 70/10/20 by a hash of the file name: " + "; ".join(
+            f"{label}: {c['train']}/{c['valid']}/{c['test']} (of {c['installed (non-stub)']} installed)"
+            for label, c in counts.items()) + " (train/valid/test).",
+        f"- Read as bytes, each page cut to its first {args.max_tokens} bytes (`docs:DIR?max_tokens={args.max_tokens}`): "
+        f"at most {args.max_tokens // args.tgt_len} segments of {args.tgt_len}.",
+        "", "## Model and budget", "",
+        f"- 2 layers, d_model 64, 4 heads of 16, d_inner 128, dropout 0.1, tgt_len = mem_len = {args.tgt_len}; "
+        f"{args.steps} steps of {args.batch_size} documents, Adam lr 1e-3 with {args.steps // 10} warm-up steps "
+        "(cosine), validated every {max(args.steps // 4, 1)} steps; the checkpoint with the best valid loss is scored on test.",
+        f"- CPU, {args.threads} torch thread per run, runs one after another; the machine was shared with other "
+        f"work: load average before/after each run in `classify.json` (first run: {rows[0]['load_before']}; last: "
+        f"{rows[-1]['load_after']}). Times are wall clock under that load, not benchmarks.",
+        "", "## Commands", "", "```bash",
+        "apt-get install -y manpages manpages-dev man-db",
+        f"python experiments/classify_manpages.py build --dest {args.dest}",
+        f"python experiments/classify_manpages.py run --dest {args.dest} --seeds {' '.join(map(str, args.seeds))} "
+        f"--steps {args.steps}",
+        "# each run is:", rows[0]["command"], rows[-1]["command"], rows[-1]["eval"], "```", ""]
+    (out / "classify.md").write_text("\n".join(lines))
+    print("\n".join(table) + "\n" + diff)
 
 
 def main() -> None:
