@@ -200,7 +200,7 @@ def write_results(args, data: str, rows: list[dict]) -> None:
         "", "## Model and budget", "",
         f"- 2 layers, d_model 64, 4 heads of 16, d_inner 128, dropout 0.1, tgt_len = mem_len = {args.tgt_len}; "
         f"{args.steps} steps of {args.batch_size} documents, Adam lr 1e-3 with {args.steps // 10} warm-up steps "
-        "(cosine), validated every {max(args.steps // 4, 1)} steps; the checkpoint with the best valid loss is scored on test.",
+        f"(cosine), validated every {max(args.steps // 4, 1)} steps; the checkpoint with the best valid loss is scored on test.",
         f"- CPU, {args.threads} torch thread per run, runs one after another; the machine was shared with other "
         f"work: load average before/after each run in `classify.json` (first run: {rows[0]['load_before']}; last: "
         f"{rows[-1]['load_after']}). Times are wall clock under that load, not benchmarks.",
