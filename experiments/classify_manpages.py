@@ -131,7 +131,7 @@ def run(args) -> None:
         for seed in args.seeds:
             out = runs / f"{reading}-seed{seed}"
             train = [sys.executable, "-m", "txl", "train", "--objective", "classify", "--data", data, "--seed",
-                     str(seed), "--max-steps", str(args.steps), "--out", str(out), "--threads", str(args.threads),
+                     str(seed), "--max-steps", str(args.steps), "--max-minutes", "0", "--out", str(out), "--threads", str(args.threads),
                      "--quiet", "--force", *model, "--set", f"classifier_segments={reading}"]
             load_before = cpu_load()
             start = time.time()
@@ -199,7 +199,7 @@ def write_results(args, data: str, rows: list[dict]) -> None:
         f"at most {args.max_tokens // args.tgt_len} segments of {args.tgt_len}.",
         "", "## Model and budget", "",
         f"- 2 layers, d_model 64, 4 heads of 16, d_inner 128, dropout 0.1, tgt_len = mem_len = {args.tgt_len}; "
-        f"{args.steps} steps of {args.batch_size} documents, Adam lr 1e-3 with {args.steps // 10} warm-up steps "
+        f"{args.steps} steps of {args.batch_size} documents, Adam lr 1e-3 with {args.steps // 10} warm-up steps, no time budget (the same steps for both readings) "
         f"(cosine), validated every {max(args.steps // 4, 1)} steps; the checkpoint with the best valid loss is scored on test.",
         f"- CPU, {args.threads} torch thread per run, runs one after another; the machine was shared with other "
         f"work: load average before/after each run in `classify.json` (first run: {rows[0]['load_before']}; last: "
