@@ -194,7 +194,7 @@ def test_document_batches_resume_where_they_stopped():
 
 def test_a_padded_batch_classifies_each_document_as_alone():
     """Only the last segment is padded, so causal attention keeps each row exact (1e-5)."""
-    for pooling in ("mean", "last"):
+    for pooling in ("mean", "last", "summary"):
         model = classifier(classifier_pooling=pooling)
         x = torch.randint(0, 12, (3, 24))
         lengths = torch.tensor([24, 17, 20])
@@ -220,7 +220,7 @@ def second_segment_variants() -> tuple[torch.Tensor, torch.Tensor]:
     return a, b
 
 
-@pytest.mark.parametrize("pooling", ["mean", "last"])
+@pytest.mark.parametrize("pooling", ["mean", "last", "summary"])
 def test_with_memory_the_logits_depend_on_an_earlier_segment(pooling):
     a, b = second_segment_variants()
     model = classifier(classifier_pooling=pooling)
@@ -358,6 +358,19 @@ def test_init_from_a_language_model_run(tmp_path):
     for name, tensor in lm.items():  # lr=1e-30: one step leaves the copied weights as they were
         torch.testing.assert_close(ft[name], tensor, rtol=0, atol=1e-20)
     assert json.loads((tmp_path / "ft" / "run.json").read_text())["init_from"]
+
+
+def test_the_summary_token_is_learned_and_only_in_summary_models():
+    """pooling='summary': a d_model parameter (its gradient flows), placed right after each row's real tokens;
+    the other poolings have no such parameter (their state dicts are unchanged)."""
+    model = classifier(classifier_pooling="summary").train()
+    x = torch.randint(0, 12, (2, 20))
+    out = model.classify(x, lengths=torch.tensor([20, 18]), labels=torch.tensor([1, 0]), tgt_len=T)
+    out.loss.backward()
+    assert model.summary.grad is not None and model.summary.grad.abs().sum() > 0
+    assert "summary" not in classifier(classifier_pooling="mean").state_dict()
+    with pytest.raises(UsageError, match="summary"):
+        classifier().classify(x, tgt_len=T, pooling="summary")
 
 
 def test_report_table_names_every_label():

@@ -3,8 +3,9 @@
 
 A document longer than one segment is read segment by segment, the memory carrying the earlier segments
 into each later one (as the LM reads a stream), and classified from the final hidden states of its *last*
-segment: their mean over the real tokens (`classifier_pooling="mean"`) or the last real token's
-(`"last"`; HF's choice). `classifier_segments="first"` reads the first segment alone: the baseline of a
+segment: their mean over the real tokens (`classifier_pooling="mean"`), the last real token's
+(`"last"`; HF's choice), or those of a learned summary token appended after the last real token (`"summary"`,
+a [CLS] at the end: under causal attention only the end sees the whole segment). `classifier_segments="first"` reads the first segment alone: the baseline of a
 fixed-context classifier, which cannot see anything past `tgt_len` tokens.
 
 Batching documents of different lengths: the rows of one call have the same number of segments
@@ -53,6 +54,9 @@ class TransformerXLClassifier(TransformerXL):
     def __init__(self, config):
         super().__init__(config)
         self.classifier = nn.Linear(config.d_model, config.num_labels)
+        # pooling "summary": the input embedding of the token appended after each document's last real token
+        self.summary = nn.Parameter(torch.empty(config.d_model)) if config.classifier_pooling == "summary" else None
+        self._summary_at: Tensor | None = None  # (b, t) where `_embed` puts it during `classify`
         self._reset_classifier()
 
     def reset_parameters(self) -> None:
@@ -63,6 +67,14 @@ class TransformerXLClassifier(TransformerXL):
     def _reset_classifier(self) -> None:
         nn.init.normal_(self.classifier.weight, 0.0, self.config.init_std)
         nn.init.zeros_(self.classifier.bias)
+        if self.summary is not None:
+            nn.init.normal_(self.summary, 0.0, self.config.init_std)
+
+    def _embed(self, input_ids: Tensor) -> Tensor:
+        h = super()._embed(input_ids)  # (b, t, d_model)
+        if self._summary_at is None:
+            return h
+        return torch.where(self._summary_at[..., None], self.summary.to(h.dtype), h)
 
     def classify(self, input_ids: Tensor, *, lengths: Tensor | None = None, labels: Tensor | None = None,
                  tgt_len: int, segments: str | None = None, pooling: str | None = None,
@@ -88,18 +100,28 @@ class TransformerXLClassifier(TransformerXL):
         if len(counts) != 1:
             raise UsageError(f"the rows of one call must have the same number of segments at tgt_len={tgt_len}, got "
                              f"{sorted(counts)}; bucket documents by segment count (txl.data.documents.DocumentBatches)")
+        if pooling == "summary" and self.summary is None:
+            raise UsageError("pooling='summary' needs a model built with classifier_pooling='summary' (its learned token)")
         n_segments = counts.pop()
+        real = lengths - (n_segments - 1) * tgt_len  # (b,) real tokens of the last segment, >= 1
         memory = None
         for s in range(n_segments):  # every segment but the last is full in every row
             start = s * tgt_len
             last = s == n_segments - 1
             stop = int(lengths.max()) if last else start + tgt_len
-            out = self(input_ids[:, start:stop], memory=memory, return_logits=False,
-                       mem_len=0 if segments == "first" else mem_len)
+            segment = input_ids[:, start:stop]
+            if last and pooling == "summary":  # one more position: the summary token right after the real ones
+                segment = torch.cat([segment, segment.new_zeros(batch, 1)], dim=1)
+                self._summary_at = torch.arange(segment.shape[1], device=segment.device)[None, :] == real[:, None]
+            try:
+                out = self(segment, memory=memory, return_logits=False, mem_len=0 if segments == "first" else mem_len)
+            finally:
+                self._summary_at = None
             memory = out.memory
         hidden = out.hidden  # (b, t_last, d_model): the last segment's final hidden states
-        real = lengths - (n_segments - 1) * tgt_len  # (b,) real tokens of the last segment, >= 1
-        if pooling == "last":
+        if pooling == "summary":
+            pooled = hidden[torch.arange(batch, device=hidden.device), real]  # (b, d_model)
+        elif pooling == "last":
             pooled = hidden[torch.arange(batch, device=hidden.device), real - 1]  # (b, d_model)
         else:
             keep = torch.arange(hidden.shape[1], device=hidden.device)[None, :] < real[:, None]  # (b, t_last)

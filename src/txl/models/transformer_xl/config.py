@@ -97,7 +97,8 @@ class TransformerXLConfig(ModelConfig):
     # sequence classification (issue 47, txl.models.transformer_xl.classify): 0 = a language model only; N > 0 adds
     # a head of N classes over the final hidden states of a document's last segment, read with the memory
     num_labels: int = 0
-    classifier_pooling: Literal["mean", "last"] = "mean"  # the last segment's real tokens averaged, or its last one
+    # the last segment's real tokens averaged, its last one, or a learned summary token appended after them
+    classifier_pooling: Literal["mean", "last", "summary"] = "mean"
     # all: every segment in turn, the memory carrying the earlier ones; first: the first segment alone (the
     # no-memory baseline: what a fixed-context classifier reads)
     classifier_segments: Literal["all", "first"] = "all"
