@@ -2,7 +2,7 @@
 item 3), on the CPU with 2 gloo processes (FSDP2's all-gather and reduce-scatter run on gloo in torch 2.13):
 the same losses as one process and as DDP on the same global batch (within 1e-5), checkpoints in the files
 of one process (safetensors + JSON, the same tensors), an exact resume, and together with activation
-checkpointing. The combinations it does not run are one-line ConfigErrors; one process is a plain run.
+checkpointing and with micro-batches (grad_accum). The combinations it does not run are one-line ConfigErrors; one process is a plain run.
 
 Dropout off for the comparisons (each rank draws its own dropout stream), schedule constant for the resume
 (a cosine over max_steps would change with the interrupted run's shorter budget)."""
@@ -46,10 +46,14 @@ def test_fsdp_two_gloo_processes_equal_one_process_and_ddp(tmp_path, corpus):
     fsdp, _ = _train(config, tmp_path / "fsdp", "--set", "parallelism=fsdp", nproc=2)
     recompute, _ = _train(config, tmp_path / "fsdp-ckpt", "--set", "parallelism=fsdp", "--set",
                           "activation_checkpointing=blocks", nproc=2)
-    assert sorted(one) == sorted(ddp) == sorted(fsdp) == sorted(recompute) == [1, 2, 3, 4]
+    # micro-batches: gradients reduce-scattered on the last one only (set_requires_gradient_sync)
+    accumulated, _ = _train(config, tmp_path / "fsdp-accum", "--set", "parallelism=fsdp", "--set", "grad_accum=2",
+                            nproc=2)
+    assert sorted(one) == sorted(ddp) == sorted(fsdp) == sorted(recompute) == sorted(accumulated) == [1, 2, 3, 4]
     for step in one:
         assert abs(fsdp[step] - one[step]) < TOL and abs(fsdp[step] - ddp[step]) < TOL, step
         assert abs(recompute[step] - fsdp[step]) < 1e-6, step
+        assert abs(accumulated[step] - one[step]) < TOL, step
     # the files of one process: the same tensors (names, shapes, dtypes), gathered whole
     for name in ("model.safetensors", "optimizer.safetensors"):
         mine, theirs = _tensors(tmp_path / "fsdp", name), _tensors(tmp_path / "one", name)
