@@ -251,3 +251,53 @@ def test_refusal_list_matches_the_registry():
     registry.load_builtin_kernels()
     causal = {name for name, spec in registry.SPECS.items() if spec.causal}
     assert causal == {"full", *PADDING_KERNELS, "sliding", "sparse", "sinkhorn", "compressed"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation: left-padded prompts and row reset (txl.generate.decoder)
+
+
+@pytest.mark.parametrize("mem_len", [16, 0])
+def test_left_padded_prompts_generate_what_each_prompt_generates_alone(mem_len):
+    from txl.generate.decoder import sample
+
+    model = build(mem_len=16)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 53, (n,), generator=generator) for n in (3, 9, 20)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p) :], mask[r, width - len(p) :] = p, 1
+    batched = sample(model, ids, attention_mask=mask, max_new_tokens=6, temperature=0.0, mem_len=mem_len,
+                     segment_len=8)
+    for r, p in enumerate(prompts):
+        alone = sample(model, p[None], max_new_tokens=6, temperature=0.0, mem_len=mem_len, segment_len=8)
+        assert batched.ids[r] == alone.ids[0]
+        assert batched.logprobs[r] == pytest.approx(alone.logprobs[0], abs=1e-5)
+    with pytest.raises(UsageError, match="pad prompts on the left"):
+        sample(model, ids, attention_mask=mask.flip(1), max_new_tokens=1, mem_len=mem_len)
+
+
+@pytest.mark.parametrize("mem_len", [16, 0])
+def test_decoder_reset_swaps_a_finished_row_for_a_fresh_one(mem_len):
+    from txl.generate.decoder import Decoder
+
+    model = build(mem_len=16)
+    ids = torch.randint(1, 53, (3, 12))
+    more = torch.randint(1, 53, (3, 5))
+    with torch.no_grad():
+        kept = Decoder(model, mem_len=mem_len, segment_len=8)
+        kept.feed(ids)
+        kept_logits = kept.feed(more).clone()
+        decoder = Decoder(model, mem_len=mem_len, segment_len=8)
+        decoder.feed(ids)
+        decoder.reset([1])
+        logits = decoder.feed(more)
+        fresh = Decoder(model, mem_len=mem_len, segment_len=8).feed(more[1:2])
+        torch.testing.assert_close(logits[1], fresh[0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(logits[[0, 2]], kept_logits[[0, 2]], atol=1e-6, rtol=0)
+        step = decoder.step(torch.tensor([4, 5, 6]))  # and token by token after it
+        fresh_decoder = Decoder(model, mem_len=mem_len, segment_len=8)
+        fresh_decoder.feed(more[1:2])
+        torch.testing.assert_close(step[1], fresh_decoder.step(torch.tensor([5]))[0], atol=1e-6, rtol=0)

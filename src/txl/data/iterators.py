@@ -14,7 +14,9 @@ Three iterators:
 - `EvalIterator`: evaluation. Every target of the split (tokens 1..N-1) is scored exactly once; each
   stream may start `warm_len` tokens early to give its first scored token full context.
 - `ShuffledSentenceIterator`: lm1b. Sentences in a random order per epoch packed into B streams
-  (the reference's `LMShuffledIterator`).
+  (the reference's `LMShuffledIterator`). With `boundaries=True` the sentences are documents that never
+  see each other (issue 47): a row's document ends its segment (the rest is right padding, an
+  `attention_mask` of 0) and the row's memory is reset (`Batch.reset`) before its next document.
 
 Size: the three iterators share the stream layout and the checks of a saved position (`_check_state`);
 kept together so that resume reads one file.
@@ -41,6 +43,10 @@ class Batch:
     inputs, targets: int64 [B, T]; targets[b, t] is the token after inputs[b, t] in stream b.
     score_mask: bool [B, T], True where the target counts toward the loss/metric; None = all count.
     positions: int64 [B, T], index in the split of each target token, -1 where not scored.
+    attention_mask: int64 [B, T], 1 for a token and 0 for padding (documents: the end of a row's
+        document pads the rest of its segment); pass it to the model. None = no padding.
+    reset: bool [B], True for the rows whose memory must be emptied before this batch (their previous
+        document ended: `memory.reset(batch.reset)`). None = carry every row's memory on.
     """
 
     inputs: torch.Tensor
@@ -49,6 +55,8 @@ class Batch:
     positions: torch.Tensor | None = None
     epoch: int = 0
     step: int = 0  # batch index within the epoch
+    attention_mask: torch.Tensor | None = None
+    reset: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -72,6 +80,8 @@ class Batch:
             targets=move(self.targets),
             score_mask=move(self.score_mask),
             positions=move(self.positions),
+            attention_mask=move(self.attention_mask),
+            reset=move(self.reset),
         )
 
 
@@ -358,6 +368,21 @@ class EvalIterator:
             )
 
 
+def separator_offsets(tokens: Any, separator: int) -> np.ndarray:
+    """Document offsets of a token stream whose documents each end with the token `separator` (e.g. an
+    `<eos>` id written after every document): each document's start, then the token count (the
+    `ShuffledSentenceIterator` layout). A tail after the last separator is a document too."""
+    tokens = _as_tokens(tokens)
+    ends = np.flatnonzero(np.asarray(tokens) == int(separator)) + 1
+    starts = np.concatenate([[0], ends[ends < len(tokens)]])
+    return np.concatenate([starts, [len(tokens)]]).astype(np.int64)
+
+
+def document_offsets(lengths: Any) -> np.ndarray:
+    """Offsets (each start, then the total) of documents of these token counts laid end to end."""
+    return np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))]).astype(np.int64)
+
+
 class ShuffledSentenceIterator:
     """lm1b batches: sentences in random order per epoch, packed into B streams (`LMShuffledIterator`).
 
@@ -370,6 +395,12 @@ class ShuffledSentenceIterator:
     every row is full, is dropped (reference behaviour for training). With drop_last False it is
     emitted with score_mask False on the empty places, and rows keep being emitted until every
     sentence is consumed, so an evaluation scores every pair exactly once.
+
+    boundaries: the offsets are documents that must not see each other. A row's document fills its
+    segments from column 0; where it ends, the rest of that segment is padding (`attention_mask` 0,
+    score_mask False: right padding at a sequence's end, which the memory holds as padding), and the
+    next batch starts the row's next document at column 0 with `reset[b]` True: the caller empties that
+    row's memory (`Memory.reset`), so the document is read as it would be alone (tests/test_document_boundaries.py).
     """
 
     def __init__(
@@ -382,8 +413,10 @@ class ShuffledSentenceIterator:
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool | None = None,
+        boundaries: bool = False,
     ):
         _check_sizes(batch_size, tgt_len)
+        self.boundaries = bool(boundaries)
         self.tokens = _as_tokens(tokens)
         self.offsets = _as_tokens(offsets)
         if len(self.offsets) < 2 or int(self.offsets[-1]) != len(self.tokens):
@@ -433,15 +466,20 @@ class ShuffledSentenceIterator:
     def _take(self) -> Batch | None:
         B, T = self.batch_size, self.tgt_len
         in_idx = np.full((B, T), -1, dtype=np.int64)
+        reset = np.zeros(B, dtype=bool)
         exhausted = False
         for b in range(B):
             sid, off = self._rows[b]
             filled = 0
             while filled < T:
                 if sid < 0 or int(self.offsets[sid + 1]) - int(self.offsets[sid]) - off <= 1:
+                    if self.boundaries and filled:  # a document ends its segment: right padding after it
+                        sid = -1
+                        break
                     if self._cursor >= self.num_sentences:
                         sid, exhausted = -1, True
                         break
+                    reset[b] |= self.boundaries
                     sid, off = self._sentence(self._cursor), 0
                     self._cursor += 1
                 start = int(self.offsets[sid]) + off
@@ -462,6 +500,8 @@ class ShuffledSentenceIterator:
             positions=torch.from_numpy(np.where(mask, in_idx + 1, -1)),
             epoch=self._epoch,
             step=self._step,
+            attention_mask=torch.from_numpy(mask.astype(np.int64)) if self.boundaries else None,
+            reset=torch.from_numpy(reset) if self.boundaries else None,
         )
         self._step += 1
         if exhausted:
@@ -485,6 +525,7 @@ class ShuffledSentenceIterator:
 
     def state_dict(self) -> dict[str, Any]:
         return {
+            **({"boundaries": True} if self.boundaries else {}),
             "kind": "sentences",
             "version": STATE_VERSION,
             "num_tokens": int(len(self.tokens)),
@@ -508,6 +549,7 @@ class ShuffledSentenceIterator:
             "tgt_len": self.tgt_len,
             "shuffle": self.shuffle,
             "seed": self.seed,
+            **({"boundaries": True} if self.boundaries else {}),
         }
         state = _check_state(state, "sentences", expected)
         epoch, cursor, step = (_state_int(state, key) for key in ("epoch", "cursor", "step"))

@@ -5,6 +5,12 @@ each stream starts `mem_len` tokens early and those warm-up tokens are fed but n
 scored token has full context; without it, scoring starts at each stream's first token like the
 reference. Every target of the split is scored exactly once either way.
 
+With `documents` (document offsets: each start, then the token count) the split is a collection of
+documents scored independently, the standard for document-level LM evaluation (issue 47): every row reads
+one document at a time from its first token (a document of n tokens gives its n - 1 targets), the end of a
+document pads the rest of its segment, and the row's memory is reset before its next document, so no
+document sees another (`ShuffledSentenceIterator(boundaries=True)`, `Memory.reset`).
+
 Also the pieces every evaluator that reads a split with memory shares (runtime settings, their checks,
 `forward_segment`) and the memory sweep (`sweep_memory`: bpc/ppl against attention length)."""
 
@@ -81,6 +87,7 @@ def evaluate(
     progress: bool = False,
     clamp_len: int | None = None,
     same_length: bool | None = None,
+    documents: np.ndarray | None = None,
 ) -> EvalResult:
     """Score `tokens` (a 1-D array of ids; targets are tokens[1:]) segment by segment with memory.
 
@@ -88,9 +95,12 @@ def evaluate(
     model's runtime settings for this call (None = keep). rows: evaluate only these streams of the
     batch (distributed evaluation: each rank takes its rows; sum `loss * tokens` over ranks).
     per_token: a float array of len(tokens) - 1 (after `max_tokens`) that receives each target's NLL
-    at its corpus position (target k -> per_token[k - 1]).
+    at its corpus position (target k -> per_token[k - 1]). documents: document offsets (each start, then
+    len(tokens)): score each document on its own (see the module docstring; `warm_memory` does not apply,
+    a document starts with an empty memory; the first token of each document is not a target).
     """
     from txl.data import EvalIterator
+    from txl.data.iterators import ShuffledSentenceIterator
 
     device = torch.device(device)
     inner = getattr(model, "module", model)
@@ -101,7 +111,16 @@ def evaluate(
     if max_tokens:
         tokens = tokens[: max_tokens + 1]
     _check_per_token(per_token, max(len(tokens) - 1, 0))
-    iterator = EvalIterator(tokens, batch_size=batch_size, tgt_len=tgt_len, warm_len=mem_len if warm_memory else 0)
+    if documents is not None:
+        if max_tokens:
+            documents = np.asarray(documents)
+            documents = np.append(documents[documents < len(tokens)], len(tokens))
+        documents_iterator = ShuffledSentenceIterator(tokens, documents, batch_size, tgt_len, shuffle=False,
+                                                      drop_last=False, boundaries=True)
+        iterator, steps = documents_iterator.epoch(), documents_iterator.steps_per_epoch  # one pass
+    else:
+        iterator = EvalIterator(tokens, batch_size=batch_size, tgt_len=tgt_len, warm_len=mem_len if warm_memory else 0)
+        steps = len(iterator)
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64)
@@ -111,7 +130,7 @@ def evaluate(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(iterator), desc="eval", unit="seg", leave=False, dynamic_ncols=True,
+        bar = tqdm(total=steps, desc="eval", unit="seg", leave=False, dynamic_ncols=True,
                    disable=not sys.stderr.isatty())  # a log file gets no \r-redrawn bar
     with runtime_settings(model, clamp_len=clamp_len, same_length=same_length) as settings:
         used_clamp, used_same = settings.clamp_len, settings.same_length
@@ -124,8 +143,16 @@ def evaluate(
                     inputs, targets, mask, positions = inputs[rows], targets[rows], mask[rows], positions[rows]
                 inputs, targets, mask = inputs.to(device), targets.to(device), mask.to(device)
                 labels = targets.masked_fill(~mask, -100)
+                attention_mask = None
+                if batch.reset is not None:  # documents: a row whose document ended starts the next afresh
+                    reset = batch.reset if rows is None else batch.reset[rows]
+                    attention_mask = batch.attention_mask if rows is None else batch.attention_mask[rows]
+                    attention_mask = attention_mask.to(device)
+                    if memory is not None and bool(reset.any()):
+                        memory = memory.reset(reset.to(device))
                 with autocast(device, precision):
-                    nll, memory = forward_segment(model, inputs, labels, memory, mem_len=mem_len, settings=settings)
+                    nll, memory = forward_segment(model, inputs, labels, memory, mem_len=mem_len, settings=settings,
+                                                  attention_mask=attention_mask)
                 nll = nll.float()
                 total += nll.sum().double().cpu()
                 count += int(mask.sum())
@@ -155,12 +182,15 @@ EVAL_GROUP_ELEMENTS = 1 << 23  # (rows × keys × d_model) per group: 32 MiB of 
 
 
 @torch.no_grad()
-def forward_segment(model, inputs, labels, memory, *, mem_len: int, settings: RuntimeSettings | None = None):
+def forward_segment(model, inputs, labels, memory, *, mem_len: int, settings: RuntimeSettings | None = None,
+                    attention_mask=None):
     """One no-grad segment for every stream: (nll (b, t), next memory). The memory passed in is given
-    up (it may be overwritten in place)."""
+    up (it may be overwritten in place). attention_mask: (b, t) padding of the segment (documents), or None."""
 
     inner = getattr(model, "module", model)
     extra = {} if settings is None else {"clamp_len": settings.clamp_len, "same_length": settings.same_length}
+    if attention_mask is not None:
+        extra["attention_mask"] = attention_mask
     batch = inputs.shape[0]
     keys = mem_len + inputs.shape[1]
     rows = max(1, EVAL_GROUP_ELEMENTS // (keys * inner.config.d_model))
@@ -172,7 +202,9 @@ def forward_segment(model, inputs, labels, memory, *, mem_len: int, settings: Ru
     for start in range(0, batch, rows):
         group = slice(start, start + rows)
         part = None if memory is None else memory.select(group).donate()  # views: in-place writes reach `memory`
-        out = model(inputs[group], memory=part, labels=labels[group], mem_len=mem_len, return_logits=False, **extra)
+        group_extra = extra if attention_mask is None else {**extra, "attention_mask": attention_mask[group]}
+        out = model(inputs[group], memory=part, labels=labels[group], mem_len=mem_len, return_logits=False,
+                    **group_extra)
         nlls.append(out.nll)
         parts.append(out.memory)
         in_place &= part is not None and out.memory is part

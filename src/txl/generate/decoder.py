@@ -84,7 +84,13 @@ class Decoder:
     `before_chunk()` runs before each chunk of a feed (serve stops a cancelled request there).
 
     The logits and the window are copies when they would otherwise be views into a longer buffer (the
-    (B, t, V) output of a prompt's chunk), so a decoder holds no more than its state between calls."""
+    (B, t, V) output of a prompt's chunk), so a decoder holds no more than its state between calls.
+
+    Rows of different lengths: `feed(ids, attention_mask=)` with prompts padded on the left (0 = padding);
+    the memory keeps the padding (`txl.nn.memory.Memory.key_padding`) and every row gets what it gets
+    alone. `reset(rows)` empties chosen rows, so a finished stream can be swapped for a new prompt in a
+    running batch (its next feed starts as a fresh decoder's would; left-pad the other rows' ids with
+    that feed's attention_mask, or feed every row)."""
 
     def __init__(self, model, *, mem_len: int | None = None, segment_len: int | None = None, lock=None):
         self.model = model
@@ -93,27 +99,42 @@ class Decoder:
         self.lock = lock if lock is not None else contextlib.nullcontext()
         self.memory: MemoryState | None = None
         self.context: Tensor | None = None  # mem_len 0: the window of the last tokens (B, t)
+        self.context_mask: Tensor | None = None  # mem_len 0 with padding or a reset: (B, t) bool, True = real
         self.logits: Tensor | None = None  # (B, V) of the next token
 
     @torch.no_grad()
-    def feed(self, ids: Tensor, *, before_chunk: Callable[[], object] | None = None) -> Tensor:
-        """ids (B, t) -> the logits (B, V) of the token after them."""
+    def feed(self, ids: Tensor, *, before_chunk: Callable[[], object] | None = None,
+             attention_mask: Tensor | None = None) -> Tensor:
+        """ids (B, t) -> the logits (B, V) of the token after them. attention_mask (B, t): 1 for a token,
+        0 for padding, which must come first in a row (left padding: the last column is each row's
+        latest token)."""
         ids = ids.to(self.device)
+        mask = None if attention_mask is None else self._padding(attention_mask, ids)
         if self.mem_len == 0:
             if before_chunk is not None:
                 before_chunk()
             context = ids if self.context is None else torch.cat([self.context, ids], dim=1)
+            if mask is not None or self.context_mask is not None:  # the window's padding (no memory: any mask)
+                new = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask
+                old = None if self.context is None else (
+                    torch.ones_like(self.context, dtype=torch.bool) if self.context_mask is None else self.context_mask)
+                window_mask = new if old is None else torch.cat([old, new], dim=1)
+                self.context_mask = window_mask[:, -self.segment_len :].clone()
             # a slice of the longer [window ; ids] would keep all of it alive
             self.context = context[:, -self.segment_len :].clone() if context.shape[1] > self.segment_len else context
+            extra = {} if self.context_mask is None else {"attention_mask": self.context_mask}
             with self.lock:
-                logits = self.model(self.context, mem_len=0).logits
+                logits = self.model(self.context, mem_len=0, **extra).logits
             self.logits = logits[:, -1].clone() if logits.shape[1] > 1 else logits[:, -1]
             return self.logits
-        for chunk in ids.split(self.segment_len, dim=1):
+        chunks = ids.split(self.segment_len, dim=1)
+        masks = [None] * len(chunks) if mask is None else mask.split(self.segment_len, dim=1)
+        for chunk, chunk_mask in zip(chunks, masks, strict=True):
             if before_chunk is not None:
                 before_chunk()
+            extra = {} if chunk_mask is None else {"attention_mask": chunk_mask}
             with self.lock:
-                out = self.model(chunk, memory=self.memory, mem_len=self.mem_len)
+                out = self.model(chunk, memory=self.memory, mem_len=self.mem_len, **extra)
             self.memory = out.memory
             self.logits = out.logits[:, -1].clone() if out.logits.shape[1] > 1 else out.logits[:, -1]
         return self.logits
@@ -121,6 +142,31 @@ class Decoder:
     def step(self, tokens: Tensor) -> Tensor:
         """tokens (B,): one new token per stream -> the logits (B, V) of the next one."""
         return self.feed(tokens[:, None])
+
+    def reset(self, rows) -> None:
+        """Empty the chosen rows (row indices or a (B,) bool mask): each continues as a fresh decoder's row
+        would start (the memory's `reset`; at mem_len 0 the rows' window is masked out). Their `logits`
+        are stale until the next feed."""
+        if self.mem_len == 0:
+            if self.context is not None:
+                from txl.nn.memory import reset_rows
+
+                chosen = reset_rows(rows, self.context.shape[0], device=self.context.device)
+                real = torch.ones_like(self.context, dtype=torch.bool) if self.context_mask is None else self.context_mask
+                self.context_mask = real & ~chosen[:, None]
+        elif self.memory is not None:
+            self.memory = self.memory.reset(rows)
+
+    @staticmethod
+    def _padding(attention_mask, ids: Tensor) -> Tensor:
+        mask = torch.as_tensor(attention_mask).to(ids.device)
+        if mask.shape != ids.shape:
+            raise UsageError(f"attention_mask must have the shape of the ids {tuple(ids.shape)}, got {tuple(mask.shape)}")
+        mask = mask != 0
+        if not bool(mask[:, -1].all()):
+            raise UsageError("pad prompts on the left (attention_mask 0 before a row's tokens): the last column "
+                             "must be every row's latest token")
+        return mask
 
 
 @contextlib.contextmanager
@@ -208,11 +254,13 @@ def sample(
     generator: torch.Generator | None = None,
     eos_token_id: int | None = None,
     should_stop: Callable[[int, int], bool] | None = None,
+    attention_mask: Tensor | None = None,
 ) -> Generation:
-    """Generate for a batch of equal-length prompts (B, T) at once, with memory (one forward per new
-    token for the whole batch). A row stops at `eos_token_id` (kept as its last token) or when
-    `should_stop(row, token)` says so (the text layer's stop strings); generation ends when every row
-    has stopped or after `max_new_tokens`. temperature 0 = greedy."""
+    """Generate for a batch of prompts (B, T) at once, with memory (one forward per new token for the
+    whole batch). Prompts of different lengths: pad them on the left and pass `attention_mask` (B, T), 1
+    for a token, 0 for padding; each row then gets what it gets alone. A row stops at `eos_token_id`
+    (kept as its last token) or when `should_stop(row, token)` says so (the text layer's stop strings);
+    generation ends when every row has stopped or after `max_new_tokens`. temperature 0 = greedy."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     check_causal(model)
     prompt = prompt_batch(model, input_ids)
@@ -226,7 +274,7 @@ def sample(
     stopped_by = ["max_new_tokens"] * rows
     live = [True] * rows
     with eval_mode(model):
-        logits = decoder.feed(prompt)
+        logits = decoder.feed(prompt, attention_mask=attention_mask)
         for i in range(max_new_tokens):
             logits = logits.float()
             tokens = pick_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
@@ -250,7 +298,8 @@ def generate_tokens(model, input_ids: Tensor, max_new_tokens: int, *, pad_token_
                     **kwargs) -> Tensor:
     """`TransformerXL.generate`: `input_ids` (B, T) (or (T,)) followed by up to `max_new_tokens` new
     tokens, as one (B, T + n) tensor. Rows that stop early (at `eos_token_id`) are padded with
-    `pad_token_id` (default: the eos id). Keyword arguments as `sample`."""
+    `pad_token_id` (default: the eos id). Keyword arguments as `sample` (`attention_mask` for
+    left-padded prompts of different lengths)."""
     prompt = torch.as_tensor(input_ids, dtype=torch.long)
     flat = prompt.dim() == 1
     result = sample(model, prompt[None] if flat else prompt, max_new_tokens=max_new_tokens, **kwargs)

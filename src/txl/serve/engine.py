@@ -286,7 +286,15 @@ class Decoder(StreamDecoder):
             held = sum(t.numel() * t.element_size() for t in (*self.memory.hidden, *self.memory.compressed))
             if tensor_bytes(*self.memory.hidden, *self.memory.compressed) > held:
                 self.memory = Memory(tuple(h.clone() for h in self.memory.hidden),
-                                     tuple(c.clone() for c in self.memory.compressed))
+                                     tuple(c.clone() for c in self.memory.compressed),
+                                     key_padding=self.memory.key_padding)  # a reset row's padding stays
+
+    def restart(self) -> None:
+        """Start the session's text over on the same decoder (its random stream kept): the library's row
+        reset (`txl.generate.decoder.Decoder.reset`, `Memory.reset`), so the next prompt is read as a
+        fresh session's would be."""
+        self.reset([0])
+        self.length, self.tail, self.logits = 0, [], None
 
     def pick(self, *, temperature: float, top_k: int, top_p: float, generator) -> tuple[int, float]:
         """The next token and its log-probability under the model (temperature 1, before filtering)."""

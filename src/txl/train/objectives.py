@@ -58,10 +58,27 @@ class LanguageModelling:
 
     def batches(self):
         from txl.data import StreamIterator
+        from txl.data.iterators import ShuffledSentenceIterator
 
         cfg = self.cfg
+        documents = self.documents("train")
+        if documents is not None:  # documents in a random order per epoch; a row's memory resets between them
+            return ShuffledSentenceIterator(self.corpus.split("train"), documents, cfg.batch_size, cfg.tgt_len,
+                                            shuffle=True, seed=cfg.seed, boundaries=True)
         return StreamIterator(self.corpus.split("train"), batch_size=cfg.batch_size, tgt_len=cfg.tgt_len,
                               varlen=cfg.varlen, roll=cfg.roll, seed=cfg.seed)
+
+    def documents(self, split: str):
+        """The document offsets of `split` with `train.document_boundaries` (issue 47), else None: where the
+        corpus records its documents' starts (lm1b's sentences in the prepared cache)."""
+        if not getattr(self.cfg, "document_boundaries", False):
+            return None
+        find = getattr(self.corpus, "sentence_offsets", None)
+        offsets = None if find is None else find(split)
+        if offsets is None:
+            raise ConfigError(f"train.document_boundaries=true needs a corpus that records where its documents "
+                              f"start (lm1b's sentences); {self.cfg.data!r} records none: set it to false")
+        return offsets
 
     # -- one step ----------------------------------------------------------------------------------
     def forget(self) -> None:
@@ -90,13 +107,25 @@ class LanguageModelling:
         inputs, targets, scored = self.mask(batch.inputs[rows], batch.targets[rows])
         inputs = inputs.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
+        padding, reset = None, None
+        if batch.reset is not None:  # documents (train.document_boundaries): padding after a document's end
+            padding = batch.attention_mask[rows].to(device, non_blocking=True)
+            reset = batch.reset[rows].to(device, non_blocking=True)
+            targets = targets.masked_fill(padding == 0, -100)
+            scored = int(batch.score_mask[rows].sum()) if scored is None else scored
         micro = inputs.shape[0] // cfg.grad_accum
         nll_sum = torch.zeros((), dtype=torch.float64, device=device)
         for j in range(cfg.grad_accum):
-            x, y = inputs[j * micro : (j + 1) * micro], targets[j * micro : (j + 1) * micro]
+            part = slice(j * micro, (j + 1) * micro)
+            x, y = inputs[part], targets[part]
+            extra = {}
+            if padding is not None:
+                extra["attention_mask"] = padding[part]
+                if self.memories[j] is not None:  # a row whose document ended reads its next one afresh
+                    self.memories[j] = self.memories[j].reset(reset[part])
             with self._sync(last=j == cfg.grad_accum - 1):
                 with autocast(device, self.precision):
-                    out = forward(x, memory=self.memories[j], labels=y)
+                    out = forward(x, memory=self.memories[j], labels=y, **extra)
                 loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss  # compressive memory
                 self.scaler.scale(loss / cfg.grad_accum).backward()
             self.memories[j] = out.memory
@@ -138,7 +167,7 @@ class LanguageModelling:
         result = evaluate(
             model, tokens, metric=self.corpus.metric, batch_size=bsz, tgt_len=cfg.eval_tgt_len or cfg.tgt_len,
             mem_len=cfg.eval_mem_len, warm_memory=cfg.eval_warm_memory, max_tokens=max_tokens, device=dist.device,
-            precision=self.precision, rows=rows, progress=progress,
+            precision=self.precision, rows=rows, progress=progress, documents=self.documents(split),
         )
         if dist.world > 1:
             total, count = dist.all_sum([result.loss * result.tokens, result.tokens])
