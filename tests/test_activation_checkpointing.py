@@ -41,7 +41,7 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _run(overrides: dict, *, checkpoint: bool, segments: int = 3, seed: int = 7):
+def _run(overrides: dict, *, checkpoint: bool, segments: int = 3, seed: int = 7, bf16: bool = False):
     """Gradients, losses and final memory of `segments` training segments with memory (one backward per
     segment, as the trainer), from the same weights and the same RNG state."""
     torch.manual_seed(0)
@@ -51,7 +51,8 @@ def _run(overrides: dict, *, checkpoint: bool, segments: int = 3, seed: int = 7)
     torch.manual_seed(seed)
     memory, losses = None, []
     for s in range(segments):
-        out = model(data[:, 8 * s : 8 * s + 8], memory=memory, labels=data[:, 8 * s + 1 : 8 * s + 9])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = model(data[:, 8 * s : 8 * s + 8], memory=memory, labels=data[:, 8 * s + 1 : 8 * s + 9])
         loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss
         loss.backward()
         losses.append(loss.item())
@@ -60,9 +61,9 @@ def _run(overrides: dict, *, checkpoint: bool, segments: int = 3, seed: int = 7)
     return grads, losses, memory, torch.get_rng_state()
 
 
-def _compare(overrides: dict) -> None:
-    plain_grads, plain_losses, plain_memory, plain_rng = _run(overrides, checkpoint=False)
-    grads, losses, memory, rng = _run(overrides, checkpoint=True)
+def _compare(overrides: dict, *, bf16: bool = False) -> None:
+    plain_grads, plain_losses, plain_memory, plain_rng = _run(overrides, checkpoint=False, bf16=bf16)
+    grads, losses, memory, rng = _run(overrides, checkpoint=True, bf16=bf16)
     assert losses == pytest.approx(plain_losses, abs=TOL)
     assert grads.keys() == plain_grads.keys()
     for name, grad in grads.items():
@@ -86,6 +87,12 @@ def test_checkpointed_gradients_equal_the_plain_run_with_dropout(backend, varian
     """Dropout and attention dropout on: the recompute replays the forward's masks (the RNG state is
     preserved), so the gradients are still the plain run's."""
     _compare({**BACKENDS[backend], **VARIANTS[variant], "dropout": 0.2, "dropatt": 0.1})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_checkpointed_gradients_equal_the_plain_run_under_bf16_autocast(backend):
+    """The recompute runs under the forward's autocast state (torch.utils.checkpoint keeps it)."""
+    _compare({**BACKENDS[backend], "dropout": 0.1}, bf16=True)
 
 
 def test_the_recompute_reads_the_memory_without_writing_it(monkeypatch):
