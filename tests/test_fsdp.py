@@ -43,6 +43,7 @@ def test_fsdp_two_gloo_processes_equal_one_process_and_ddp(tmp_path, corpus):
     one, note = _train(config, tmp_path / "one", "--set", "parallelism=fsdp")
     assert "nothing to shard, a plain run" in note
     ddp, _ = _train(config, tmp_path / "ddp", nproc=2)
+    ddp_recompute, _ = _train(config, tmp_path / "ddp-ckpt", "--set", "activation_checkpointing=blocks", nproc=2)
     fsdp, _ = _train(config, tmp_path / "fsdp", "--set", "parallelism=fsdp", nproc=2)
     recompute, _ = _train(config, tmp_path / "fsdp-ckpt", "--set", "parallelism=fsdp", "--set",
                           "activation_checkpointing=blocks", nproc=2)
@@ -52,7 +53,7 @@ def test_fsdp_two_gloo_processes_equal_one_process_and_ddp(tmp_path, corpus):
     assert sorted(one) == sorted(ddp) == sorted(fsdp) == sorted(recompute) == sorted(accumulated) == [1, 2, 3, 4]
     for step in one:
         assert abs(fsdp[step] - one[step]) < TOL and abs(fsdp[step] - ddp[step]) < TOL, step
-        assert abs(recompute[step] - fsdp[step]) < 1e-6, step
+        assert abs(recompute[step] - fsdp[step]) < 1e-6 and abs(ddp_recompute[step] - ddp[step]) < 1e-6, step
         assert abs(accumulated[step] - one[step]) < TOL, step
     # the files of one process: the same tensors (names, shapes, dtypes), gathered whole
     for name in ("model.safetensors", "optimizer.safetensors"):
