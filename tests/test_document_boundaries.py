@@ -239,3 +239,52 @@ def test_document_boundaries_need_a_corpus_that_records_documents():
     with pytest.raises(ConfigError, match="train.document_boundaries=true needs a corpus"):
         objective(Stream(), boundaries=True).batches()
     assert objective(Stream(), boundaries=False).documents("train") is None
+
+
+def _collection(tmp_path, count: int = 60):
+    import json
+    import random
+
+    rng = random.Random(0)
+    words = ["memory", "segment", "attention", "relative", "token", "the", "of", "and"]
+    lines = [json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(2, 30)))}) for _ in range(count)]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_jsonl_collection_is_a_document_stream_for_language_modelling(tmp_path):
+    """`docs:FILE.jsonl` through txl.data.documents (the one reader of collections): each split's documents
+    end to end, their starts recorded, and the boundary batches start every document fresh."""
+    from txl.data.corpus import DocumentStream
+
+    corpus = LanguageModelling.open_corpus(f"docs:{_collection(tmp_path)}")
+    assert isinstance(corpus, DocumentStream) and "train" in corpus.splits
+    ids, _ = corpus.documents_corpus.documents("train")
+    offsets = corpus.sentence_offsets("train")
+    assert offsets[-1] == len(corpus.split("train")) and len(offsets) == len(ids) + 1
+    for k in (0, len(ids) - 1):
+        assert np.array_equal(corpus.split("train")[offsets[k] : offsets[k + 1]], ids[k])
+    lm = objective(corpus, boundaries=True)
+    starts = set(offsets[:-1].tolist())
+    for batch in lm.batches().epoch():
+        for b in torch.nonzero(batch.reset).flatten().tolist():
+            if batch.score_mask[b].any():
+                assert int(batch.positions[b, 0]) - 1 in starts
+
+
+def test_trainer_runs_lm_steps_with_document_boundaries(tmp_path):
+    from helpers import train_losses, write_config
+    from txl.train import Trainer
+    from txl.train.config import build_run_config
+
+    collection = _collection(tmp_path)
+    config = write_config(tmp_path, collection, steps=3, dropout=0.0, varlen="false")
+    config.write_text(config.read_text().replace(f"text:{collection}", f"docs:{collection}"))
+    run = build_run_config(config_file=config, sets=["train.document_boundaries=true", "save_interval=3"])
+    trainer = Trainer(run, tmp_path / "run", quiet=True)
+    trainer.fit()
+    losses = train_losses(tmp_path / "run")
+    assert sorted(losses) == [1, 2, 3] and all(np.isfinite(v) for v in losses.values())
+    result = trainer.objective.evaluate(trainer.model, "valid")  # documents scored independently
+    assert result.tokens == sum(len(d) - 1 for d in trainer.objective.corpus.documents_corpus.documents("valid")[0])

@@ -45,8 +45,12 @@ class LanguageModelling:
     # -- what the run is built from ----------------------------------------------------------------
     @staticmethod
     def open_corpus(spec: str, *, vocab=None):
-        from txl.data import open_corpus
+        from txl.data import open_corpus, parse_spec
 
+        if parse_spec(spec).name == "docs":  # a document collection as a stream that knows its documents
+            from txl.data.corpus import open_document_stream
+
+            return open_document_stream(spec, vocab=vocab)
         return open_corpus(spec, vocab=vocab)
 
     @staticmethod
