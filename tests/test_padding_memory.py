@@ -301,3 +301,22 @@ def test_decoder_reset_swaps_a_finished_row_for_a_fresh_one(mem_len):
         fresh_decoder = Decoder(model, mem_len=mem_len, segment_len=8)
         fresh_decoder.feed(more[1:2])
         torch.testing.assert_close(step[1], fresh_decoder.step(torch.tensor([5]))[0], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("mem_len", [16, 0])
+def test_a_serve_session_restart_reads_its_next_prompt_as_a_fresh_session(mem_len):
+    from types import SimpleNamespace
+
+    from txl.serve.engine import Decoder as SessionDecoder
+    from txl.serve.engine import ServedRun
+
+    run = ServedRun(name="t", ckpt=SimpleNamespace(model=build(mem_len=16)), card={}, tgt_len=16, window=16,
+                    eval_mem_len=16)
+    session = SessionDecoder(run, mem_len=mem_len, window=16)
+    session.feed(list(range(1, 30)))
+    session.restart()
+    session.feed([5, 6, 7])
+    fresh = SessionDecoder(run, mem_len=mem_len, window=16)
+    fresh.feed([5, 6, 7])
+    torch.testing.assert_close(session.logits, fresh.logits, atol=1e-6, rtol=0)
+    assert session.length == 3 and session.tail == [5, 6, 7]
