@@ -288,3 +288,27 @@ def test_trainer_runs_lm_steps_with_document_boundaries(tmp_path):
     assert sorted(losses) == [1, 2, 3] and all(np.isfinite(v) for v in losses.values())
     result = trainer.objective.evaluate(trainer.model, "valid")  # documents scored independently
     assert result.tokens == sum(len(d) - 1 for d in trainer.objective.corpus.documents_corpus.documents("valid")[0])
+
+
+def test_evaluation_of_documents_takes_a_cut_of_the_tokens():
+    model = model_for()
+    tokens = corpus_tokens()
+    offsets = separator_offsets(tokens, SEP)
+    cut = evaluate(model, tokens, metric="ppl", batch_size=2, tgt_len=T, mem_len=T, documents=offsets, max_tokens=20)
+    whole = evaluate(model, tokens[:21], metric="ppl", batch_size=2, tgt_len=T, mem_len=T, documents=offsets)
+    assert cut.tokens == whole.tokens == 21 - int((offsets < 21).sum())
+    assert cut.loss == pytest.approx(whole.loss, abs=1e-7)
+
+
+def test_txl_eval_reads_a_document_collection_for_a_language_model(tmp_path):
+    """open_eval_corpus (txl eval's reader) opens a docs: collection for an LM checkpoint as a DocumentStream
+    with the checkpoint's vocabulary."""
+    from txl.data.corpus import DocumentStream
+    from txl.eval.corpus import open_eval_corpus
+
+    collection = _collection(tmp_path)
+    stream = LanguageModelling.open_corpus(f"docs:{collection}")
+    ckpt = SimpleNamespace(vocab=stream.vocab, run={}, data_spec=None, path=tmp_path,
+                           model=SimpleNamespace(config=SimpleNamespace(vocab_size=stream.vocab.size)))
+    corpus, tokens = open_eval_corpus(ckpt, f"docs:{collection}", "train")
+    assert isinstance(corpus, DocumentStream) and np.array_equal(tokens, stream.split("train"))

@@ -75,7 +75,7 @@ def open_eval_corpus(ckpt: LoadedCheckpoint, data: str | None, split: str, text:
     """The corpus to score and its split tokens; its vocabulary must be the checkpoint's. A text file
     (`text`, or `data` = text:FILE with split "all") is read whole with the checkpoint's vocabulary
     instead: returns (None, tokens)."""
-    from txl.data import open_corpus
+    from txl.data import open_corpus, parse_spec
 
     if text is None and split == "all":
         text = _text_file_of(data)
@@ -93,7 +93,12 @@ def open_eval_corpus(ckpt: LoadedCheckpoint, data: str | None, split: str, text:
         return _fixed_vocab_corpus(ckpt, spec, split)
     # a fine-tuned run (run.json `init_from`) read its text with its checkpoint's vocabulary (issue 45)
     fixed = ckpt.vocab if isinstance(ckpt.run.get("init_from"), str) and ckpt.vocab is not None else None
-    corpus = open_corpus(spec, vocab=fixed)
+    if parse_spec(spec).name == "docs":  # a document collection scored by a language model (issue 47)
+        from txl.data.corpus import open_document_stream
+
+        corpus = open_document_stream(spec, vocab=ckpt.vocab)  # its documents' starts: sentence_offsets
+    else:
+        corpus = open_corpus(spec, vocab=fixed)
     if ckpt.vocab is not None:
         try:
             corpus.vocab.check_same(ckpt.vocab, what=f"the checkpoint {ckpt.path}")

@@ -111,10 +111,9 @@ def evaluate(
     if max_tokens:
         tokens = tokens[: max_tokens + 1]
     _check_per_token(per_token, max(len(tokens) - 1, 0))
-    if documents is not None:
-        if max_tokens:
-            documents = np.asarray(documents)
-            documents = np.append(documents[documents < len(tokens)], len(tokens))
+    if documents is not None:  # (cut to the tokens read: max_tokens, or a caller's own cut)
+        documents = np.asarray(documents, dtype=np.int64)
+        documents = np.append(documents[documents < len(tokens)], len(tokens))
         documents_iterator = ShuffledSentenceIterator(tokens, documents, batch_size, tgt_len, shuffle=False,
                                                       drop_last=False, boundaries=True)
         iterator, steps = documents_iterator.epoch(), documents_iterator.steps_per_epoch  # one pass
