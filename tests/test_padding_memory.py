@@ -125,6 +125,54 @@ def test_other_kernels_taking_padding_equal_alone(attention, impl):
         assert_each_row_alone(model, "left")
 
 
+@pytest.mark.parametrize("layout", ["left", "right"])
+@pytest.mark.parametrize("options", [dict(universal=True), dict(memory_source="same-layer"),
+                                     dict(residual="gru-gate", pre_lnorm=True), dict(n_kv_head=2, qk_norm=True),
+                                     dict(memory_tokens=2), dict(same_length=True)],
+                         ids=["universal", "same-layer", "gru-gate", "gqa-qk-norm", "memory-tokens", "same-length"])
+def test_recurrence_variants_and_block_options_padded_with_memory_equal_alone(options, layout):
+    assert_each_row_alone(build(**options), layout)
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_padded_training_gradients_equal_the_sum_over_sequences_alone(backend):
+    """With autograd (the fast backend's projection without the memory rows' gradient too): the gradient of
+    the padded batch's summed NLL equals the sum of each sequence's own, within 1e-4."""
+    impl = "eager" if backend == "reference" else "auto"
+    model = build(attention_impl=impl).train()
+    ids, mask, rows = padded_batch("left")
+
+    def nll_sum(inputs, memory, **kwargs):
+        out = model(inputs[:, :-1], memory=memory, labels=inputs[:, 1:], **kwargs)
+        return out.nll.sum(), out.memory
+
+    model.zero_grad()
+    memory, total = None, 0
+    for k in range(2):  # two segments of SEG + 1 columns (inputs and shifted labels)
+        part = slice(k * SEG, (k + 1) * SEG + 1)
+        attention = mask[:, part][:, :-1]
+        loss, memory = nll_sum(ids[:, part].masked_fill(mask[:, part] == 0, 0), memory, attention_mask=attention)
+        loss.backward()
+        total += float(loss.detach())
+    padded = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    alone_total = 0
+    for tokens, lengths in rows:
+        memory, start, last = None, 0, 2 * SEG + 1 - (3 * SEG - len(tokens))  # the tokens of the first two segments
+        for n in [lengths[0], SEG]:
+            stop = min(start + n + 1, last)
+            if stop - start < 2:
+                break
+            loss, memory = nll_sum(tokens[None, start:stop], memory)
+            loss.backward()
+            alone_total += float(loss.detach())
+            start += n
+    assert total == pytest.approx(alone_total, rel=1e-5)
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(padded[name], p.grad, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("pos", ["sinusoidal", "learned"])
 def test_absolute_encodings_equal_alone_with_right_padding_only(pos):
     """Absolute positions restart in every segment and count its padding: right padding shifts nothing,
