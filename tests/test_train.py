@@ -329,11 +329,14 @@ def test_auto_precision_is_one_decision_across_ranks():
 
     from txl.train.loop import shared_precision
 
-    def ranks(other_vote):  # this rank's vote plus the other rank's, as the all-reduce returns it
-        return SimpleNamespace(world=2, all_sum=lambda values: [values[0] + other_vote])
+    def ranks(other):  # this rank's votes (bf16, fp16) plus the other rank's choice, as the all-reduce returns them
+        votes = (float(other == "bf16"), float(other == "fp16"))
+        return SimpleNamespace(world=2, all_sum=lambda values: [v + o for v, o in zip(values, votes)])
 
-    assert shared_precision("bf16", ranks(1.0)) == "bf16"
-    assert shared_precision("bf16", ranks(0.0)) == "fp32" and shared_precision("fp32", ranks(1.0)) == "fp32"
+    assert shared_precision("bf16", ranks("bf16")) == "bf16"
+    assert shared_precision("bf16", ranks("fp32")) == "fp32" and shared_precision("fp32", ranks("bf16")) == "fp32"
+    assert shared_precision("fp16", ranks("fp16")) == "fp16"  # CUDA GPUs before compute capability 8
+    assert shared_precision("bf16", ranks("fp16")) == "fp32"  # mixed GPUs: the precision all of them run
     assert shared_precision("bf16", SimpleNamespace(world=1)) == "bf16"
 
 
