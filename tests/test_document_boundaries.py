@@ -256,7 +256,7 @@ def _collection(tmp_path, count: int = 60):
 def test_a_jsonl_collection_is_a_document_stream_for_language_modelling(tmp_path):
     """`docs:FILE.jsonl` through txl.data.documents (the one reader of collections): each split's documents
     end to end, their starts recorded, and the boundary batches start every document fresh."""
-    from txl.data.corpus import DocumentStream
+    from txl.data.document_stream import DocumentStream
 
     corpus = LanguageModelling.open_corpus(f"docs:{_collection(tmp_path)}")
     assert isinstance(corpus, DocumentStream) and "train" in corpus.splits
@@ -303,7 +303,7 @@ def test_evaluation_of_documents_takes_a_cut_of_the_tokens():
 def test_txl_eval_reads_a_document_collection_for_a_language_model(tmp_path):
     """open_eval_corpus (txl eval's reader) opens a docs: collection for an LM checkpoint as a DocumentStream
     with the checkpoint's vocabulary."""
-    from txl.data.corpus import DocumentStream
+    from txl.data.document_stream import DocumentStream
     from txl.eval.corpus import open_eval_corpus
 
     collection = _collection(tmp_path)

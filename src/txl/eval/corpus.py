@@ -94,7 +94,7 @@ def open_eval_corpus(ckpt: LoadedCheckpoint, data: str | None, split: str, text:
     # a fine-tuned run (run.json `init_from`) read its text with its checkpoint's vocabulary (issue 45)
     fixed = ckpt.vocab if isinstance(ckpt.run.get("init_from"), str) and ckpt.vocab is not None else None
     if parse_spec(spec).name == "docs":  # a document collection scored by a language model (issue 47)
-        from txl.data.corpus import open_document_stream
+        from txl.data.document_stream import open_document_stream
 
         corpus = open_document_stream(spec, vocab=ckpt.vocab)  # its documents' starts: sentence_offsets
     else:

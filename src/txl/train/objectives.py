@@ -48,7 +48,7 @@ class LanguageModelling:
         from txl.data import open_corpus, parse_spec
 
         if parse_spec(spec).name == "docs":  # a document collection as a stream that knows its documents
-            from txl.data.corpus import open_document_stream
+            from txl.data.document_stream import open_document_stream
 
             return open_document_stream(spec, vocab=vocab)
         return open_corpus(spec, vocab=vocab)
