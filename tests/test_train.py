@@ -327,7 +327,7 @@ def test_cpu_bf16_is_chosen_only_when_the_probe_finds_it_faster(fp32_seconds, bf
 def test_auto_precision_is_one_decision_across_ranks():
     from types import SimpleNamespace
 
-    from txl.train.loop import shared_precision
+    from txl.train.distributed import shared_precision
 
     def ranks(other):  # this rank's votes (bf16, fp16) plus the other rank's choice, as the all-reduce returns them
         votes = (float(other == "bf16"), float(other == "fp16"))

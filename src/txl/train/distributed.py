@@ -220,3 +220,16 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a sharded tensor (a DTensor), or the tensor itself."""
     to_local = getattr(tensor, "to_local", None)
     return to_local() if to_local is not None else tensor
+
+
+def shared_precision(chosen: str, dist) -> str:
+    """What `auto` became on this rank -> what every rank uses: on a CPU it comes from a timed probe
+    (`txl.eval.precision.fast_bf16`) that may differ between processes, and on CUDA from each GPU's compute
+    capability (bf16 from 8.0, else fp16): a half precision only if every rank chose it, else fp32."""
+    if dist.world == 1:
+        return chosen
+    votes = dist.all_sum([float(chosen == "bf16"), float(chosen == "fp16")])
+    for half, count in zip(("bf16", "fp16"), votes):
+        if count == dist.world:
+            return half
+    return "fp32"

@@ -42,7 +42,13 @@ from txl.train.checkpoint import (
     ScalerState,
 )
 from txl.train.config import RunConfig
-from txl.train.distributed import GradientSync, full_model_state, init_distributed, shard_model
+from txl.train.distributed import (
+    GradientSync,
+    full_model_state,
+    init_distributed,
+    shard_model,
+    shared_precision,
+)
 from txl.train.finish import sample_prompt_ids
 from txl.train.objectives import objective_class
 from txl.train.optim import build_optimizer, dropout_at, lr_at, set_lr
@@ -58,19 +64,6 @@ from txl.train.rundir import (
     resolve_data,
     write_run_file,
 )
-
-
-def shared_precision(chosen: str, dist) -> str:
-    """What `auto` became on this rank -> what every rank uses: on a CPU it comes from a timed probe
-    (`txl.eval.precision.fast_bf16`) that may differ between processes, and on CUDA from each GPU's compute
-    capability (bf16 from 8.0, else fp16): a half precision only if every rank chose it, else fp32."""
-    if dist.world == 1:
-        return chosen
-    votes = dist.all_sum([float(chosen == "bf16"), float(chosen == "fp16")])
-    for half, count in zip(("bf16", "fp16"), votes):
-        if count == dist.world:
-            return half
-    return "fp32"
 
 
 class Trainer:
