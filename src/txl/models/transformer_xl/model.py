@@ -378,7 +378,7 @@ class TransformerXL(nn.Module):
         """`input_ids` (b, t) followed by up to `max_new_tokens` sampled tokens, (b, t + n), reusing
         the memory token by token (`txl.generate.decoder.sample`, below the models: it knows only their
         contract). Keyword arguments: temperature (0 = greedy), top_k, top_p, eos_token_id, pad_token_id,
-        mem_len, segment_len, generator."""
+        mem_len, segment_len, generator, attention_mask (b, t): 1 for a token, 0 for left padding of shorter prompts."""
         return generate_tokens(self, input_ids, max_new_tokens, **kwargs)
 
     # ------------------------------------------------------------------------------------------
