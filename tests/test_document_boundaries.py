@@ -287,7 +287,22 @@ def test_trainer_runs_lm_steps_with_document_boundaries(tmp_path):
     losses = train_losses(tmp_path / "run")
     assert sorted(losses) == [1, 2, 3] and all(np.isfinite(v) for v in losses.values())
     result = trainer.objective.evaluate(trainer.model, "valid")  # documents scored independently
-    assert result.tokens == sum(len(d) - 1 for d in trainer.objective.corpus.documents_corpus.documents("valid")[0])
+    per_document = sum(len(d) - 1 for d in trainer.objective.corpus.documents_corpus.documents("valid")[0])
+    assert result.tokens == per_document
+    trainer.close()
+    # txl eval's computation: documents on their own by default for a run trained with boundaries, as one
+    # stream when asked; asking for documents on text without document starts is one line
+    from txl.errors import UsageError
+    from txl.eval.api import evaluate_checkpoint
+
+    by_default, _ = evaluate_checkpoint(tmp_path / "run", split="valid")
+    as_stream, _ = evaluate_checkpoint(tmp_path / "run", split="valid", documents=False)
+    assert by_default.tokens == per_document and by_default.loss == pytest.approx(result.loss, rel=1e-6)
+    assert as_stream.tokens == len(trainer.objective.corpus.split("valid")) - 1
+    plain = tmp_path / "plain.txt"
+    plain.write_text("memory and attention " * 40)
+    with pytest.raises(UsageError, match="records no document starts"):
+        evaluate_checkpoint(tmp_path / "run", text=plain, documents=True)
 
 
 def test_evaluation_of_documents_takes_a_cut_of_the_tokens():

@@ -43,6 +43,7 @@ def evaluate_checkpoint(
     seed: int = 0,
     dynamic_lr: float | None = None,
     dynamic_decay: float = 0.0,
+    documents: bool | None = None,
 ) -> tuple[EvalResult, np.ndarray | None]:
     """What `txl eval` computes: (result, per-token NLL in corpus order or None).
 
@@ -52,7 +53,9 @@ def evaluate_checkpoint(
     and `stride`; `batch_size` then counts windows per forward. A bidirectional (masked-LM) model is
     scored by `evaluate_mlm` (mask_prob: default the run's, seed: which positions are masked).
     dynamic_lr: dynamic evaluation (`txl.eval.dynamic`) with this step size and `dynamic_decay`, one
-    stream (batch_size and warm_memory do not apply).
+    stream (batch_size and warm_memory do not apply). documents: score each document of the corpus on
+    its own, from an empty memory (the standard for document-level evaluation; needs a corpus that records
+    document starts: `docs:` collections, lm1b); default: what the run trained with (`document_boundaries`).
     """
     ckpt = checkpoint if isinstance(checkpoint, LoadedCheckpoint) else load_checkpoint(checkpoint, device=device)
     model = ckpt.model
@@ -74,7 +77,11 @@ def evaluate_checkpoint(
         mem_len = ckpt.train_setting("eval_mem_len")  # what the run validated with (None: the model's)
         if mem_len is not None:  # (checked: an int <= 2**24) memory never holds more than the text it read
             mem_len = min(mem_len, max(len(tokens), 1))
+    offsets = _document_offsets(ckpt, corpus, split, documents)
     nll = np.zeros(max(len(tokens) - 1, 0), dtype=np.float32) if per_token else None
+    if offsets is not None and (vanilla or dynamic_lr is not None or not model.config.causal):
+        raise UsageError("scoring documents on their own (--documents) reads each document with the memory; it "
+                         "does not combine with --vanilla, dynamic evaluation or a masked-LM model")
     if not model.config.causal:  # a masked-LM encoder: masked-token loss and accuracy
         if vanilla or per_token or dynamic_lr is not None:
             raise UsageError(f"{ckpt.path} is a bidirectional (masked-LM) model: --vanilla, --per-token and "
@@ -100,6 +107,23 @@ def evaluate_checkpoint(
     else:
         result = evaluate(model, tokens, metric=metric, batch_size=batch_size, tgt_len=tgt_len,
                           mem_len=mem_len, warm_memory=warm_memory, device=device, precision=precision,
-                          per_token=nll, progress=progress, clamp_len=clamp_len, same_length=same_length)
+                          per_token=nll, progress=progress, clamp_len=clamp_len, same_length=same_length,
+                          documents=offsets)
     result.split = split
     return result, nll
+
+
+def _document_offsets(ckpt: LoadedCheckpoint, corpus, split: str, documents: bool | None) -> np.ndarray | None:
+    """The document starts of `split` (then its token count) when documents are scored on their own, else None.
+    Asked for (`documents=True`) on a corpus without document starts: one line; by default (the run's
+    `document_boundaries`) such a corpus is read as one stream."""
+    asked = documents is True
+    if documents is None:
+        documents = bool(ckpt.train_setting("document_boundaries"))
+    if not documents:
+        return None
+    offsets = corpus.sentence_offsets(split) if corpus is not None and hasattr(corpus, "sentence_offsets") else None
+    if offsets is None and asked:
+        raise UsageError("this text records no document starts: scoring documents on their own needs a docs: "
+                         "collection (a folder of files or JSONL) or lm1b")
+    return None if offsets is None else np.asarray(offsets, dtype=np.int64)

@@ -35,6 +35,7 @@ RUN_SETTINGS: dict[str, tuple[Any, float, float]] = {
     "eval_tgt_len": (int, 0, _LENGTH),
     "eval_mem_len": (int | None, 0, _LENGTH),
     "mask_prob": (float, 0.0, 1.0),  # open interval (0, 1)
+    "document_boundaries": (bool, 0, 1),  # txl eval scores documents on their own by default
 }
 
 
