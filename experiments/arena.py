@@ -55,6 +55,9 @@ class Variant:
     sets: tuple[str, ...]  # model.* overrides (d_inner is added by the parameter matching)
     about: str
     train_sets: tuple[str, ...] = ()  # train.* overrides (the masked-LM rows: objective=mlm)
+    # False: keep the preset's d_inner, for a variant whose fixed extra parameters outweigh any feed-forward
+    # (GTrXL's gates: 6·d_model² each, two per layer, more than the whole FFN at d_model 128); its row says so
+    match: bool = True
 
     @property
     def mlm(self) -> bool:
@@ -113,8 +116,25 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("mlm-sliding", ("attention=sliding", "sliding_window=32"),
             "bidirectional sliding window, 32 keys on each side (Longformer)", MLM),
     Variant("mlm-memory-tokens", ("attention=full", "memory_tokens=16"), "full bidirectional + 16 memory tokens", MLM),
+    # block options and recurrence variants of the Transformer-XL family (issue 47), run with --section blocks
+    Variant("xl-preln", ("pre_lnorm=true",), "xl with pre-LN blocks (the GTrXL row's baseline)"),
+    Variant("ernie-doc", ("memory_source=same-layer",),
+            "xl with same-layer recurrence: layer l attends to its own output of the previous segment (ERNIE-Doc, "
+            "Ding et al. 2021)"),
+    Variant("gtrxl", ("pre_lnorm=true", "residual=gru-gate"),
+            "pre-LN xl with GRU-gated residuals, identity-map reordering (GTrXL, Parisotto et al. 2020); not "
+            "parameter-matched: its gates (6·d² each, 2 per layer) outweigh any d_inner", match=False),
+    Variant("rmsnorm", ("norm=rmsnorm",), "xl with RMSNorm in place of LayerNorm (Zhang & Sennrich 2019)"),
+    Variant("swiglu", ("ffn=swiglu",), "xl with a SwiGLU feed-forward (Shazeer 2020)"),
+    Variant("geglu", ("ffn=geglu",), "xl with a GeGLU feed-forward (Shazeer 2020)"),
+    Variant("gqa", ("n_kv_head=2",), "xl with grouped-query attention, 2 key/value heads for 4 (Ainslie et al. 2023)"),
+    Variant("mqa", ("n_kv_head=1",), "xl with multi-query attention, 1 key/value head (Shazeer 2019)"),
+    Variant("qk-norm", ("qk_norm=true",), "xl with RMS-normalised queries and keys per head (Henry et al. 2020)"),
 ]}
 REFERENCE = "xl"
+# `--section NAME`: these rows are trained on their own machine with the xl row again as their anchor and kept
+# in arena.json beside the main table (a later run of the main table keeps them), titled here
+SECTIONS = {"blocks": "Block options and recurrence variants of the Transformer-XL family (issue 47)"}
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -143,6 +163,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="seeds for the --top best causal rows (default 3; 1 = one seed for every row)")
     parser.add_argument("--top", type=integer(0, 1000), default=5, help="causal rows trained with every seed (default 5)")
     parser.add_argument("--fresh", action="store_true", help="retrain runs that already finished")
+    parser.add_argument("--section", choices=sorted(SECTIONS), default=None,
+                        help="train --variants (plus xl, their anchor) as a section of their own, kept beside the main "
+                             "table of an existing arena.json instead of replacing it")
     parser.add_argument("--render", action="store_true",
                         help="only rewrite arena.md and arena.png from --out/arena.json (no training)")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
@@ -163,13 +186,16 @@ def parameter_count(sets: list[str], vocab_size: int) -> int:
 
 
 def match_d_inner(variant: Variant, target: int, vocab_size: int, base: int) -> tuple[int, int]:
-    """The d_inner whose parameter count is closest to `target` (the count is affine in d_inner)."""
+    """The d_inner whose parameter count is closest to `target` (the count is affine in d_inner); the preset's
+    for a variant that cannot be matched (`Variant.match`)."""
     sets = [f"model.{s}" for s in variant.sets] + [f"train.{s}" for s in variant.train_sets]
     if variant.mlm:
         sets.append("train.sample_tokens=0")
     low = parameter_count([*sets, f"model.d_inner={base}"], vocab_size)
     high = parameter_count([*sets, f"model.d_inner={base + 1}"], vocab_size)
     per_unit = high - low
+    if not variant.match:
+        return base, low
     d_inner = max(1, base + round((target - low) / per_unit))
     return d_inner, low + (d_inner - base) * per_unit
 
@@ -305,7 +331,7 @@ def markdown(report: dict) -> str:
         )
     lines += noise_section(rows, metric)
     if ref:
-        lines += ["", f"Parameter counts lie within {report['max_param_gap']:.2%} of the xl row "
+        lines += ["", f"Parameter counts lie within {report['max_param_gap']:.2%} of the xl row, the rows marked not parameter-matched aside "
                   f"({ref['parameters']:,})."]
     ponder = [r for r in rows if r.get("ponder_depth") is not None]
     for r in ponder:
@@ -342,6 +368,7 @@ def markdown(report: dict) -> str:
         "masked-LM table.",
         "",
         "![train bpc against minutes](arena.png)",
+        *[line for section in report.get("sections", {}).values() for line in section_markdown(section)],
         "",
         "## Reproduce",
         "",
@@ -409,6 +436,8 @@ def run(args: argparse.Namespace) -> int:
     vocab_size = len(open_corpus(data).vocab)
     base = build_run_config(preset=PRESET, sets=list(args.sets)).model.get("d_inner", 512)
     target = parameter_count(list(args.sets), vocab_size)  # the reference variant (xl) changes no key
+    if args.section and REFERENCE not in args.variants:
+        args.variants = (REFERENCE, *args.variants)  # the anchor every row of a section is read against
     plan = []
     for name in args.variants:
         variant = VARIANTS[name]
@@ -439,9 +468,21 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "preset": PRESET, "minutes": args.minutes, "threads": args.threads, "jobs": args.jobs,
         "seeds": args.seeds, "top": args.top, "machine": machine(), "wall_minutes": (time.time() - started) / 60,
-        "max_param_gap": max(abs(r["parameters"] - ref["parameters"]) / ref["parameters"] for r in rows),
+        "max_param_gap": max(abs(r["parameters"] - ref["parameters"]) / ref["parameters"] for r in rows
+                             if VARIANTS[r["name"]].match),
         "reproduce": shlex.join(flags), "rows": rows,
     }
+    if args.section:
+        flags += ["--section", args.section]
+        report["reproduce"] = shlex.join(flags)
+    previous = _previous_report(out)
+    if args.section:  # the main table stays as it was; this section is (re)placed
+        if previous is None:
+            raise UsageError(f"--section adds to an existing {out / 'arena.json'}; run the main table first")
+        section = {**report, "name": args.section, "title": SECTIONS[args.section]}
+        report = {**previous, "sections": {**previous.get("sections", {}), args.section: section}}
+    elif previous is not None and previous.get("sections"):
+        report["sections"] = previous["sections"]
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "arena.json", json.dumps(report, indent=2) + "\n")
     write_text(out / "arena.md", markdown(report))
@@ -449,6 +490,41 @@ def run(args: argparse.Namespace) -> int:
     print(markdown(report).split("## Reproduce")[0])
     print(f"wrote {out / 'arena.md'}, {out / 'arena.json'}, {out / 'arena.png'}")
     return 0
+
+
+def _previous_report(out: Path) -> dict | None:
+    path = out / "arena.json"
+    if not path.exists():
+        return None
+    try:
+        return read_json(path, what="arena report", error=UsageError)
+    except (OSError, ValueError, TxlError) as err:
+        raise UsageError(f"cannot read the existing {path} ({err}); move it away to start a new report") from None
+
+
+def section_markdown(section: dict) -> list[str]:
+    """A section's table: its rows against its own xl anchor, on its own machine."""
+    from txl.bench.common import machine_markdown
+
+    rows = sorted(section["rows"], key=lambda r: (r["valid"] is None, r["valid"] or 0))
+    metric = rows[0]["metric"] if rows else "bpc"
+    ref = next((r for r in rows if r["name"] == REFERENCE), None)
+    lines = ["", f"## {section['title']}", "",
+             f"The same preset, budget ({section['minutes']:g} minutes, {section['threads']} thread(s) per run, "
+             f"{section['jobs']} runs side by side) and parameter matching as the main table, trained on the machine "
+             "below with the xl row again as the anchor: compare these rows with this section's xl, not with the "
+             "main table (another machine gives another number of steps in the same minutes).", "",
+             machine_markdown({**section["machine"], "threads": f"{section['threads']} (per run)"}), "",
+             f"| variant | what | params | d_inner | valid {metric} | vs xl | steps | train tokens/s | peak RSS (MB) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        delta = "—" if ref is None or r is ref or r["valid"] is None else f"{r['valid'] - ref['valid']:+.4f}"
+        lines.append(f"| {r['name']} | {r['about']} | {r['parameters']:,} | {r['d_inner']} | {r['valid']:.4f} | "
+                     f"{delta} | {r['steps']:,} | {r['tokens_per_second']:,.0f} | {r['peak_rss_mb']:,.0f} |")
+    lines += ["", "One seed per row: the main table's noise section puts the seed-to-seed spread of a row at about "
+              "0.002–0.016 bpc, so differences smaller than that are not differences.", "", "```",
+              *[r["command"] for r in section["rows"]], "```", "", f"All rows: `{section['reproduce']}`"]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
