@@ -331,8 +331,8 @@ def markdown(report: dict) -> str:
         )
     lines += noise_section(rows, metric)
     if ref:
-        lines += ["", f"Parameter counts lie within {report['max_param_gap']:.2%} of the xl row, the rows marked not parameter-matched aside "
-                  f"({ref['parameters']:,})."]
+        lines += ["", f"Parameter counts lie within {report['max_param_gap']:.2%} of the xl row "
+                  f"({ref['parameters']:,}), the rows marked not parameter-matched aside."]
     ponder = [r for r in rows if r.get("ponder_depth") is not None]
     for r in ponder:
         lines += ["", f"{r['name']}: average ponder depth (ACT steps + remainder) at the end of training "
