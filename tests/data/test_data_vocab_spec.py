@@ -160,6 +160,7 @@ def test_parse_spec_forms(tmp_path):
         "pairs",  # sequence-to-sequence pair corpora (txl.data.seq2seq)
         "reverse",
         "pydoc-summaries",
+        "docs",  # collections of separate documents (txl.data.documents): classification, document-level LM
     }
 
 
