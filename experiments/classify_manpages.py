@@ -199,8 +199,8 @@ def write_results(args, data: str, rows: list[dict]) -> None:
         f"at most {args.max_tokens // args.tgt_len} segments of {args.tgt_len}.",
         "", "## Model and budget", "",
         f"- 2 layers, d_model 64, 4 heads of 16, d_inner 128, dropout 0.1, tgt_len = mem_len = {args.tgt_len}; "
-        f"{args.steps} steps of {args.batch_size} documents, Adam lr 1e-3 with {args.steps // 10} warm-up steps, no time budget (the same steps for both readings) "
-        f"(cosine), validated every {max(args.steps // 4, 1)} steps; the checkpoint with the best valid loss is scored on test.",
+        f"{args.steps} steps of {args.batch_size} documents, Adam lr 1e-3 with {args.steps // 10} warm-up steps, cosine schedule, no time "
+        f"budget (the same steps for both readings), validated every {max(args.steps // 4, 1)} steps; the checkpoint with the best valid loss is scored on test.",
         f"- CPU, {args.threads} torch thread per run, runs one after another; the machine was shared with other "
         f"work: load average before/after each run in `classify.json` (first run: {rows[0]['load_before']}; last: "
         f"{rows[-1]['load_after']}). Times are wall clock under that load, not benchmarks.",
@@ -225,7 +225,7 @@ def main() -> None:
     r.add_argument("--runs", default="/tmp/txl-manpages-runs")
     r.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "results"))
     r.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    r.add_argument("--steps", type=int, default=150)
+    r.add_argument("--steps", type=int, default=600)
     r.add_argument("--tgt-len", type=int, default=128)
     r.add_argument("--max-tokens", type=int, default=2048)
     r.add_argument("--batch-size", type=int, default=8)
