@@ -417,11 +417,14 @@ class Trainer:
     def _validate_weights(self, log: MetricsLog, bar: ProgressBar, *, averaged: bool) -> None:
         result = self.evaluate_split("valid", max_tokens=self.cfg.eval_max_tokens)
         record = {"split": "valid_ema" if averaged else "valid", "step": self.progress.step,
-                  "loss": finite_or_none(result.loss), self.metric: finite_or_none(result.value), "tokens": result.tokens, "tokens_per_second": result.tokens_per_second, "elapsed": self.progress.elapsed}
+                  "loss": finite_or_none(result.loss), self.metric: finite_or_none(result.value),
+                  "tokens": result.tokens, "tokens_per_second": result.tokens_per_second,
+                  "elapsed": self.progress.elapsed}
         accuracy = ""
-        if result.accuracy is not None:  # masked LM
+        if result.accuracy is not None:  # masked LM (of the masked tokens), classification (of the documents)
             record["accuracy"] = result.accuracy
-            accuracy = f", masked-token accuracy {result.accuracy:.4f}"
+            what = "accuracy" if self.objective.name == "classify" else "masked-token accuracy"
+            accuracy = f", {what} {result.accuracy:.4f}"
         log.write(record)
         which = " (weight average)" if averaged else ""
         bar.write(f"step {self.progress.step}: valid {self.metric}{which} {result.value:.4f} (loss {result.loss:.4f}, "
