@@ -521,6 +521,8 @@ def section_markdown(section: dict) -> list[str]:
         delta = "—" if ref is None or r is ref or r["valid"] is None else f"{r['valid'] - ref['valid']:+.4f}"
         lines.append(f"| {r['name']} | {r['about']} | {r['parameters']:,} | {r['d_inner']} | {r['valid']:.4f} | "
                      f"{delta} | {r['steps']:,} | {r['tokens_per_second']:,.0f} | {r['peak_rss_mb']:,.0f} |")
+    if section.get("note"):  # what the numbers alone do not say (written into arena.json by hand)
+        lines += ["", section["note"]]
     lines += ["", "One seed per row: the main table's noise section puts the seed-to-seed spread of a row at about "
               "0.002–0.016 bpc, so differences smaller than that are not differences.", "", "```",
               *[r["command"] for r in section["rows"]], "```", "", f"All rows: `{section['reproduce']}`"]
