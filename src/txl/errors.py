@@ -139,3 +139,15 @@ def parse_json(text: str | bytes) -> Any:
     one wins" (two readers could otherwise disagree on what a file says). Raises DuplicateKeyError, a
     ValueError, like every other malformed input."""
     return json.loads(text, object_pairs_hook=_no_duplicates)
+
+
+def jsonl_rows(text: str, where: Any):
+    """(line number, parsed value) of each non-blank line of a JSONL text; a line that is not JSON is one
+    DataError naming `where:line`."""
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield n, parse_json(line)
+        except (ValueError, RecursionError) as err:
+            raise DataError(f"{where}:{n} is not a JSON object ({str(err)[:200] or 'nested too deeply'})") from None

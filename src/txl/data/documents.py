@@ -36,7 +36,7 @@ import numpy as np
 
 from txl.data.spec import DataSpec, parse_spec
 from txl.data.vocab import Vocab
-from txl.errors import DataError, parse_json
+from txl.errors import DataError, jsonl_rows
 from txl.io import read_text
 
 SPLITS = ("train", "valid", "test")
@@ -206,13 +206,7 @@ def _read_jsonl(path: Path, counter: _Counter, *, follow_links: bool) -> list[Do
                         "line); for plain text files give the folder that holds them")
     text = read_text(path, what="documents file", limit=JSONL_LIMIT, follow_links=follow_links)
     docs: list[Document] = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = parse_json(line)
-        except (ValueError, RecursionError) as err:
-            raise DataError(f"{path}:{n} is not a JSON object ({str(err)[:200] or 'nested too deeply'})") from None
+    for n, row in jsonl_rows(text, path):
         if not isinstance(row, dict) or not isinstance(row.get("text"), str):
             raise DataError(f"{path}:{n} needs a string field 'text' (and optionally 'label')")
         label = row.get("label")

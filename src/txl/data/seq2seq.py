@@ -34,7 +34,7 @@ from torch import Tensor
 
 from txl.data.spec import DataSpec, parse_spec
 from txl.data.vocab import Vocab, _require_tokenizers, bpe_pieces
-from txl.errors import DataError, parse_json
+from txl.errors import DataError, jsonl_rows
 from txl.io import VOCAB_LIMIT, read_json, read_text, write_text
 
 SPECIALS = ("<pad>", "<s>", "</s>")  # padding, start, end: the ids after the base vocabulary's
@@ -157,13 +157,7 @@ def read_pairs(path: Path, *, source: str = "", target: str = "") -> list[tuple[
     text = read_text(path, what="pairs file", limit=PAIRS_LIMIT, follow_links=True)
     pairs: list[tuple[str, str]] = []
     if suffix == ".jsonl":
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = parse_json(line)
-            except (ValueError, RecursionError) as err:
-                raise DataError(f"{path}:{n} is not a JSON object ({str(err)[:200] or 'nested too deeply'})") from None
+        for n, row in jsonl_rows(text, path):
             if not isinstance(row, dict):
                 raise DataError(f"{path}:{n} is not a JSON object")
             src_key, tgt_key = source or "source", target or "target"
