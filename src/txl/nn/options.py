@@ -62,6 +62,11 @@ class Options:
                 self.fail(name, f"must be <= {high:,}, got {value}; no model txl can build has that size "
                                 "(is the config damaged?)")
 
+    def for_layer(self, layer_idx: int) -> Options:
+        """The options layer `layer_idx` runs with (Longformer's per-layer windows): the same by default.
+        The attention layer builds its kernel from the config with these options in place."""
+        return self
+
     def to_dict(self) -> dict[str, Any]:
         return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
                 for f in dataclasses.fields(self)}

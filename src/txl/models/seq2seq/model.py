@@ -31,7 +31,7 @@ from txl.fast import backend_for
 from txl.models.seq2seq.config import EncoderDecoderConfig
 from txl.models.transformer_xl.config import TransformerXLConfig
 from txl.models.transformer_xl.model import Block, FeedForward
-from txl.nn.attention.layer import Attention
+from txl.nn.attention.layer import Attention, share_kernels
 from txl.nn.attention.masks import AttentionMask
 from txl.nn.backend import REFERENCE, Backend
 from txl.nn.memory import MemoryPass
@@ -172,6 +172,7 @@ class EncoderDecoder(nn.Module):
         self.drop = backend.Dropout(config.dropout)
         self.encoder_pos = backend.positional(encoder_view)
         self.encoder = nn.ModuleList(Block(encoder_view, layer_idx=i, backend=backend) for i in range(n_encoder))
+        share_kernels(block.attn for block in self.encoder)  # layer-wise shared kernel parameters (Linformer)
         self.decoder_pos = backend.positional(decoder_view)
         self.decoder = nn.ModuleList(DecoderBlock(decoder_view, layer_idx=i, backend=backend) for i in range(config.n_layer))
         # pre-LN sums residuals without a norm: both stacks end in one (post-LN output is normalised)

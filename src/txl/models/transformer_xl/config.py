@@ -23,11 +23,11 @@ from txl.nn.options import MAX_LENGTH, MAX_WIDTH
 # Names, not integer codes (the reference's `attn_type` 0..3 maps to xl, shaw, sinusoidal, learned).
 # These are the built-in entries of the registries (`txl.nn.positional.register_encoding`,
 # `txl.nn.attention.register`); a name registered from user code is accepted too.
-PositionalName = Literal["xl", "shaw", "sinusoidal", "learned", "rope", "alibi", "t5", "xpos"]
+PositionalName = Literal["xl", "shaw", "sinusoidal", "learned", "rope", "alibi", "t5", "xpos", "nezha"]
 # The long-text arena (docs/guide/models.md, "The arena"): every kernel takes the same inputs, see txl/nn/attention/.
 AttentionName = Literal[
     "full", "sliding", "sparse", "performer", "linformer", "linear", "bigbird", "lsh", "routing", "sinkhorn",
-    "compressed", "synthesizer", "inducing",
+    "compressed", "synthesizer", "inducing", "image-local", "axial", "etc",
 ]
 # eager = the reference; fast = the CPU-tuned kernel; sdpa / flex = fused GPU kernels (torch SDPA with the
 # position term as a bias / FlexAttention with a score_mod); auto = chosen per call by device (txl.nn.attention.registry)
@@ -113,11 +113,20 @@ class TransformerXLConfig(ModelConfig):
     universal: bool = False  # n_layer becomes the maximum depth (max_depth) of the shared block
     act_threshold: float = 0.99  # a position halts once its summed halting probability reaches this
     ponder_cost: float = 0.01  # τ: weight of the ponder cost (steps + remainder) in the training loss
+    # how the steps' states are combined (tensor2tensor's act_type): basic = t2t's default interpolation of the
+    # state by the halting weights; accumulated = the weighted sum of every step's output (txl before issue 48)
+    act_type: Literal["basic", "accumulated"] = "basic"
+    # reversible blocks (Gomez et al. 2017, Reformer): y1 = x1 + attn(x2), y2 = x2 + ffn(y1); the backward
+    # recomputes each block's input from its output instead of storing it (txl.nn.reversible)
+    reversible: bool = False
     # --- adaptive input / softmax (Baevski & Auli 2019; Grave et al. 2017) ---------------------
     cutoffs: tuple[int, ...] = ()  # empty = one full softmax; e.g. (20000, 40000, 200000) for wt103
     div_val: int = 1  # cluster i has d_embed // div_val**i dims
     tie_weight: bool = True  # output cluster weights = input embedding weights
     tie_projs: tuple[bool, ...] | None = None  # per cluster; None = (False, True, True, ...) as wt103
+    # sampled softmax (Jean et al. 2015; the reference's --sample_softmax): training scores the targets against
+    # this many shared negatives drawn log-uniformly; evaluation always uses the full softmax; 0 = off
+    sample_softmax: int = 0
     # --- initialisation (reference: normal init) ----------------------------------------------
     init_std: float = 0.02
     proj_init_std: float = 0.01

@@ -26,7 +26,7 @@ from txl.models.transformer_xl.adaptive import AdaptiveEmbedding, AdaptiveLogSof
 from txl.models.transformer_xl.compressive import MemoryCompressor
 from txl.models.transformer_xl.config import TransformerXLConfig
 from txl.models.transformer_xl.universal import UniversalDepth
-from txl.nn.attention.layer import Attention
+from txl.nn.attention.layer import Attention, share_kernels
 from txl.nn.attention.masks import AttentionMask
 from txl.nn.backend import REFERENCE, Backend
 from txl.nn.checkpointing import checkpointed, wants_checkpoint
@@ -167,6 +167,7 @@ class TransformerXL(nn.Module):
         self.universal = UniversalDepth(config, backend=backend) if config.universal else None
         self.blocks = nn.ModuleList(Block(config, layer_idx=i, backend=backend)
                                     for i in range(1 if config.universal else config.n_layer))
+        share_kernels(block.attn for block in self.blocks)  # layer-wise shared kernel parameters (Linformer)
         final_norm = config.pre_lnorm and config.final_norm  # post-LN output is already normalised
         self.norm = build_norm(config.norm, config.d_model, eps=config.layer_norm_eps) if final_norm else nn.Identity()
         self.head = AdaptiveLogSoftmax(config, self.embed, linear=backend.linear)

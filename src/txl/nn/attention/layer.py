@@ -36,7 +36,7 @@ are cached before the norm, so a cache stays valid.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -76,7 +76,7 @@ class Attention(nn.Module):
         # Kernels that own parameters or buffers (Linformer projections, Performer features) are
         # modules built per layer.
         kernel = resolve_kernel(config.attention, config.attention_impl)
-        self.kernel = backend.adopt(kernel(config)) if isinstance(kernel, type) else kernel
+        self.kernel = backend.adopt(kernel(layer_config(config, layer_idx))) if isinstance(kernel, type) else kernel
 
     def forward(
         self,
@@ -110,6 +110,25 @@ class Attention(nn.Module):
                                  training=self.training, need_weights=need_weights)
         out = out.transpose(1, 2).reshape(b, i, self.n_head * self.d_head)  # (b, i, h*d)
         return self.drop(self.o_proj(out)), probs
+
+
+def layer_config(config: TransformerXLConfig, layer_idx: int) -> TransformerXLConfig:
+    """The config layer `layer_idx`'s kernel is built from: its attention options as
+    `Options.for_layer(layer_idx)` gives them (Longformer's per-layer windows), the rest unchanged."""
+    options = config.attention_options
+    here = options.for_layer(layer_idx) if options is not None else None
+    return config if here is options else dataclasses.replace(config, attention_options=here)
+
+
+def share_kernels(attentions: Iterable[Attention]) -> None:
+    """Parameters shared across layers (Linformer's layer-wise sharing): every kernel with a
+    `share_with(first)` method is given the first layer's kernel of the same stack, once, after the
+    stack is built (the model and the encoder-decoder's encoder call this)."""
+    attentions = list(attentions)
+    for attention in attentions[1:]:
+        share = getattr(attention.kernel, "share_with", None)
+        if share is not None:
+            share(attentions[0].kernel)
 
 
 def split_kv(kv: Tensor, n_head: int) -> tuple[Tensor, Tensor]:

@@ -66,7 +66,7 @@ SPECS: dict[str, KernelSpec] = {}
 # The kernels that ship with txl (each module registers its own).
 BUILTIN_MODULES = (
     "eager", "xl_fast", "sliding", "sparse", "performer", "linformer", "linear", "bigbird", "lsh", "routing",
-    "sinkhorn", "compressed", "synthesizer", "inducing", "fused",  # fused last: it adds impls to the kernels above
+    "sinkhorn", "compressed", "synthesizer", "inducing", "image_local", "axial", "etc", "fused",  # fused last: it adds impls to the kernels above
 )
 
 # The impl `attention_impl="auto"` runs on a CUDA device, per kernel (on every other device: "fast" where
