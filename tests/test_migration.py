@@ -54,7 +54,9 @@ def test_every_legacy_config_json_migrates_and_round_trips(name):
 
 def test_kernel_and_encoding_options_move_into_their_tables():
     sliding = config_from_dict(legacy_config("decoder-sliding"))
-    assert sliding.to_dict()["attention_options"] == {"window": 3, "dilation": [], "global_tokens": 1}
+    # (issue 48: a config written before Longformer's separate global projections keeps them off)
+    assert sliding.to_dict()["attention_options"] == {"window": 3, "dilation": [], "global_tokens": 1,
+                                                      "global_projections": False, "global_positions": False}
     t5 = config_from_dict(legacy_config("decoder-t5-memory-tokens"))
     assert t5.to_dict()["position_options"] == {"buckets": 8, "max_distance": 16}
     shaw = config_from_dict(legacy_config("decoder-shaw-pre-ln"))

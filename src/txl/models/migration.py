@@ -169,7 +169,27 @@ def migrate(data: Any) -> Any:
                 del out[key]
         elif kept is not None and key in LEGACY_DEFAULTS and key not in kept and _is_default(key, value, arch):
             del out[key]
-    return out
+    return _sliding_before_issue_48(out)
+
+
+# Issue 48 (Longformer as published): attention='sliding' gained `global_projections` (Longformer's separate
+# Q_g, K_g, V_g; default on with global_tokens) and `global_positions` (the encoding's score term on global
+# pairs outside the window; default on). A config written before them is a complete dump (config.json,
+# run.json: every field of KEPT) whose sliding options lack both: it gets both off, the behaviour and the
+# weights it was trained with (global rows from the local projections, global pairs scored by content). A
+# partial dict (a preset, a TOML file, --set) takes the new defaults.
+SLIDING_ADDED_48 = ("global_projections", "global_positions")
+
+
+def _sliding_before_issue_48(out: dict) -> dict:
+    if out.get("arch", "decoder") != "decoder" or out.get("attention") != "sliding" or not KEPT["decoder"] <= out.keys():
+        return out
+    options = out.get("attention_options")
+    if options is None:
+        options = {}
+    if not isinstance(options, dict) or options.keys() & set(SLIDING_ADDED_48):
+        return out
+    return {**out, "attention_options": {**options, **dict.fromkeys(SLIDING_ADDED_48, False)}}
 
 
 def legacy_option(key: str) -> tuple[str, tuple[str, ...], str] | None:

@@ -31,6 +31,14 @@ k are RMS-normalised per head over d_head, each with a learned gain of d_head (s
 after the projection and before the kernel (so before positions: xl's u and v biases, RoPE's rotation).
 The scores keep their 1/sqrt(d_head) scale; the gains can learn a sharper one. The memory's projections
 are cached before the norm, so a cache stays valid.
+
+Separate global projections (Longformer, Beltagy et al. 2020, §3.1: "we use two sets of projections, Q_s,
+K_s, V_s for sliding window attention and Q_g, K_g, V_g for global attention"): when the kernel says it
+wants them (`kernel.global_projections`: attention='sliding' with global tokens), the layer owns
+`global_q_proj` and `global_kv_proj` and hands the kernel q_g (the segment) and k_g, v_g ([memory ;
+source], through the same memory pass: one projection of both, so a projection cache stays one shape)
+through `kernel.forward_global`; the kernel computes the rows of global queries from them. Memory
+tokens, qk-norm and grouped-query heads apply to them as to q, k, v.
 """
 
 from __future__ import annotations
@@ -77,6 +85,12 @@ class Attention(nn.Module):
         # modules built per layer.
         kernel = resolve_kernel(config.attention, config.attention_impl)
         self.kernel = backend.adopt(kernel(layer_config(config, layer_idx))) if isinstance(kernel, type) else kernel
+        self.global_q_proj = self.global_kv_proj = None
+        if getattr(self.kernel, "global_projections", False):  # Longformer's Q_g, K_g, V_g
+            self.global_q_proj = backend.Linear(config.d_model, inner, bias=False)
+            self.global_kv_proj = backend.Linear(config.d_model, 2 * self.n_kv_head * config.d_head, bias=False)
+            if not getattr(self.kernel, "global_tokens", 0):  # q_g only for a call with a global_mask (DDP must know)
+                self.unused_query_projection = True
 
     def forward(
         self,
@@ -94,9 +108,13 @@ class Attention(nn.Module):
         to the source rows before their projection (pre-LN blocks normalise [memory ; segment])."""
         b, i, _ = x.shape
         source = x if source is None else source
-        project = self.kv_proj if source_norm is None else _Normed(source_norm, self.kv_proj)
+        project = self.kv_proj if self.global_kv_proj is None else _Both(self.kv_proj, self.global_kv_proj)
+        project = project if source_norm is None else _Normed(source_norm, project)
         kv = project(source) if memory is None else memory.keys_values(self.layer_idx, source, project)
         q = self.q_proj(x).view(b, i, self.n_head, self.d_head).transpose(1, 2)  # (b, h, i, d)
+        kv_g = None
+        if self.global_kv_proj is not None:  # (b, n, 2·kv_h·d) each: local and global keys/values
+            kv, kv_g = kv.chunk(2, dim=-1)
         k, v = split_kv(kv, self.n_kv_head)  # (b, kv_h, n, d) each
         if self.memory_tokens is not None:  # keys and values over [tokens ; memory ; segment]
             tokens = self.memory_tokens.to(k.dtype)[:, None].expand(-1, b, -1, -1, -1)  # (2, b, kv_h, m, d)
@@ -106,10 +124,27 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.n_kv_head != self.n_head:
             k, v = repeat_kv(k, self.n_head), repeat_kv(v, self.n_head)  # (b, h, n, d) each
-        out, probs = self.kernel(q, k, v, positions=positions, mask=mask, dropatt=self.dropatt,
-                                 training=self.training, need_weights=need_weights)
+        if kv_g is not None and (mask.global_mask is not None or self.kernel.global_tokens):
+            out, probs = self.kernel.forward_global(q, k, v, self._global_qkv(x, kv_g), positions=positions,
+                                                    mask=mask, dropatt=self.dropatt, training=self.training,
+                                                    need_weights=need_weights)
+        else:
+            out, probs = self.kernel(q, k, v, positions=positions, mask=mask, dropatt=self.dropatt,
+                                     training=self.training, need_weights=need_weights)
         out = out.transpose(1, 2).reshape(b, i, self.n_head * self.d_head)  # (b, i, h*d)
         return self.drop(self.o_proj(out)), probs
+
+
+    def _global_qkv(self, x: Tensor, kv_g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q_g (b, h, i, d) of the segment and k_g, v_g (b, h, n, d) of [memory ; source], as q, k, v are made."""
+        b, i, _ = x.shape
+        q_g = self.global_q_proj(x).view(b, i, self.n_head, self.d_head).transpose(1, 2)
+        k_g, v_g = split_kv(kv_g, self.n_kv_head)
+        if self.q_norm is not None:
+            q_g, k_g = self.q_norm(q_g), self.k_norm(k_g)
+        if self.n_kv_head != self.n_head:
+            k_g, v_g = repeat_kv(k_g, self.n_head), repeat_kv(v_g, self.n_head)
+        return q_g, k_g, v_g
 
 
 def layer_config(config: TransformerXLConfig, layer_idx: int) -> TransformerXLConfig:
@@ -141,6 +176,17 @@ def repeat_kv(x: Tensor, n_head: int) -> Tensor:
     """(b, kv_h, n, d) -> (b, n_head, n, d): each key/value head serves n_head / kv_h consecutive query heads."""
     b, kv_heads, n, d = x.shape
     return x[:, :, None].expand(b, kv_heads, n_head // kv_heads, n, d).reshape(b, n_head, n, d)
+
+
+class _Both:
+    """rows -> [local projection ; global projection] along the features: one row-wise projection, so the
+    memory pass (and a projection cache) sees one tensor whatever the call."""
+
+    def __init__(self, local: Callable[[Tensor], Tensor], global_: Callable[[Tensor], Tensor]):
+        self.local, self.global_ = local, global_
+
+    def __call__(self, rows: Tensor) -> Tensor:
+        return torch.cat([self.local(rows), self.global_(rows)], dim=-1)
 
 
 class _Normed:

@@ -59,6 +59,7 @@ reference stay in one file, the ground truth beside the kernel it checks, as eve
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -79,15 +80,81 @@ UNBOUNDED = 2**31  # a window longer than any sequence (strided heads of the spa
 
 @dataclass(frozen=True)
 class SlidingOptions(Options):
-    """`attention_options` of attention='sliding'."""
+    """`attention_options` of attention='sliding'. `window` and `dilation` hold one value for every layer or
+    a list with one entry per layer (Longformer §3.1/§4.1: windows that grow with depth, dilation on a
+    few heads of the upper layers); `for_layer(i)` gives layer i its own plain options."""
 
-    window: int = 256  # keys each query sees, itself included (counted in dilated steps)
-    dilation: tuple[int, ...] = ()  # per head (or one value for all); () = 1: no gaps
+    window: int | tuple[int, ...] = 256  # keys each query sees, itself included (counted in dilated steps)
+    # per head (or one value for all heads); () = 1: no gaps. Per layer: a list of such lists, one per layer
+    dilation: tuple[int, ...] | tuple[tuple[int, ...], ...] = ()
     global_tokens: int = 0  # the first g positions of each segment attend to and are seen by all
+    # Longformer's separate projections Q_g, K_g, V_g for the rows of global tokens (3 more d_model ×
+    # n_head·d_head weights per layer). None: on when global_tokens > 0; true: also for a `global_mask=`
+    # given per call (the weights must exist before it comes); false: global rows use the local projections
+    global_projections: bool | None = None
+    # the encoding's score term (xl, shaw, alibi, t5, ...) on a pair joined only through a global key
+    # (outside the query's window); false: content score alone there (txl before issue 48)
+    global_positions: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dilation, (list, tuple)):  # per layer: the inner lists of JSON/TOML as tuples
+            object.__setattr__(self, "dilation", tuple(tuple(d) if isinstance(d, list) else d for d in self.dilation))
+        super().__post_init__()
 
     def validate(self) -> None:
-        self.at_least(1, "window", "dilation")
+        self.at_least(1, "window")
         self.at_least(0, "global_tokens")
+        if self.layer_dilations is None:
+            self.at_least(1, "dilation")
+        elif not all(self.layer_dilations) or any(s < 1 for d in self.layer_dilations for s in d):
+            self.fail("dilation", f"per layer needs a non-empty list of values >= 1 for every layer, got "
+                                  f"{[list(d) for d in self.layer_dilations]}")
+        if isinstance(self.window, tuple) and not self.window:
+            self.fail("window", "must be one value or a list with one value per layer, got []")
+
+    @property
+    def layer_dilations(self) -> tuple[tuple[int, ...], ...] | None:
+        """The per-layer form of `dilation` (one tuple per layer), or None when it holds one value per head."""
+        if self.dilation and all(isinstance(d, tuple) for d in self.dilation):
+            return self.dilation  # type: ignore[return-value]
+        return None
+
+    @property
+    def per_layer(self) -> bool:
+        return isinstance(self.window, tuple) or self.layer_dilations is not None
+
+    def layers(self) -> int | None:
+        """How many layers the per-layer lists are for (None: one value for every layer); the lists must agree."""
+        counts = {len(self.window)} if isinstance(self.window, tuple) else set()
+        counts |= {len(self.layer_dilations)} if self.layer_dilations is not None else set()
+        if len(counts) > 1:
+            self.fail("window", f"and dilation list different numbers of layers ({sorted(counts)}); give one entry per layer")
+        return counts.pop() if counts else None
+
+    def for_layer(self, layer_idx: int) -> SlidingOptions:
+        """Layer `layer_idx`'s window and dilation as plain values (the kernel reads only these)."""
+        if not self.per_layer:
+            return self
+        window = self.window[layer_idx] if isinstance(self.window, tuple) else self.window
+        dilation = self.layer_dilations[layer_idx] if self.layer_dilations is not None else self.dilation
+        return dataclasses.replace(self, window=window, dilation=dilation)
+
+    def to_dict(self) -> dict:
+        data = super().to_dict()
+        data["dilation"] = [list(d) if isinstance(d, tuple) else d for d in data["dilation"]]
+        return data
+
+    def reach(self, n_head: int) -> int:
+        """The most positions back any layer's local window sees: max over layers and heads of (w-1)·s + 1.
+        Memory longer than this still serves the global rows and, through the layers, longer reach; a
+        layer's band never looks further."""
+        layers = self.layers() or 1
+        reaches = []
+        for layer in range(layers):
+            here = self.for_layer(layer)
+            dilation = here.dilation or (1,)
+            reaches += [(here.window - 1) * s + 1 for s in (dilation * n_head if len(dilation) == 1 else dilation)]
+        return max(reaches)
 
 
 def head_dilations(config: LayerConfig) -> tuple[int, ...]:
@@ -141,12 +208,18 @@ def sliding_reference(
     causal: bool = True,
     chosen: Tensor | None = None,
     tokens: tuple[Tensor, Tensor] | None = None,
+    global_positions: bool = False,
+    global_qkv: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The sliding pattern as a dense masked softmax: `(window, dilation)` per head, global tokens,
     chosen global tokens (`chosen`, (b, i) bool over the queries: `AttentionMask.global_mask`), learned
     memory tokens (`tokens`: their keys and values (b, h, m, d), seen by all, content score only).
+    `global_positions`: the encoding's score term also on pairs joined only through a global key (else
+    the content score alone there); the value-side term (shaw values) stays on the band and the global
+    rows. `global_qkv`: the separate projections (q_g, k_g, v_g) of Longformer's global attention: the
+    rows of global queries are computed from them (over every key they may see) instead of q, k, v.
     `return_probs`: also return the probabilities (b, h, i, m + n)."""
-    i, n, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    i, n = q.shape[-2], k.shape[-2]
     dist = distances(i, n, q.device)  # (i, n)
     local = torch.stack([local_pattern(dist, effective_window(w, s, horizon), s, causal=causal)
                          for w, s in head_windows])
@@ -158,16 +231,36 @@ def sliding_reference(
     # Position terms where the positional API computes them: the band, and the global rows.
     positioned = local | (global_query[:, None] & seen)  # (h, i, n)
     visible = positioned | (global_key[None, :] & seen)
+    rows = global_query[None, :]  # (1 or b, i): the global queries
     if chosen is not None:  # chosen tokens' rows (positioned) and columns (content score only outside the band)
-        chosen_key = F.pad(chosen.to(q.device), (memory_len, 0))  # (b, n)
-        positioned = positioned | (chosen.to(q.device)[:, :, None] & seen)[:, None]  # (b, h, i, n)
+        chosen = chosen.to(q.device)
+        chosen_key = F.pad(chosen, (memory_len, 0))  # (b, n)
+        positioned = positioned | (chosen[:, :, None] & seen)[:, None]  # (b, h, i, n)
         visible = visible | positioned | (chosen_key[:, None, :] & seen)[:, None]
+        rows = rows | chosen
+    scored = visible if global_positions else positioned
+    out, weights = _dense_attention(q, k, v, positions=positions, visible=visible, scored=scored,
+                                    positioned=positioned, tokens=tokens, dropatt=dropatt, training=training)
+    if global_qkv is not None and bool(rows.any()):  # global rows from their own projections: every key they see
+        q_g, k_g, v_g = global_qkv
+        out_g, weights_g = _dense_attention(q_g, k_g, v_g, positions=positions, visible=seen, scored=seen,
+                                            positioned=seen, tokens=tokens, dropatt=dropatt, training=training)
+        out = torch.where(rows[:, None, :, None], out_g, out)
+        weights = torch.where(rows[:, None, :, None], weights_g, weights)
+    return (out, weights) if return_probs else out
 
+
+def _dense_attention(q: Tensor, k: Tensor, v: Tensor, *, positions: LayerPositions, visible: Tensor, scored: Tensor,
+                     positioned: Tensor, tokens: tuple[Tensor, Tensor] | None, dropatt: float,
+                     training: bool) -> tuple[Tensor, Tensor]:
+    """Dense masked attention over [tokens ; keys]: the score term where `scored`, the value term where
+    `positioned`, `visible` keys only (masks broadcastable to (b, h, i, n))."""
+    d = q.shape[-1]
     q_content, k_content = positions.content(q, k)
     scores = torch.einsum("bhid,bhjd->bhij", q_content, k_content)
-    bias = positions.score_bias(q, k_len=n)
+    bias = positions.score_bias(q, k_len=k.shape[-2])
     if bias is not None:
-        scores = scores + torch.where(positioned, bias, torch.zeros((), dtype=bias.dtype, device=bias.device))
+        scores = scores + torch.where(scored, bias, torch.zeros((), dtype=bias.dtype, device=bias.device))
     m = 0
     if tokens is not None:  # learned memory tokens first: always visible, never positioned
         m = tokens[0].shape[-2]
@@ -179,8 +272,7 @@ def sliding_reference(
     probs = F.dropout(weights, p=dropatt, training=training)
     out = torch.einsum("bhij,bhjd->bhid", probs, v)
     value_term = positions.value_term(probs[..., m:] * positioned)
-    out = out if value_term is None else out + value_term
-    return (out, weights) if return_probs else out
+    return (out if value_term is None else out + value_term), weights
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,10 +444,12 @@ def banded_attention(
     causal: bool = True,
     chosen: Tensor | None = None,
     tokens: tuple[Tensor, Tensor] | None = None,
+    global_positions: bool = False,
+    global_qkv: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
     """O(n·w) attention with `(window, dilation)` per head, global tokens, chosen global tokens
     (`chosen`, (b, i) bool) and memory tokens (`tokens`, keys and values (b, h, m, d)); same result as
-    `sliding_reference`."""
+    `sliding_reference` (`global_positions`, `global_qkv`: as there)."""
     b, h, i, d = q.shape
     n = k.shape[-2]
     if not causal and global_tokens:  # no score terms bidirectional: the first g are chosen tokens
@@ -389,13 +483,22 @@ def banded_attention(
         out_t, lse_t = gathered_attention(None, None, tokens[1], every, dropatt=dropatt, training=training,
                                           score_offset=scores)
         out, lse = merge_by_lse([out, out_t], [lse, lse_t]), torch.logaddexp(lse, lse_t)
+    # Global pairs outside the band get the encoding's score term when asked (causal: distances >= 0).
+    pair_positions = positions if global_positions and causal and type(positions.encoding).score_terms else None
     if chosen is not None:
-        out = _with_chosen(q_content, k_content, v, out, lse, chosen.to(q.device), head_windows=head_windows,
+        chosen = chosen.to(q.device)
+        score_rows = causal and type(positions.encoding).score_terms
+        out = _with_chosen(q_content, k_content, v, out, lse, chosen, head_windows=head_windows,
                            causal=causal, horizon=horizon, dropatt=dropatt, training=training,
-                           positioned_rows=causal and type(positions.encoding).score_terms)
-        if causal and type(positions.encoding).score_terms:
-            out = _positioned_rows(q, k, v, out, chosen.to(q.device), positions=positions, horizon=horizon,
+                           positioned_rows=score_rows or global_qkv is not None, pair_positions=pair_positions,
+                           q_raw=q)
+        q_rows, k_rows, v_rows = (q, k, v) if global_qkv is None else global_qkv
+        if score_rows:
+            out = _positioned_rows(q_rows, k_rows, v_rows, out, chosen, positions=positions, horizon=horizon,
                                    tokens=tokens, dropatt=dropatt, training=training)
+        elif global_qkv is not None:
+            out = _content_rows(q_rows, k_rows, v_rows, out, chosen, positions=positions, causal=causal,
+                                horizon=horizon, tokens=tokens, dropatt=dropatt, training=training)
         return out
     if g == 0:
         return out
@@ -409,7 +512,11 @@ def banded_attention(
     in_band = torch.stack([local_pattern(dist, effective_window(w, s, horizon), s) for w, s in head_windows])
     mask = additive_mask(causal & ~in_band)[None]  # (1, h, i, g)
     scores = torch.einsum("bhid,bhjd->bhij", q_content, k_content[:, :, keys])
-    out_global, lse_global = _attend(scores, None, mask, v[:, :, keys], batch=b, positions=_NO_POSITIONS,
+    bias = None
+    if pair_positions is not None:
+        key_index = torch.arange(memory_len, memory_len + g, device=q.device).expand(1, i, g)
+        bias = pair_terms(pair_positions, q, key_index, k_len=n)
+    out_global, lse_global = _attend(scores, bias, mask, v[:, :, keys], batch=b, positions=_NO_POSITIONS,
                                      stride=1, want_lse=True, dropatt=dropatt, training=training)
     total = torch.logaddexp(lse, lse_global)
     band_weight = (lse - total).exp()[..., None].to(out.dtype)  # (b, h, i, 1)
@@ -417,6 +524,8 @@ def banded_attention(
     out = out * band_weight + out_global * global_weight
     # Global rows: the first g queries attend to every earlier key, with all position terms. They
     # are the last rows of the first memory_len + g keys: exactly the eager kernel's convention.
+    if global_qkv is not None:  # Longformer's separate projections for the global rows
+        q, k, v = global_qkv
     keys, values, m = k[:, :, : memory_len + g], v[:, :, : memory_len + g], 0
     if tokens is not None:  # (the eager kernel takes memory tokens in front of the keys)
         keys, values, m = torch.cat([tokens[0], keys], dim=2), torch.cat([tokens[1], values], dim=2), tokens[0].shape[-2]
@@ -439,11 +548,15 @@ def _with_chosen(
     dropatt: float,
     training: bool,
     positioned_rows: bool = False,
+    pair_positions: LayerPositions | None = None,
+    q_raw: Tensor | None = None,
 ) -> Tensor:
     """Merge chosen global tokens into the band's result `out` (with its log-sum-exp `lse`): every
     query also sees the chosen keys outside its band (gathered: O(i·G)), then each chosen query also
-    sees every other key it may see (dense rows: O(R·n)). Content scores only; q_content is scaled.
-    `positioned_rows`: the chosen rows are left to `_positioned_rows` (score terms)."""
+    sees every other key it may see (dense rows: O(R·n)). Content scores only (q_content is scaled),
+    but for `pair_positions` given: the chosen columns get its score term (`pair_terms`, q_raw the
+    unscaled queries). `positioned_rows`: the chosen rows are left to `_positioned_rows` (score terms)
+    or `_content_rows` (separate global projections)."""
     b, h, i, d = q_content.shape
     n = k_content.shape[-2]
     memory_len = n - i
@@ -464,6 +577,8 @@ def _with_chosen(
     seen = seen[:, None] & ~band_of(dist)  # (b, h, i, G)
     index = order[:, None, :, None].expand(b, h, count, d)
     scores = q_content @ k_content.gather(2, index).transpose(-1, -2)
+    if pair_positions is not None:
+        scores = scores + pair_terms(pair_positions, q_raw, order[:, None, :].expand(b, i, count), k_len=n) * d**-0.5
     out_c, lse_c = gathered_attention(None, None, v.gather(2, index), seen, dropatt=dropatt, training=training,
                                       score_offset=scores)
     lse_total = torch.logaddexp(lse, lse_c)
@@ -508,6 +623,86 @@ def _positioned_rows(q: Tensor, k: Tensor, v: Tensor, out: Tensor, chosen: Tenso
     return torch.cat([out[:, :, :first], torch.where(span, rows, out[:, :, first:last + 1]), out[:, :, last + 1:]], dim=2)
 
 
+def _content_rows(q: Tensor, k: Tensor, v: Tensor, out: Tensor, chosen: Tensor, *, positions: LayerPositions,
+                  causal: bool, horizon: int | None, tokens: tuple[Tensor, Tensor] | None, dropatt: float,
+                  training: bool) -> Tensor:
+    """The rows of chosen queries from their own projections (Longformer's Q_g, K_g, V_g), for encodings
+    without score terms (RoPE rotates q and k; absolute ones are in the input): each sees every key it may
+    see and the memory tokens, gathered per sequence (O(R·n)); the rows of `out` are replaced."""
+    b, h, i, d = q.shape
+    n = k.shape[-2]
+    rows = int(chosen.sum(-1).max())
+    where = chosen.long().argsort(dim=-1, descending=True, stable=True)[:, :rows]  # (b, R) query indices
+    keep = chosen.gather(1, where)  # (b, R): padding slots write back what was there
+    q_content, k_content = positions.content(q, k)
+    picked = where[:, None, :, None].expand(b, h, rows, d)
+    scores = (q_content.gather(2, picked) * d**-0.5) @ k_content.transpose(-1, -2)  # (b, h, R, n)
+    dist = (where + n - i)[:, :, None] - torch.arange(n, device=q.device)  # (b, R, n)
+    seen = reachable(dist, causal=causal, horizon=horizon)[:, None]  # (b, 1, R, n)
+    values = v
+    if tokens is not None:  # every query sees the memory tokens: content score q·k
+        scores = torch.cat([(q.gather(2, picked) * d**-0.5) @ tokens[0].transpose(-1, -2), scores], dim=-1)
+        seen = F.pad(seen, (tokens[0].shape[-2], 0), value=True)
+        values = torch.cat([tokens[1], v], dim=2)
+    rows_out, _ = gathered_attention(None, None, values, seen, dropatt=dropatt, training=training,
+                                     score_offset=scores, need_lse=False)
+    return out.scatter(2, picked, torch.where(keep[:, None, :, None], rows_out, out.gather(2, picked)))
+
+
+def pair_terms(positions: LayerPositions, q: Tensor, key_index: Tensor, *, k_len: int) -> Tensor:
+    """The encoding's unscaled score term for query row r of q (b, h, i, d) (the last i of k_len keys)
+    and the keys `key_index` ((b or 1, i, G), positions in [0, k_len)): (b or 1, h, i, G). Only for keys at
+    or before their query (distances >= 0); other entries are garbage for the caller to mask.
+
+    Cheap, O(i·G·d), for the pairs a band leaves out (global columns): xl gathers its projected table
+    W_R R by distance; any other encoding is read off one-row calls of its `score_bias` (a single query
+    that is the last row of K keys gets its term for the distances K-1 … 0 unshifted) on the basis
+    queries e_1 … e_d and 0, which give the whole term when it is affine in q (xl, shaw, alibi, t5: q·a +
+    c); a real query row is checked against that, and an encoding that is not affine gets its dense
+    by-key term (O(i·k_len)) instead."""
+    b, h, i, d = q.shape
+    dist = (key_index.new_tensor(k_len - i) + torch.arange(i, device=q.device)[:, None]) - key_index
+    K = max(int(dist.max()) + 1, 1) if dist.numel() else 1
+    column = K - 1 - dist.clamp(0, K - 1)  # (b or 1, i, G): the column of each distance in a by-distance term
+    xl = positions.xl_terms(q, k_len=K)
+    if xl is not None:
+        _, q_v, table = xl  # (b, h, i, d), (h, K, d)
+        return _gather_dot(q_v, table.transpose(1, 2), None, column)
+    zero = q.new_zeros(1, h, 1, d)
+    basis = torch.eye(d, dtype=q.dtype, device=q.device)[:, None, None, :].expand(d, h, 1, d)
+    probe = q[:1, :, -1:]
+    term = positions.score_bias(torch.cat([basis, zero, probe]), k_len=K)[:, :, 0]  # (d + 2 or 1, h, K)
+    if term.shape[0] == 1:  # a term of the distance alone (alibi, t5)
+        return _gather_dot(None, None, term[0], column)
+    offset, slopes = term[d], (term[:d] - term[d]).permute(1, 0, 2)  # (h, K), (h, d, K)
+    predicted = torch.einsum("hd,hdk->hk", probe[0, :, 0], slopes) + offset
+    actual = term[d + 1]
+    predicted, actual = predicted.detach().float(), actual.detach().float()
+    if torch.allclose(predicted, actual, rtol=1e-3, atol=1e-4 * float(actual.abs().max()) + 1e-6):
+        return _gather_dot(q, slopes, offset, column)
+    bias = positions.score_bias(q, k_len=k_len)  # not affine in q: the dense term, by key
+    return bias.gather(-1, key_index.expand(bias.shape[0], i, -1)[:, None].expand(-1, bias.shape[1], -1, -1))
+
+
+def _gather_dot(q: Tensor | None, slopes: Tensor | None, offset: Tensor | None, column: Tensor) -> Tensor:
+    """q (b, h, i, d) · slopes (h, d, K)[..., column] + offset (h, K)[..., column], column (b or 1, i, G):
+    (b or 1, h, i, G), in chunks of G that keep the gathered (h, b, i, G', d) slopes small."""
+    if slopes is None:
+        return offset[:, column].transpose(0, 1)
+    b, h, i, d = q.shape
+    G = column.shape[-1]
+    step = max(1, (1 << 24) // max(1, h * max(b, column.shape[0]) * i * d))
+    parts = []
+    for start in range(0, G, step):
+        col = column[..., start:start + step]  # (b or 1, i, g)
+        gathered = slopes[:, :, col]  # (h, d, b or 1, i, g)
+        part = torch.einsum("bhid,hdbig->bhig", q, gathered.expand(-1, -1, b, -1, -1))
+        if offset is not None:
+            part = part + offset[:, col].transpose(0, 1)
+        parts.append(part)
+    return torch.cat(parts, dim=-1)
+
+
 class _NoPositions:
     """Global columns carry no position term (see the module docstring)."""
 
@@ -531,17 +726,25 @@ def shaw_values(config: LayerConfig) -> bool:
 def check_sliding(config: LayerConfig) -> None:
     from txl.nn.positional import POSITIONAL_ENCODINGS
 
-    dilation = config.attention_options.dilation
-    if dilation and (len(dilation) not in (1, config.n_head) or min(dilation) < 1):
-        raise ConfigError(
-            f"config.attention_options.dilation needs one value >= 1 for all heads or one per head "
-            f"(n_head={config.n_head}), got {list(dilation)}"
-        )
-    if shaw_values(config) and len(set(dilation)) > 1:
-        raise ConfigError(
-            "config.position_options.values (shaw) needs every head on one attention pattern; it is not "
-            "available with attention='sparse' or mixed sliding dilation"
-        )
+    options = config.attention_options
+    layers = options.layers()
+    if layers is not None and getattr(config, "universal", False):
+        raise ConfigError("config.attention_options.window/dilation per layer need distinct layers; universal=true "
+                          "applies one block at every step: give one value for all layers")
+    if layers is not None and layers != config.n_layer:
+        raise ConfigError(f"config.attention_options.window/dilation per layer need one entry per layer "
+                          f"(n_layer={config.n_layer}), got {layers}")
+    for dilation in options.layer_dilations or (options.dilation,):
+        if dilation and (len(dilation) not in (1, config.n_head) or min(dilation) < 1):
+            raise ConfigError(
+                f"config.attention_options.dilation needs one value >= 1 for all heads or one per head "
+                f"(n_head={config.n_head}), got {list(dilation)}"
+            )
+        if shaw_values(config) and len(set(dilation)) > 1:
+            raise ConfigError(
+                "config.position_options.values (shaw) needs every head on one attention pattern; it is not "
+                "available with attention='sparse' or mixed sliding dilation"
+            )
     if config.attention == "sliding" and not config.causal and POSITIONAL_ENCODINGS[config.pos_encoding].score_terms:
         # the band's blocks get score terms for queries that are the last rows of their keys only
         allowed = ", ".join(name for name, cls in POSITIONAL_ENCODINGS.items()
@@ -557,12 +760,21 @@ class SlidingWindowAttention(nn.Module):
     bidirectional (`causal=false`: the window on both sides); global tokens by `global_mask`."""
 
     name = "sliding"
+    global_positions = False  # (class defaults: for subclasses built without SlidingOptions, e.g. sparse)
+    global_projections = False
 
     def __init__(self, config: LayerConfig):
         super().__init__()
         options = config.attention_options
+        if options.per_layer:
+            raise ValueError("a sliding kernel takes one layer's options: build it from "
+                             "txl.nn.attention.layer.layer_config(config, layer_idx)")
         self.head_windows = [(options.window, s) for s in head_dilations(config)]
         self.global_tokens = options.global_tokens
+        self.global_positions = options.global_positions
+        # Longformer's Q_g, K_g, V_g: the layer owns them when the kernel asks (txl.nn.attention.layer)
+        self.global_projections = (options.global_tokens > 0 if options.global_projections is None
+                                   else options.global_projections)
 
     def check_mask(self, mask: AttentionMask) -> None:
         no_padding(self.name, mask)
@@ -580,18 +792,29 @@ class SlidingWindowAttention(nn.Module):
 
     def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
                 need_weights: bool = False):
+        return self.forward_global(q, k, v, None, positions=positions, mask=mask, dropatt=dropatt, training=training,
+                                   need_weights=need_weights)
+
+    def forward_global(self, q, k, v, global_qkv: tuple[Tensor, Tensor, Tensor] | None, *, positions: LayerPositions,
+                       mask: AttentionMask, dropatt: float, training: bool, need_weights: bool = False):
+        """`forward` with Longformer's separate global projections: `global_qkv` = (q_g, k_g, v_g), q_g
+        (b, h, i, d) and k_g, v_g (b, h, n, d) over [memory ; segment] (no memory tokens: those of k and v
+        serve both), from which the rows of global queries are computed. The fused impls reach this for
+        global attention too (they fall back to the banded kernel there)."""
         self.check_mask(mask)
         if need_weights:  # the probabilities over every key: the dense reference forms them
-            return SlidingWindowReference.forward(self, q, k, v, positions=positions, mask=mask, dropatt=dropatt,
-                                                  training=training, need_weights=True)
+            return SlidingWindowReference.forward_global(self, q, k, v, global_qkv, positions=positions, mask=mask,
+                                                         dropatt=dropatt, training=training, need_weights=True)
         k, v, tokens = self.split_tokens(k, v, mask)
         out = banded_attention(q, k, v, positions=positions, head_windows=self.head_windows,
                                global_tokens=self.global_tokens, horizon=mask.window, dropatt=dropatt,
-                               training=training, causal=mask.causal, chosen=mask.global_mask, tokens=tokens)
+                               training=training, causal=mask.causal, chosen=mask.global_mask, tokens=tokens,
+                               global_positions=self.global_positions, global_qkv=global_qkv)
         return out, None
 
     def extra_repr(self) -> str:
-        return f"head_windows={self.head_windows}, global_tokens={self.global_tokens}"
+        extra = ", global_projections=True" if self.global_projections else ""
+        return f"head_windows={self.head_windows}, global_tokens={self.global_tokens}{extra}"
 
 
 @register("sliding", "eager", bidirectional=True, check=check_sliding, global_mask=True, memory_tokens=True,
@@ -601,10 +824,16 @@ class SlidingWindowReference(SlidingWindowAttention):
 
     def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
                 need_weights: bool = False):
+        return self.forward_global(q, k, v, None, positions=positions, mask=mask, dropatt=dropatt, training=training,
+                                   need_weights=need_weights)
+
+    def forward_global(self, q, k, v, global_qkv, *, positions: LayerPositions, mask: AttentionMask, dropatt: float,
+                       training: bool, need_weights: bool = False):
         self.check_mask(mask)
         k, v, tokens = self.split_tokens(k, v, mask)
         out, probs = sliding_reference(q, k, v, positions=positions, head_windows=self.head_windows,
                                        global_tokens=self.global_tokens, horizon=mask.window, dropatt=dropatt,
                                        training=training, return_probs=True, causal=mask.causal,
-                                       chosen=mask.global_mask, tokens=tokens)
+                                       chosen=mask.global_mask, tokens=tokens, global_positions=self.global_positions,
+                                       global_qkv=global_qkv)
         return out, probs if need_weights else None
