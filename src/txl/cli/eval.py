@@ -85,7 +85,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     mlm.add_argument("--mask-prob", type=real(0, 1, low_open=True, high_open=True),
                      help="share of positions masked (default: the run's mask_prob)")
     mlm.add_argument("--mask-seed", type=integer(0, 2**63 - 1), default=0, help="which positions are masked (default 0)")
-    seq2seq = parser.add_argument_group("sequence-to-sequence runs (arch = encoder-decoder)")
+    seq2seq = parser.add_argument_group("sequence-to-sequence runs (arch = encoder-decoder, rnn-seq2seq)")
     seq2seq.add_argument("--beam-size", type=BEAM_SIZE, default=4, help="beam search width next to greedy (default 4)")
     seq2seq.add_argument("--length-penalty", type=LENGTH_PENALTY, default=0.6,
                          help="GNMT alpha of beam search (default 0.6)")
@@ -161,7 +161,9 @@ def run(args: argparse.Namespace) -> int:
     if args.split is None:
         args.split = "all" if args.text else _default_split(ckpt, args.data)
     _check_text_encoding(ckpt, args)
-    if ckpt.model.config.arch == "encoder-decoder":
+    from txl.models.registry import is_seq2seq
+
+    if is_seq2seq(ckpt.model.config):  # the Transformer or the RNN encoder-decoder
         from txl.cli.seq2seq import run_eval as run_seq2seq_eval
 
         if args.dynamic_lr is not None:

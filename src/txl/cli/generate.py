@@ -52,7 +52,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_threads(parser)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="where to run (default: auto, a GPU when there is one)")
-    seq2seq = parser.add_argument_group("sequence-to-sequence runs (arch = encoder-decoder)")
+    seq2seq = parser.add_argument_group("sequence-to-sequence runs (arch = encoder-decoder, rnn-seq2seq)")
     seq2seq.add_argument("--input", metavar="FILE", help="decode one source per line of FILE, one output per line "
                                                          "(--max-new-tokens caps each output)")
     seq2seq.add_argument("--beam-size", type=BEAM_SIZE, default=4, help="beam search width (1 = greedy; default 4)")
@@ -132,7 +132,9 @@ def run(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device=device, require_vocab=True)
-    if ckpt.model.config.arch == "encoder-decoder":
+    from txl.models.registry import is_seq2seq
+
+    if is_seq2seq(ckpt.model.config):
         raise UsageError(f"{ckpt.path} is a sequence-to-sequence model: decode sources with --input FILE")
     check_causal(ckpt.model)  # before anything is printed
     for number, prompt in enumerate(prompts, 1):  # every prompt is checked before anything is printed

@@ -1,4 +1,5 @@
-"""`txl eval RUN` and `txl generate RUN --input FILE` for sequence-to-sequence runs (arch = encoder-decoder).
+"""`txl eval RUN` and `txl generate RUN --input FILE` for sequence-to-sequence runs (arch = encoder-decoder or
+rnn-seq2seq).
 
 `txl eval` scores a split teacher-forced (loss, token accuracy) and decoded (exact match, ROUGE-1/2/L,
 greedy and beam search), then prints a table of sample outputs next to their references.
@@ -112,7 +113,9 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UsageError(f"input file {args.input} has no sources (one per line)")
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device=device, require_vocab=True)
-    if ckpt.model.config.arch != "encoder-decoder":
+    from txl.models.registry import is_seq2seq
+
+    if not is_seq2seq(ckpt.model.config):
         raise UsageError(f"{ckpt.path} is a language model: continue text with --prompt, not --input")
     vocab = ckpt.vocab
     encoded = []

@@ -26,7 +26,7 @@ from txl.models.pretrained import (
     resolve_checkpoint,
     use_another_checkpoint,
 )
-from txl.models.registry import load_config, load_model
+from txl.models.registry import is_seq2seq, load_config, load_model
 
 # The [train] values the loaders read back: key -> (type, lowest value, highest value). As TrainConfig.
 _LENGTH = 1 << 24
@@ -162,7 +162,7 @@ def load_checkpoint(path: str | Path, *, device: torch.device | str = "cpu", req
     vocab = None
     if (directory / "vocab.json").is_file():
         try:
-            if load_config(directory).arch == "encoder-decoder":  # source and target vocabularies
+            if is_seq2seq(load_config(directory)):  # source and target vocabularies
                 from txl.data.seq2seq import PairVocab
 
                 vocab = PairVocab.load(directory / "vocab.json")

@@ -19,6 +19,7 @@ from txl.errors import CheckpointError, ConfigError
 from txl.models.configuration import CONFIGS, ModelConfig, quoted
 from txl.models.migration import migrate
 from txl.models.rnn.config import RecurrentConfig
+from txl.models.rnn_seq2seq.config import RNNSeq2SeqConfig
 from txl.models.seq2seq.config import EncoderDecoderConfig
 from txl.models.transformer_xl.config import TransformerXLConfig
 
@@ -28,9 +29,20 @@ ARCHITECTURES: dict[str, tuple[type[ModelConfig], str]] = {
     "encoder-decoder": (EncoderDecoderConfig, "txl.models.seq2seq.model:EncoderDecoder"),
     "lstm": (RecurrentConfig, "txl.models.rnn.model:RecurrentLM"),
     "sha-rnn": (RecurrentConfig, "txl.models.rnn.model:RecurrentLM"),
+    "rnn-seq2seq": (RNNSeq2SeqConfig, "txl.models.rnn_seq2seq.model:RNNEncoderDecoder"),
 }
 ARCHS = tuple(ARCHITECTURES)
-MODEL_CONFIGS = (TransformerXLConfig, EncoderDecoderConfig, RecurrentConfig)
+MODEL_CONFIGS = (TransformerXLConfig, EncoderDecoderConfig, RecurrentConfig, RNNSeq2SeqConfig)
+# The architectures trained on pair corpora, with one contract (encode, decode, output_logits, new_cache):
+# `txl train`, `txl eval`, `txl generate --input` and txl.generate.seq2seq serve them all alike.
+SEQ2SEQ_ARCHS = ("encoder-decoder", "rnn-seq2seq")
+
+
+def is_seq2seq(config: ModelConfig | str) -> bool:
+    """Whether a config (or an arch name) is a sequence-to-sequence model (`SEQ2SEQ_ARCHS`)."""
+    return (config if isinstance(config, str) else getattr(config, "arch", None)) in SEQ2SEQ_ARCHS
+
+
 assert set(CONFIGS) == set(ARCHITECTURES), "every registered config has a model"
 
 
@@ -58,7 +70,8 @@ def model_class(config: ModelConfig) -> type:
 
 
 def build_model(config: ModelConfig):
-    """The model of `config.arch`: `TransformerXL` (decoder), `EncoderDecoder`, `RecurrentLM` (lstm, sha-rnn)."""
+    """The model of `config.arch`: `TransformerXL` (decoder), `EncoderDecoder`, `RecurrentLM` (lstm, sha-rnn),
+    `RNNEncoderDecoder` (rnn-seq2seq)."""
     return model_class(config)(config)
 
 
@@ -102,5 +115,5 @@ def expected_tensors(config: ModelConfig) -> dict[str, tuple[Any, tuple[int, ...
     return expected(config, build_model)
 
 
-__all__ = ["ARCHITECTURES", "ARCHS", "build_model", "config_class", "config_from_dict", "expected_tensors",
-           "load_config", "load_model", "model_class"]
+__all__ = ["ARCHITECTURES", "ARCHS", "SEQ2SEQ_ARCHS", "build_model", "config_class", "config_from_dict",
+           "expected_tensors", "is_seq2seq", "load_config", "load_model", "model_class"]

@@ -55,7 +55,9 @@ class LanguageModelling:
 
     @staticmethod
     def model_config(config, corpus, data: str):
-        if config.arch == "encoder-decoder":
+        from txl.models.registry import is_seq2seq
+
+        if is_seq2seq(config):
             raise ConfigError(f"model.arch={config.arch!r} trains on a pair corpus (pairs:, reverse, "
                               f"pydoc-summaries), not {data!r}; pick one with --data")
         return config
@@ -237,10 +239,13 @@ class SequenceToSequence(LanguageModelling):
 
     @staticmethod
     def model_config(config, corpus, data: str):
-        """An encoder-decoder whose vocabularies are the corpus's."""
-        if config.arch != "encoder-decoder":
+        """An encoder-decoder (Transformer or RNN) whose vocabularies are the corpus's."""
+        from txl.models.registry import is_seq2seq
+
+        if not is_seq2seq(config):
             raise ConfigError(f"{corpus.name} is a sequence-to-sequence corpus: it trains model.arch="
-                              "'encoder-decoder' (e.g. --preset seq2seq-reverse), not a decoder-only LM")
+                              "'encoder-decoder' or 'rnn-seq2seq' (e.g. --preset seq2seq-reverse), not a "
+                              "decoder-only LM")
         vocab = corpus.vocab
         return config.replace(source_vocab_size=0 if vocab.shared else vocab.source.size,
                               share_embeddings=config.share_embeddings and vocab.shared)
