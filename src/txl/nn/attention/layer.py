@@ -135,6 +135,14 @@ class Attention(nn.Module):
         return self.drop(self.o_proj(out)), probs
 
 
+    @torch.no_grad()
+    def match_global_projections(self) -> None:
+        """Q_g, K_g, V_g := Q_s, K_s, V_s, as Longformer initialises them (§3.1); the model calls it after its
+        init, so a new model starts from the shared behaviour and training separates them."""
+        if self.global_q_proj is not None:
+            self.global_q_proj.weight.copy_(self.q_proj.weight)
+            self.global_kv_proj.weight.copy_(self.kv_proj.weight)
+
     def _global_qkv(self, x: Tensor, kv_g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q_g (b, h, i, d) of the segment and k_g, v_g (b, h, n, d) of [memory ; source], as q, k, v are made."""
         b, i, _ = x.shape

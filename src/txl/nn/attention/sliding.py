@@ -9,23 +9,36 @@ convention of `txl.nn.attention`).
   sees the keys p, p-s, p-2s, …, p-(w-1)s. Dilation widens a head's reach to w·s at the same cost
   (Longformer §3.1 uses it on a few heads of the upper layers). L layers reach L·w·s positions, and
   the memory extends that further across segments, as in Transformer-XL.
+- **Per-layer windows and dilation** (Longformer §3.1 and §4.1: "we use differing window sizes across
+  the layers", small at the bottom, larger at the top; dilation on 2 heads of the upper layers): `window`
+  a list with one value per layer, `dilation` a list of per-head lists, one per layer. Each layer's
+  kernel is built from `SlidingOptions.for_layer(i)` (txl.nn.attention.layer.layer_config); the most a
+  band looks back is `SlidingOptions.reach(n_head)`, the largest (w-1)·s + 1 over layers and heads,
+  which is the memory a layer's band can use (a longer memory still serves the global rows).
 - **Global tokens** (`global_tokens` = g): the first g positions of the current segment. Causal form
   of Longformer's global attention: a global token attends to every earlier key (memory included),
-  and every later query of the segment attends to it whatever its window. A pair joined only by
-  global attention (outside the query's local window, query not global) gets the content score
-  alone: xl/shaw/alibi terms exist only where the positional API computes them (the band, and the
-  contiguous rows of the global queries); RoPE applies everywhere since it rotates q and k. Longformer
-  also gives global attention its own projections; we share them. Global tokens of earlier segments
-  (now in the memory) are ordinary keys.
+  and every later query of the segment attends to it whatever its window. Global tokens of earlier
+  segments (now in the memory) are ordinary keys.
+- **Separate global projections** (`global_projections`; Longformer §3.1: Q_g, K_g, V_g for global
+  attention beside Q_s, K_s, V_s for the window): the rows of global queries are computed from q_g, k_g,
+  v_g, which the layer makes with its own weights (`forward_global`); every query's band and its global
+  columns keep q, k, v, as in Longformer (allenai/longformer and Hugging Face take the global keys and
+  values of the local attention from the local projections). Default (None): on when global_tokens > 0;
+  `true` also for chosen tokens given per call; `false`: the local projections (txl before issue 48).
+- **Position terms on global pairs** (`global_positions`, default on): a pair joined only through a
+  global key (outside the query's band, query not global) gets the encoding's score term too (xl, shaw,
+  alibi, t5: causal distances are all defined), computed for those pairs only (`pair_terms`, O(i·G·d)).
+  RoPE applies everywhere anyway (it rotates q and k). Shaw's value-side term stays on the band and the
+  global rows. `false`: the content score alone on those pairs (txl before issue 48).
 - **Chosen global tokens** (`model(..., global_mask=)`, `AttentionMask.global_mask`; Longformer's
   global attention on task tokens such as a [CLS] or the question, ETC's global tokens): a chosen
   token sees every key it may see (causal: every earlier one, memory included) and every query sees
   it (causal: every later one). As for `global_tokens`, a chosen query's row has every position term
   (causal with xl/shaw/alibi/t5: one eager block over the span from the first to the last chosen
   query, cheap when they are close, as a [CLS] and a question, dense at worst; otherwise gathered rows,
-  O(R·n)), and a pair joined only through a chosen key gets the content score alone (its distance is
-  not on the band the positional API computes). With every token chosen the kernel is full attention.
-  Not combinable with `global_tokens` (put the first tokens in the mask).
+  O(R·n)), and a pair joined only through a chosen key gets the score term as above. With every token
+  chosen the kernel is full attention. Not combinable with `global_tokens` (put the first tokens in the
+  mask).
 - **Bidirectional** (`causal=false`): each query sees `window` keys on each side, itself
   counted once (2w-1 keys; dilated like the causal window). The blocks' keys then run past their last
   query, where xl/shaw/alibi/t5 terms are not defined by the positional API: the bidirectional
@@ -232,7 +245,7 @@ def sliding_reference(
     positioned = local | (global_query[:, None] & seen)  # (h, i, n)
     visible = positioned | (global_key[None, :] & seen)
     rows = global_query[None, :]  # (1 or b, i): the global queries
-    if chosen is not None:  # chosen tokens' rows (positioned) and columns (content score only outside the band)
+    if chosen is not None:  # chosen tokens' rows (positioned) and columns (score term outside the band: global_positions)
         chosen = chosen.to(q.device)
         chosen_key = F.pad(chosen, (memory_len, 0))  # (b, n)
         positioned = positioned | (chosen[:, :, None] & seen)[:, None]  # (b, h, i, n)
@@ -504,7 +517,7 @@ def banded_attention(
         return out
 
     # Global columns: every query also attends to the g global keys outside its local window
-    # (content score only), merged with the band by log-sum-exp.
+    # (content score, plus the score term with global_positions), merged with the band by log-sum-exp.
     memory_len = n - i
     keys = slice(memory_len, memory_len + g)
     dist = torch.arange(i, device=q.device)[:, None] - torch.arange(g, device=q.device)[None, :]  # (i, g)
