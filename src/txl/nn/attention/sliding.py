@@ -528,7 +528,7 @@ def banded_attention(
     bias = None
     if pair_positions is not None:
         key_index = torch.arange(memory_len, memory_len + g, device=q.device).expand(1, i, g)
-        bias = pair_terms(pair_positions, q, key_index, k_len=n)
+        bias = pair_terms(pair_positions, q, key_index, k_len=n, max_distance=i - 1)
     out_global, lse_global = _attend(scores, bias, mask, v[:, :, keys], batch=b, positions=_NO_POSITIONS,
                                      stride=1, want_lse=True, dropatt=dropatt, training=training)
     total = torch.logaddexp(lse, lse_global)
@@ -662,7 +662,8 @@ def _content_rows(q: Tensor, k: Tensor, v: Tensor, out: Tensor, chosen: Tensor, 
     return out.scatter(2, picked, torch.where(keep[:, None, :, None], rows_out, out.gather(2, picked)))
 
 
-def pair_terms(positions: LayerPositions, q: Tensor, key_index: Tensor, *, k_len: int) -> Tensor:
+def pair_terms(positions: LayerPositions, q: Tensor, key_index: Tensor, *, k_len: int,
+               max_distance: int | None = None) -> Tensor:
     """The encoding's unscaled score term for query row r of q (b, h, i, d) (the last i of k_len keys)
     and the keys `key_index` ((b or 1, i, G), positions in [0, k_len)): (b or 1, h, i, G). Only for keys at
     or before their query (distances >= 0); other entries are garbage for the caller to mask.
@@ -672,10 +673,14 @@ def pair_terms(positions: LayerPositions, q: Tensor, key_index: Tensor, *, k_len
     that is the last row of K keys gets its term for the distances K-1 … 0 unshifted) on the basis
     queries e_1 … e_d and 0, which give the whole term when it is affine in q (xl, shaw, alibi, t5: q·a +
     c); a real query row is checked against that, and an encoding that is not affine gets its dense
-    by-key term (O(i·k_len)) instead."""
+    by-key term (O(i·k_len)) instead (the check is skipped while compiling). `max_distance`: a bound
+    known without reading the keys (no device sync, no graph break)."""
     b, h, i, d = q.shape
     dist = (key_index.new_tensor(k_len - i) + torch.arange(i, device=q.device)[:, None]) - key_index
-    K = max(int(dist.max()) + 1, 1) if dist.numel() else 1
+    if max_distance is not None:
+        K = max_distance + 1
+    else:
+        K = max(int(dist.max()) + 1, 1) if dist.numel() else 1
     column = K - 1 - dist.clamp(0, K - 1)  # (b or 1, i, G): the column of each distance in a by-distance term
     xl = positions.xl_terms(q, k_len=K)
     if xl is not None:
@@ -691,7 +696,7 @@ def pair_terms(positions: LayerPositions, q: Tensor, key_index: Tensor, *, k_len
     predicted = torch.einsum("hd,hdk->hk", probe[0, :, 0], slopes) + offset
     actual = term[d + 1]
     predicted, actual = predicted.detach().float(), actual.detach().float()
-    if torch.allclose(predicted, actual, rtol=1e-3, atol=1e-4 * float(actual.abs().max()) + 1e-6):
+    if torch.compiler.is_compiling() or torch.allclose(predicted, actual, rtol=1e-3, atol=1e-4 * float(actual.abs().max()) + 1e-6):
         return _gather_dot(q, slopes, offset, column)
     bias = positions.score_bias(q, k_len=k_len)  # not affine in q: the dense term, by key
     return bias.gather(-1, key_index.expand(bias.shape[0], i, -1)[:, None].expand(-1, bias.shape[1], -1, -1))
