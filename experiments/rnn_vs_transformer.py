@@ -40,6 +40,7 @@ TASKS = {  # task -> (metric shown first, {model: preset})
     "pydoc": ("rougeL", {"transformer": "seq2seq-pydoc", "rnn": "seq2seq-pydoc-rnn"}),
 }
 MODELS = ("transformer", "rnn")
+LOAD_FILE = "study_load.json"  # written beside a run's result.json when this study trains it
 NAMES = {"transformer": "Transformer encoder-decoder", "rnn": "RNN encoder-decoder + attention"}
 
 
@@ -87,13 +88,19 @@ def run(args) -> int:
             for model in MODELS:
                 out = runs / f"{task}-{model}-seed{seed}"
                 command = train_command(task, model, seed, out, args)
-                load_before = cpu_load()
                 if not (out / "result.json").is_file():
                     if out.exists():  # an interrupted run: train it again from the start
                         command.append("--force")
+                    load_before = cpu_load()
                     subprocess.run(command, check=True, env=environment(args.threads))
-                row = {"task": task, "model": model, "seed": seed, **read_run(out), "load_before": load_before,
-                       "load_after": cpu_load(), "command": "txl " + shlex.join(command[3:])}
+                    (out / LOAD_FILE).write_text(json.dumps({"load_before": load_before, "load_after": cpu_load(),
+                                                             "trained": time.strftime("%Y-%m-%d %H:%M UTC",
+                                                                                      time.gmtime())}) + "\n")
+                # the machine's load while the run trained (a reused run keeps its own readings)
+                loads = json.loads((out / LOAD_FILE).read_text()) if (out / LOAD_FILE).is_file() else {
+                    "load_before": "not recorded", "load_after": "not recorded"}
+                row = {"task": task, "model": model, "seed": seed, **read_run(out), **loads,
+                       "command": "txl " + shlex.join(command[3:])}
                 print(json.dumps({k: row[k] for k in ("task", "model", "seed", "parameters", "train_seconds",
                                                        "token_accuracy")} | {"greedy": row["greedy"]["exact_match"]}),
                       flush=True)
@@ -158,13 +165,7 @@ def write_results(args, rows: list[dict]) -> None:
         "and steps). Written by `experiments/rnn_vs_transformer.py`; test split; mean ± sample std (min-max) "
         f"over seeds {', '.join(map(str, args.seeds))}.", "",
         "## Result (test split)", "", *table, "",
-        "- reverse: reverse a random lower-case string of 4-16 letters (`reverse`: 20,000 training pairs, 1,000 "
-        "test pairs never seen in training), the presets' 1,500 steps of 64 pairs. Exact match is the score; "
-        "ROUGE reads a reversed string as one word.",
-        "- pydoc: summarise a Python function of the standard library (its source, truncated to 64 BPE tokens of "
-        "one shared 4,000-token vocabulary) as the first line of its docstring (`pydoc-summaries`, split by "
-        f"module), {args.pydoc_steps:,} steps of 32 pairs for both models (the presets train 4,000 steps or 30 "
-        "minutes; cut for a shared CPU). ROUGE-L F1 (×100) is the score; exact match is near 0 for both.",
+        *notes(args),
         f"- Minutes: wall-clock training time (validation included, final decoding excluded) at "
         f"{args.threads} thread(s) on a **shared** machine ({os.cpu_count()} cores, other jobs running: load "
         f"{loads[0]} to {loads[-1]}); they compare the two models only roughly, on this machine under this load.",
@@ -175,6 +176,21 @@ def write_results(args, rows: list[dict]) -> None:
         "rnn_vs_transformer.json.", ""]
     (out / "rnn_vs_transformer.md").write_text("\n".join(lines))
     print(f"written: {out / 'rnn_vs_transformer.md'}, {out / 'rnn_vs_transformer.json'}")
+
+
+def notes(args) -> list[str]:
+    """One line per task of the table: what it is and its budget."""
+    about = {
+        "reverse": "- reverse: reverse a random lower-case string of 4-16 letters (`reverse`: 20,000 training pairs, "
+                   "1,000 test pairs never seen in training), the presets' 1,500 steps of 64 pairs. Exact match is "
+                   "the score; ROUGE reads a reversed string as one word.",
+        "pydoc": "- pydoc: summarise a Python function of the standard library (its source, truncated to 64 BPE "
+                 "tokens of one shared 4,000-token vocabulary) as the first line of its docstring "
+                 f"(`pydoc-summaries`, split by module), {args.pydoc_steps:,} steps of 32 pairs for both models "
+                 "(the presets train 4,000 steps or 30 minutes; cut for a shared CPU), scored with the weights of "
+                 "the best valid loss. ROUGE-L F1 (x100) is the score; exact match is near 0 for both.",
+    }
+    return [about[task] for task in args.tasks]
 
 
 def cell(text: str, width: int = 70) -> str:
