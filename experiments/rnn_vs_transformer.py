@@ -1,7 +1,7 @@
 """The attention-based RNN encoder-decoder against the encoder-decoder Transformer on txl's two pair tasks
 (issue 48 item 5; the result is docs/results/rnn_vs_transformer.{json,md}).
 
-    python experiments/rnn_vs_transformer.py --seeds 1 2 3
+    python experiments/rnn_vs_transformer.py --seeds 1 2 3 --pydoc-steps 800 --ablation-seeds 1
     python experiments/rnn_vs_transformer.py --tasks reverse --seeds 1 --runs /tmp/x --out /tmp/docs   # a subset
 
 An experiment, not part of the installed package: it drives the public command line (`txl train --preset
@@ -17,6 +17,9 @@ schedule, learning rate, label smoothing, batch, steps): they differ only in the
     reverse  seq2seq-reverse      seq2seq-reverse-rnn     the presets' 1,500 steps
     pydoc    seq2seq-pydoc        seq2seq-pydoc-rnn       --pydoc-steps (default 1,000 of the presets' 4,000 /
                                                           30 minutes: a shared 2-core machine), both alike
+
+`--ablation-seeds` adds the RNN's alignment functions (dot, general, additive) × step orders (luong,
+bahdanau) on reverse, the preset otherwise unchanged.
 
 Minutes are wall-clock training seconds on whatever machine ran the study (the table records its load);
 they compare the two models only when both ran on the same machine under the same load.
@@ -40,6 +43,8 @@ TASKS = {  # task -> (metric shown first, {model: preset})
     "pydoc": ("rougeL", {"transformer": "seq2seq-pydoc", "rnn": "seq2seq-pydoc-rnn"}),
 }
 MODELS = ("transformer", "rnn")
+ABLATION = [(a, f) for f in ("luong", "bahdanau") for a in ("dot", "general", "additive")]
+PRESET_CHOICE = ("general", "luong")  # the RNN presets' alignment and step order
 LOAD_FILE = "study_load.json"  # written beside a run's result.json when this study trains it
 NAMES = {"transformer": "Transformer encoder-decoder", "rnn": "RNN encoder-decoder + attention"}
 
@@ -80,32 +85,49 @@ def read_run(out: Path) -> dict:
     return row
 
 
+def train_or_reuse(out: Path, command: list[str], args) -> dict:
+    """Train `out` unless its result.json exists; its scores and the load readings taken when it trained."""
+    if not (out / "result.json").is_file():
+        if out.exists():  # an interrupted run: train it again from the start
+            command.append("--force")
+        load_before = cpu_load()
+        subprocess.run(command, check=True, env=environment(args.threads))
+        (out / LOAD_FILE).write_text(json.dumps({"load_before": load_before, "load_after": cpu_load(),
+                                                 "trained": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}) + "\n")
+    # the machine's load while the run trained (a reused run keeps its own readings)
+    loads = json.loads((out / LOAD_FILE).read_text()) if (out / LOAD_FILE).is_file() else {
+        "load_before": "not recorded", "load_after": "not recorded"}
+    return {**read_run(out), **loads, "command": "txl " + shlex.join(command[3:])}
+
+
+def show(row: dict) -> None:
+    keys = ("task", "model", "alignment", "decoder_flow", "seed", "parameters", "train_seconds", "token_accuracy")
+    print(json.dumps({k: row[k] for k in keys if k in row} | {"greedy": row["greedy"]["exact_match"]}), flush=True)
+
+
 def run(args) -> int:
     runs = Path(args.runs)
-    rows = []
+    rows, ablation = [], []
     for task in args.tasks:
         for seed in args.seeds:
             for model in MODELS:
                 out = runs / f"{task}-{model}-seed{seed}"
-                command = train_command(task, model, seed, out, args)
-                if not (out / "result.json").is_file():
-                    if out.exists():  # an interrupted run: train it again from the start
-                        command.append("--force")
-                    load_before = cpu_load()
-                    subprocess.run(command, check=True, env=environment(args.threads))
-                    (out / LOAD_FILE).write_text(json.dumps({"load_before": load_before, "load_after": cpu_load(),
-                                                             "trained": time.strftime("%Y-%m-%d %H:%M UTC",
-                                                                                      time.gmtime())}) + "\n")
-                # the machine's load while the run trained (a reused run keeps its own readings)
-                loads = json.loads((out / LOAD_FILE).read_text()) if (out / LOAD_FILE).is_file() else {
-                    "load_before": "not recorded", "load_after": "not recorded"}
-                row = {"task": task, "model": model, "seed": seed, **read_run(out), **loads,
-                       "command": "txl " + shlex.join(command[3:])}
-                print(json.dumps({k: row[k] for k in ("task", "model", "seed", "parameters", "train_seconds",
-                                                       "token_accuracy")} | {"greedy": row["greedy"]["exact_match"]}),
-                      flush=True)
+                row = {"task": task, "model": model, "seed": seed,
+                       **train_or_reuse(out, train_command(task, model, seed, out, args), args)}
+                show(row)
                 rows.append(row)
-    write_results(args, rows)
+    for seed in args.ablation_seeds:  # the RNN's alignment functions and step orders on reverse
+        for alignment, flow in ABLATION:
+            name = "" if (alignment, flow) == PRESET_CHOICE else f"-{alignment}-{flow}"
+            out = runs / f"reverse-rnn{name}-seed{seed}"
+            command = train_command("reverse", "rnn", seed, out, args)
+            if name:
+                command += ["--set", f"model.alignment={alignment}", "--set", f"model.decoder_flow={flow}"]
+            row = {"task": "reverse", "model": "rnn", "alignment": alignment, "decoder_flow": flow, "seed": seed,
+                   **train_or_reuse(out, command, args)}
+            show(row)
+            ablation.append(row)
+    write_results(args, rows, ablation)
     return 0
 
 
@@ -116,12 +138,13 @@ def summary(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
     return f"{mean:.{digits}f} ± {std:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
-def write_results(args, rows: list[dict]) -> None:
+def write_results(args, rows: list[dict], ablation: list[dict]) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = {"seeds": args.seeds, "threads": args.threads, "pydoc_steps": args.pydoc_steps, "set": args.set,
                 "machine": f"{os.cpu_count()} cores", "written": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    (out / "rnn_vs_transformer.json").write_text(json.dumps({"settings": settings, "runs": rows}, indent=2) + "\n")
+    (out / "rnn_vs_transformer.json").write_text(json.dumps({"settings": settings, "runs": rows,
+                                                                    "alignment_ablation": ablation}, indent=2) + "\n")
     table = ["| task | model | parameters | seeds | exact match, greedy (%) | beam 4 (%) | ROUGE-L, greedy | beam 4 | "
              "ROUGE-1 / ROUGE-2, beam 4 | token accuracy (%) | test loss | training minutes |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -143,7 +166,7 @@ def write_results(args, rows: list[dict]) -> None:
                 f"{summary([g['token_accuracy'] for g in group], 100)} | "
                 f"{summary([g['test_loss'] for g in group], 1, 3)} | "
                 f"{summary([g['train_seconds'] / 60 for g in group], 1, 1)} |")
-    loads = sorted({r["load_before"] for r in rows} | {r["load_after"] for r in rows})
+    loads = sorted({r[k] for r in rows + ablation for k in ("load_before", "load_after")})
     samples = []
     for task in args.tasks:
         for model in MODELS:
@@ -154,7 +177,7 @@ def write_results(args, rows: list[dict]) -> None:
             for s in first.get("beam4", first["greedy"])["samples"][:3]:
                 samples.append(f"- `{cell(s['source'])}` → `{cell(s['output'])}` / `{cell(s['reference'])}`")
             samples.append("")
-    commands = sorted({r["command"] for r in rows if r["seed"] == args.seeds[0]})
+    commands = sorted({r["command"] for r in rows + ablation if r["seed"] == (args.seeds + args.ablation_seeds)[0]})
     lines = [
         "# The attention-based RNN encoder-decoder against the Transformer", "",
         "Issue 48 item 5. The RNN encoder-decoder with attention (`model.arch = \"rnn-seq2seq\"`: a bidirectional "
@@ -169,13 +192,36 @@ def write_results(args, rows: list[dict]) -> None:
         f"- Minutes: wall-clock training time (validation included, final decoding excluded) at "
         f"{args.threads} thread(s) on a **shared** machine ({os.cpu_count()} cores, other jobs running: load "
         f"{loads[0]} to {loads[-1]}); they compare the two models only roughly, on this machine under this load.",
-        "", "## Samples", "", *samples,
+        *ablation_table(ablation), "", "## Samples", "", *samples,
         "## Commands", "", "```bash", "python experiments/rnn_vs_transformer.py " + shlex.join(sys.argv[1:]),
         *commands, "```", "",
         "Seeds differ only in `--set train.seed=S`. Each run's scores, samples and load readings are in "
         "rnn_vs_transformer.json.", ""]
     (out / "rnn_vs_transformer.md").write_text("\n".join(lines))
     print(f"written: {out / 'rnn_vs_transformer.md'}, {out / 'rnn_vs_transformer.json'}")
+
+
+def ablation_table(ablation: list[dict]) -> list[str]:
+    """The RNN's alignment functions and step orders on reverse (the preset's training section)."""
+    if not ablation:
+        return []
+    seeds = sorted({r["seed"] for r in ablation})
+    lines = ["", "## The RNN's alignment functions and step orders (reverse)", "",
+             f"`--set model.alignment=A --set model.decoder_flow=F` on `seq2seq-reverse-rnn`, seeds "
+             f"{', '.join(map(str, seeds))}, everything else as the preset (general + luong is the preset's own "
+             "run above).", "",
+             "| alignment | step order | parameters | exact match, greedy (%) | beam 4 (%) | token accuracy (%) | "
+             "test loss | training minutes |", "|---|---|---|---|---|---|---|---|"]
+    for alignment, flow in ABLATION:
+        group = [r for r in ablation if r["alignment"] == alignment and r["decoder_flow"] == flow]
+        if group:
+            lines.append(
+                f"| {alignment} | {flow} | {group[0]['parameters']:,} | "
+                f"{summary([g['greedy']['exact_match'] for g in group], 100)} | "
+                f"{summary([g.get('beam4', g['greedy'])['exact_match'] for g in group], 100)} | "
+                f"{summary([g['token_accuracy'] for g in group], 100)} | {summary([g['test_loss'] for g in group], 1, 3)} | "
+                f"{summary([g['train_seconds'] / 60 for g in group], 1, 1)} |")
+    return lines
 
 
 def notes(args) -> list[str]:
@@ -202,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=["reverse", "pydoc"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    parser.add_argument("--ablation-seeds", nargs="*", type=int, default=[],
+                        help="also train the RNN on reverse with every alignment and step order, these seeds")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--pydoc-steps", type=int, default=1000)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -209,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", default="/tmp/txl-rnn-vs-transformer", help="run directories (reused)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "results"))
     args = parser.parse_args(argv)
-    if len(set(args.seeds)) != len(args.seeds):
+    if len(set(args.seeds)) != len(args.seeds) or len(set(args.ablation_seeds)) != len(args.ablation_seeds):
         print("error: a seed is named twice (two runs would share one directory)", file=sys.stderr)
         return 2
     return run(args)

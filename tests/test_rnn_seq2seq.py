@@ -367,3 +367,31 @@ def test_train_refuses_a_text_corpus_for_it(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "model.arch='rnn-seq2seq' trains on a pair corpus" in err and "Traceback" not in err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow
+def test_the_comparison_study_end_to_end(tmp_path):
+    """experiments/rnn_vs_transformer.py on a 2-step budget: both models on reverse, the alignment ablation,
+    the tables and JSON written, finished runs reused (numbers are never asserted: results live in docs/)."""
+    import studies
+
+    study = studies.load("rnn_vs_transformer")
+    argv = ["--tasks", "reverse", "--seeds", "1", "--ablation-seeds", "1", "--runs", str(tmp_path / "runs"),
+            "--out", str(tmp_path / "docs")]
+    for s in ("train.data=reverse?size=60&max_len=5", "train.max_steps=2", "train.eval_interval=2",
+              "train.final_max_tokens=20", "train.warmup_steps=0", "model.n_layer=1", "model.n_encoder_layer=1"):
+        argv += ["--set", s]
+    assert study.main(argv) == 0
+    report = json.loads((tmp_path / "docs" / "rnn_vs_transformer.json").read_text())
+    assert {(r["model"], r["steps"]) for r in report["runs"]} == {("transformer", 2), ("rnn", 2)}
+    assert len(report["alignment_ablation"]) == 6
+    assert {(r["alignment"], r["decoder_flow"]) for r in report["alignment_ablation"]} == set(study.ABLATION)
+    assert all(r["load_before"] != "not recorded" for r in report["runs"])
+    text = (tmp_path / "docs" / "rnn_vs_transformer.md").read_text()
+    assert "| reverse | RNN encoder-decoder + attention |" in text and "| additive | bahdanau |" in text
+    trained = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert len(trained) == 7  # general + luong is the preset's own run, trained once
+    mtimes = {p: (p / "result.json").stat().st_mtime for p in (tmp_path / "runs").iterdir()}
+    assert study.main(argv) == 0  # everything reused
+    assert mtimes == {p: (p / "result.json").stat().st_mtime for p in (tmp_path / "runs").iterdir()}
+    assert study.main(["--seeds", "1", "1"]) == 2
