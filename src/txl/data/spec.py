@@ -164,6 +164,21 @@ KNOWN: dict[str, CorpusInfo] = {
             },
         ),
         CorpusInfo(
+            "style",
+            "two or more styles of unpaired sentences for style transfer: A_FILE,B_FILE (one style per file, one "
+            "sentence per line; split 90/5/5; txl.data.style, arch style-transformer)",
+            "ppl",
+            options={
+                "names": OptionSpec(str, "", help="the styles' names, comma-separated (default: the file stems)"),
+                "min_len": OptionSpec(int, 5, minimum=1, help="drop sentences of fewer tokens", maximum=1 << 10),
+                "max_len": OptionSpec(int, 20, minimum=1, help="drop sentences of more tokens", maximum=1 << 10),
+                "vocab_size": OptionSpec(int, 10000, minimum=0, help="keep the N most frequent training words "
+                                                                    "(0 = all)", maximum=1 << 20),
+                "max_sentences": OptionSpec(int, 0, minimum=0, help="training sentences kept per style (0 = all)",
+                                            maximum=1 << 30),
+            },
+        ),
+        CorpusInfo(
             "builtin",
             "builtin:python-stdlib, this interpreter's standard-library .py sources as bytes (no download)",
             "bpc",
@@ -197,6 +212,8 @@ class DataSpec:
         """The spec with an absolute path and only non-default options: stable across working dirs."""
         if self.path is None:
             return self.elsewhere(None)
+        if self.name == "style":  # one file per style
+            return self.elsewhere(",".join(str(Path(p).absolute()) for p in self.path.split(",")))
         return self.elsewhere(self.path if self.name == "builtin" else str(Path(self.path).absolute()))
 
     def elsewhere(self, path: str | None) -> str:

@@ -122,7 +122,7 @@ ADDED_SINCE: dict[str, frozenset[str]] = {
 # Architectures added after this migration (issue 48: the RNN encoder-decoder): no config of the old shape
 # names them, so `migrate` leaves their dicts as they are (a key they lack reaches the constructor, which
 # refuses it by name).
-NEWER_ARCHS = frozenset({"rnn-seq2seq"})
+NEWER_ARCHS = frozenset({"rnn-seq2seq", "style-transformer"})
 # Values the old checks forced on an architecture (besides the defaults): dropped like defaults.
 FORCED: dict[str, dict[str, Any]] = {"encoder-decoder": {"mem_len": 0}}
 

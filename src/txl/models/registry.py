@@ -21,6 +21,7 @@ from txl.models.migration import migrate
 from txl.models.rnn.config import RecurrentConfig
 from txl.models.rnn_seq2seq.config import RNNSeq2SeqConfig
 from txl.models.seq2seq.config import EncoderDecoderConfig
+from txl.models.style.config import StyleTransformerConfig
 from txl.models.transformer_xl.config import TransformerXLConfig
 
 # arch -> (config class, "module:ModelClass")
@@ -30,9 +31,10 @@ ARCHITECTURES: dict[str, tuple[type[ModelConfig], str]] = {
     "lstm": (RecurrentConfig, "txl.models.rnn.model:RecurrentLM"),
     "sha-rnn": (RecurrentConfig, "txl.models.rnn.model:RecurrentLM"),
     "rnn-seq2seq": (RNNSeq2SeqConfig, "txl.models.rnn_seq2seq.model:RNNEncoderDecoder"),
+    "style-transformer": (StyleTransformerConfig, "txl.models.style.model:StyleTransformer"),
 }
 ARCHS = tuple(ARCHITECTURES)
-MODEL_CONFIGS = (TransformerXLConfig, EncoderDecoderConfig, RecurrentConfig, RNNSeq2SeqConfig)
+MODEL_CONFIGS = (TransformerXLConfig, EncoderDecoderConfig, RecurrentConfig, RNNSeq2SeqConfig, StyleTransformerConfig)
 # The architectures trained on pair corpora, with one contract (encode, decode, output_logits, new_cache):
 # `txl train`, `txl eval`, `txl generate --input` and txl.generate.seq2seq serve them all alike.
 SEQ2SEQ_ARCHS = ("encoder-decoder", "rnn-seq2seq")
@@ -71,7 +73,7 @@ def model_class(config: ModelConfig) -> type:
 
 def build_model(config: ModelConfig):
     """The model of `config.arch`: `TransformerXL` (decoder), `EncoderDecoder`, `RecurrentLM` (lstm, sha-rnn),
-    `RNNEncoderDecoder` (rnn-seq2seq)."""
+    `RNNEncoderDecoder` (rnn-seq2seq), `StyleTransformer` (style-transformer)."""
     return model_class(config)(config)
 
 

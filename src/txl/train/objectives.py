@@ -60,6 +60,9 @@ class LanguageModelling:
         if is_seq2seq(config):
             raise ConfigError(f"model.arch={config.arch!r} trains on a pair corpus (pairs:, reverse, "
                               f"pydoc-summaries), not {data!r}; pick one with --data")
+        if config.arch == "style-transformer":
+            raise ConfigError(f"model.arch='style-transformer' trains on sentences of two styles, not {data!r}: give "
+                              "them with --data style:A_FILE,B_FILE (one style per file, one sentence per line)")
         return config
 
     def batches(self):
@@ -420,4 +423,8 @@ def objective_class(cfg, spec: str) -> type[LanguageModelling]:
     if cfg.objective == "classify" and name != "docs":
         raise ConfigError(f"train.objective='classify' reads labelled documents: write --data docs:DIR (one "
                           f"sub-folder per label) or docs:FILE.jsonl (text and label), not {spec!r}")
+    if name == "style":  # two styles of unpaired sentences: the Style Transformer (txl.train.style)
+        from txl.train.style import StyleTransfer
+
+        return StyleTransfer
     return SequenceToSequence if name in SEQ2SEQ_CORPORA else OBJECTIVES[cfg.objective]

@@ -140,7 +140,8 @@ def resolve_data(spec_text: str) -> str:
     body = spec.text.partition("?")[0] if "?" in spec.text else spec.text
     implicit = ":" not in body
     if spec.path is not None and spec.name != "builtin":
-        spec = dataclasses.replace(spec, path=os.path.abspath(spec.path))  # normalised: no "work/../data"
+        paths = spec.path.split(",") if spec.name == "style" else [spec.path]  # style: one file per style
+        spec = dataclasses.replace(spec, path=",".join(map(os.path.abspath, paths)))  # normalised: no "work/../data"
     if implicit and spec.info.download and spec.path is not None and not Path(spec.path).exists():
         raise DataError(f"corpus {spec.name} not found in its download location {spec.path}; fetch it with "
                         f"`txl data download {spec.info.download}` or point at your copy with --data "
