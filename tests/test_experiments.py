@@ -294,3 +294,47 @@ def test_no_numeric_flag_of_a_study_takes_a_word_or_a_number_past_its_bounds(val
         assert "Traceback" not in err and len(lines) == 1 and ": error: " in lines[0], (argv, err)
         assert flag in lines[0] or flag.lstrip("-") in lines[0], (argv, lines[0])
     assert list(tmp_path.iterdir()) == []
+
+
+# A stand-in for the reference's pytorch/ folder (the real one is never shipped): the same constructor
+# and forward contract as kimiyoung's MemTransformerLM (time-major (t, b) tokens, `forward(data, target,
+# *mems)` -> [loss (t, b)] + new mems), and the `sys.path.append('utils')` import it relies on.
+STAND_IN = '''
+import torch
+from torch import nn
+from helper import width
+
+class MemTransformerLM(nn.Module):
+    def __init__(self, n_token, n_layer, n_head, d_model, d_head, d_inner, dropout, dropatt, *, mem_len, **kw):
+        super().__init__()
+        self.mem_len, self.n_layer = mem_len, n_layer
+        self.emb, self.out = nn.Embedding(n_token, width(d_model)), nn.Linear(width(d_model), n_token)
+
+    def forward(self, data, target, *mems):
+        hidden = self.emb(data)
+        loss = nn.functional.cross_entropy(self.out(hidden).flatten(0, 1), target.flatten(), reduction="none")
+        new = [torch.cat([m, hidden.detach()])[-self.mem_len:] for m in mems]
+        return [loss.view_as(target)] + new
+'''
+
+
+def test_reference_speed_times_both_sides_and_writes_the_ratio(tmp_path):
+    ref = tmp_path / "pytorch"
+    (ref / "utils").mkdir(parents=True)
+    (ref / "mem_transformer.py").write_text(STAND_IN)
+    (ref / "utils" / "helper.py").write_text("def width(d):\n    return d\n")
+    out = tmp_path / "out"
+    assert main(["reference_speed", "--reference", str(ref), "--config", "tiny", "--threads", "1", "--warmup", "0",
+                 "--steps", "2", "--out", str(out)]) == 0
+    got = json.loads((out / "reference_speed.json").read_text())
+    assert [(r["kind"], r["threads"]) for r in got["rows"]] == [("train", 1), ("eval", 1)]
+    for row in got["rows"]:
+        assert all(len(times) == 2 for times in row["times_s"].values())
+        assert row["ratio"] == pytest.approx(row["txl_tok_s"] / row["kimiyoung_tok_s"], rel=1e-2)
+    assert "| tiny | train | 1 |" in (out / "reference_speed.md").read_text()
+
+
+def test_reference_speed_refuses_a_folder_without_the_reference(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["reference_speed", "--reference", str(tmp_path)])
+    assert exit_.value.code == 2 and "no mem_transformer.py" in capsys.readouterr().err
