@@ -9,7 +9,8 @@ the reference's WikiText-103 and lm1b models.
 
 With no cutoffs both modules reduce to a plain embedding and a plain (biased) softmax layer, with an
 optional projection when d_embed != d_model. Unlike the reference, per-token losses come back in
-input order, not grouped by cluster.
+input order, not grouped by cluster. With `sample_softmax = n` (no cutoffs), a model in training mode scores
+its labels against shared sampled negatives instead (txl.models.transformer_xl.sampled).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from txl.models.transformer_xl.config import TransformerXLConfig
+from txl.models.transformer_xl.sampled import log_uniform_candidates, sampled_nll
 
 
 def cluster_bounds(config: TransformerXLConfig) -> list[tuple[int, int]]:
@@ -142,6 +144,16 @@ class AdaptiveLogSoftmax(nn.Module):
         lo, hi = self.bounds[i]
         return self._logits(hidden, self.weight(i), self.bias[lo:hi], self.proj(i)).float().log_softmax(-1)
 
+    def _sampled_nll(self, hidden: Tensor, labels: Tensor) -> Tensor:
+        """Training's sampled-softmax NLL (config.sample_softmax): 2·n log-uniform draws shared by the batch."""
+        vocab, num_tries = self.config.vocab_size, 2 * self.config.sample_softmax
+        proj = self.proj(0)
+        if proj is not None:
+            hidden = self.linear_fn(hidden, proj.t())  # (n, d_model) @ (d_model, d_embed)
+        negatives = log_uniform_candidates(vocab, num_tries, device=hidden.device)
+        return sampled_nll(hidden, self.weight(0), self.bias, labels, negatives,
+                           vocab_size=vocab, num_tries=num_tries, linear=self.linear_fn)
+
     # -- public ----------------------------------------------------------------------------------
     def forward(self, hidden: Tensor, labels: Tensor | None = None, *, want_scores: bool = True):
         """Return (scores, nll).
@@ -151,6 +163,8 @@ class AdaptiveLogSoftmax(nn.Module):
         without labels.
         """
         if self.n_clusters == 0:
+            if labels is not None and self.training and self.config.sample_softmax:
+                return (self._head(hidden) if want_scores else None), self._sampled_nll(hidden, labels)
             logits = self._head(hidden)
             nll = None
             if labels is not None:

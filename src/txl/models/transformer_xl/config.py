@@ -197,6 +197,12 @@ class TransformerXLConfig(ModelConfig):
             raise ConfigError(
                 f"config.tie_projs needs one entry per cluster ({len(cut) + 1}), got {len(self.tie_projs)}"
             )
+        if not 0 <= self.sample_softmax <= MAX_LENGTH:
+            raise ConfigError(f"config.sample_softmax must be 0 (full softmax) to {MAX_LENGTH:,} sampled negatives, "
+                              f"got {self.sample_softmax}")
+        if self.sample_softmax and cut:
+            raise ConfigError("config.sample_softmax samples the negatives of one full softmax; the adaptive softmax "
+                              "(cutoffs) has clusters instead: set sample_softmax=0 or cutoffs=[]")
 
     def _validate_memory(self) -> None:
         """The bidirectional encoder has no memory; compressive memory sits behind the plain memory."""
