@@ -197,33 +197,59 @@ def test_global_projections_exist_by_default_with_global_tokens_and_on_request()
 @pytest.mark.parametrize("impl", ["fast", "eager"])
 @pytest.mark.parametrize("pos", ["xl", "shaw", "t5", "rope"])
 @pytest.mark.parametrize("kind", ["global_tokens", "global_mask"])
-def test_global_rows_come_from_the_global_projections(impl, pos, kind):
+@pytest.mark.parametrize("tokens", [0, 2])
+def test_global_rows_come_from_the_global_projections(impl, pos, kind, tokens):
     """Kernel level, against the formula: a global query's row is softmax over every key it may see of
-    (Q_g x)·(K_g x) with all position terms, times V_g x (Longformer §3.1); every other row is the kernel without
-    global projections (its band and the global columns use q, k, v)."""
+    (Q_g x)·(K_g x) with all position terms, times V_g x (Longformer §3.1), and the learned memory tokens
+    (content score); every other row is the kernel without global projections (its band and the global
+    columns use q, k, v)."""
     global_tokens = 3 if kind == "global_tokens" else 0
     cfg = config(impl, pos, window=3, global_tokens=global_tokens, global_projections=True)
     kernel = KERNELS[("sliding", impl)](layer_config(cfg, 0))
     positions = positions_of(build(cfg), 0, 21)
     i, n = 14, 21
-    q, k, v = rand(2, 4, i, 8, seed=0), rand(2, 4, n, 8, seed=1), rand(2, 4, n, 8, seed=2)
+    q, k, v = rand(2, 4, i, 8, seed=0), rand(2, 4, tokens + n, 8, seed=1), rand(2, 4, tokens + n, 8, seed=2)
     q_g, k_g, v_g = rand(2, 4, i, 8, seed=3), rand(2, 4, n, 8, seed=4), rand(2, 4, n, 8, seed=5)
     chosen = None
     if kind == "global_mask":
         chosen = torch.zeros(2, i, dtype=torch.bool)
         chosen[0, [0, 6]] = True
         chosen[1, [2, 3, 11]] = True
-    mask = AttentionMask(global_mask=chosen)
+    mask = AttentionMask(global_mask=chosen, memory_tokens=tokens)
     got, _ = kernel.forward_global(q, k, v, (q_g, k_g, v_g), positions=positions, mask=mask, dropatt=0.0,
                                    training=False)
     without, _ = kernel(q, k, v, positions=positions, mask=mask, dropatt=0.0, training=False)
-    every, _ = eager_attention(q_g, k_g, v_g, positions=positions, mask=AttentionMask(), dropatt=0.0, training=False)
+    k_all, v_all = torch.cat([k[:, :, :tokens], k_g], 2), torch.cat([v[:, :, :tokens], v_g], 2)
+    every, _ = eager_attention(q_g, k_all, v_all, positions=positions, mask=AttentionMask(memory_tokens=tokens),
+                               dropatt=0.0, training=False)
     rows = torch.zeros(2, i, dtype=torch.bool)
     rows[:, :global_tokens] = True
     rows = rows if chosen is None else chosen
     expected = torch.where(rows[:, None, :, None], every, without)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(got, without, atol=1e-3)  # the global rows did change
+
+
+@pytest.mark.parametrize("impl", ["fast", "eager"])
+@pytest.mark.parametrize("tokens", [0, 2])
+def test_bidirectional_global_rows_come_from_the_global_projections(impl, tokens):
+    """causal=false (the masked-LM encoder, RoPE): a global query's row is full bidirectional attention of
+    q_g over k_g (and the memory tokens, content score), times v_g; the other rows see their two-sided band
+    and the global keys through q, k, v."""
+    cfg = config(impl, "rope", window=2, global_tokens=2, causal=False, mem_len=0)
+    kernel = KERNELS[("sliding", impl)](layer_config(cfg, 0))
+    positions = positions_of(build(cfg), 0, 12 + tokens)
+    q, k, v = rand(2, 4, 12, 8, seed=0), rand(2, 4, 12 + tokens, 8, seed=1), rand(2, 4, 12 + tokens, 8, seed=2)
+    q_g, k_g, v_g = rand(2, 4, 12, 8, seed=3), rand(2, 4, 12, 8, seed=4), rand(2, 4, 12, 8, seed=5)
+    mask = AttentionMask(causal=False, memory_tokens=tokens)
+    got, _ = kernel.forward_global(q, k, v, (q_g, k_g, v_g), positions=positions, mask=mask, dropatt=0.0,
+                                   training=False)
+    without, _ = kernel(q, k, v, positions=positions, mask=mask, dropatt=0.0, training=False)
+    k_all = torch.cat([k[:, :, :tokens], k_g], 2)
+    v_all = torch.cat([v[:, :, :tokens], v_g], 2)
+    every, _ = eager_attention(q_g, k_all, v_all, positions=positions, mask=mask, dropatt=0.0, training=False)
+    torch.testing.assert_close(got[:, :, :2], every[:, :, :2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[:, :, 2:], without[:, :, 2:], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("causal", [True, False])
