@@ -414,3 +414,16 @@ def test_three_training_steps_with_per_layer_windows_and_global_projections():
         memory, losses = out.memory, losses + [out.loss.item()]
     assert all(math.isfinite(loss) for loss in losses)
     assert not torch.equal(before, model.blocks[1].attn.global_q_proj.weight)  # the global projections learn
+
+
+def test_output_attentions_with_global_projections_is_the_dense_reference():
+    """output_attentions runs the dense reference (the probabilities over every key): same logits as the fast
+    kernel; a global row's probabilities come from q_g·k_g and spread over every earlier key."""
+    model = build(config(window=[2, 4, 3], global_tokens=2))
+    tokens = ids(12)
+    out = model(tokens, output_attentions=True)
+    torch.testing.assert_close(out.logits, model(tokens).logits, atol=1e-5, rtol=1e-5)
+    probs = out.attentions[1]  # (b, h, i, n)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(probs.shape[:-1]), atol=1e-5, rtol=1e-5)
+    assert (probs[:, :, 1, :2] > 0).all() and (probs[:, :, 8, 2:5] == 0).all()  # global row 1; row 8: band 5..8 + globals
+    assert (probs[:, :, 8, :2] > 0).all()  # every later query sees the global keys
