@@ -32,8 +32,8 @@ after the projection and before the kernel (so before positions: xl's u and v bi
 The scores keep their 1/sqrt(d_head) scale; the gains can learn a sharper one. The memory's projections
 are cached before the norm, so a cache stays valid.
 
-Separate global projections (Longformer, Beltagy et al. 2020, §3.1: "we use two sets of projections, Q_s,
-K_s, V_s for sliding window attention and Q_g, K_g, V_g for global attention"): when the kernel says it
+Separate global projections (Longformer, Beltagy et al. 2020, §3.1: one set of projections Q_s, K_s, V_s
+scores the sliding window, another, Q_g, K_g, V_g, the global attention): when the kernel says it
 wants them (`kernel.global_projections`: attention='sliding' with global tokens), the layer owns
 `global_q_proj` and `global_kv_proj` and hands the kernel q_g (the segment) and k_g, v_g ([memory ;
 source], through the same memory pass: one projection of both, so a projection cache stays one shape)
@@ -134,11 +134,10 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(b, i, self.n_head * self.d_head)  # (b, i, h*d)
         return self.drop(self.o_proj(out)), probs
 
-
     @torch.no_grad()
     def match_global_projections(self) -> None:
-        """Q_g, K_g, V_g := Q_s, K_s, V_s, as Longformer initialises them (§3.1); the model calls it after its
-        init, so a new model starts from the shared behaviour and training separates them."""
+        """Q_g, K_g, V_g := Q_s, K_s, V_s, as Longformer initialises them (§3.1): called once the model's init
+        has drawn the weights, a new model starts from the shared behaviour and training separates them."""
         if self.global_q_proj is not None:
             self.global_q_proj.weight.copy_(self.q_proj.weight)
             self.global_kv_proj.weight.copy_(self.kv_proj.weight)

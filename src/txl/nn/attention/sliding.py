@@ -9,8 +9,8 @@ convention of `txl.nn.attention`).
   sees the keys p, p-s, p-2s, …, p-(w-1)s. Dilation widens a head's reach to w·s at the same cost
   (Longformer §3.1 uses it on a few heads of the upper layers). L layers reach L·w·s positions, and
   the memory extends that further across segments, as in Transformer-XL.
-- **Per-layer windows and dilation** (Longformer §3.1 and §4.1: "we use differing window sizes across
-  the layers", small at the bottom, larger at the top; dilation on 2 heads of the upper layers): `window`
+- **Per-layer windows and dilation** (Longformer §3.1 and §4.1: a different w per layer, small in the
+  lower layers and growing towards the top; dilation only on 2 heads of the upper layers): `window`
   a list with one value per layer, `dilation` a list of per-head lists, one per layer. Each layer's
   kernel is built from `SlidingOptions.for_layer(i)` (txl.nn.attention.layer.layer_config); the most a
   band looks back is `SlidingOptions.reach(n_head)`, the largest (w-1)·s + 1 over layers and heads,
