@@ -4,8 +4,9 @@ Three corpora (specs, `txl data list`):
 
 - `pairs:FILE` or `pairs:DIR` — your own (source, target) pairs: TSV (source<TAB>target per line, an
   optional `source<TAB>target` header), JSONL (one object per line, columns `source`/`target` or named
-  with `?source=COL&target=COL`), or CSV with a header (the seed's Inshorts layout, `headlines` and
-  `text`, is recognised as target and source). A FILE is split 90/5/5 by a hash of the source text, so
+  with `?source=COL&target=COL`), or CSV with a header (the Kaggle Inshorts CSV's `headlines` and
+  `text` are recognised as target and source; seed 003's walkthrough reads the Excel file's `Headline`
+  and `Short`). A FILE is split 90/5/5 by a hash of the source text, so
   a pair stays in its split when the file grows; a DIR holds `train.*` and optionally `valid.*`, `test.*`.
 - `reverse` — the synthetic sanity task: reverse a random lower-case string.
 - `pydoc-summaries` — function source -> first line of its docstring, from the standard library
