@@ -144,6 +144,21 @@ def test_the_training_loss_is_the_sampled_loss(extra):
     torch.testing.assert_close(out.loss, want.sum() / (y != -100).sum(), atol=1e-5, rtol=1e-5)
 
 
+def test_the_fast_backend_gives_the_reference_backends_sampled_loss():
+    reference = build_model(config(backend="reference")).train()
+    fast = build_model(config(backend="auto")).train()
+    fast.load_state_dict(reference.state_dict())
+    x = zipf_ids((4, 16), seed=13)
+    losses, grads = [], []
+    for model in (reference, fast):
+        torch.manual_seed(14)  # the same negatives
+        loss = model(x, labels=x).loss
+        losses.append(loss)
+        grads.append(torch.autograd.grad(loss, model.head.bias))
+    torch.testing.assert_close(losses[0], losses[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-4, rtol=1e-4)
+
+
 def test_evaluation_uses_the_full_softmax():
     sampled = build_model(config(sample_softmax=8))
     full = build_model(config(sample_softmax=0))
