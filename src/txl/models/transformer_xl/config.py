@@ -235,6 +235,15 @@ class TransformerXLConfig(ModelConfig):
         if self.residual == "gru-gate" and not self.pre_lnorm:
             raise ConfigError("config.residual='gru-gate' is GTrXL's gate on the identity-map (pre-LN) block: "
                               "set pre_lnorm=true")
+        if self.reversible:  # y1 = x1 + F(x2), y2 = x2 + G(y1) inverts only around plain pre-LN sublayers
+            refused = [f"{name}={value!r}" for name, value, wanted in (
+                ("pre_lnorm", self.pre_lnorm, True), ("residual", self.residual, "add"),
+                ("memory_source", self.memory_source, "previous-layer"), ("universal", self.universal, False),
+                ("cmem_len", self.cmem_len, 0)) if value != wanted]
+            if refused:
+                raise ConfigError(f"config.reversible needs pre-LN blocks with plain residuals (pre_lnorm=true, "
+                                  f"residual='add', memory_source='previous-layer', universal=false, cmem_len=0), "
+                                  f"got {', '.join(refused)}")
         if self.cmem_len:
             changed = [f"{name}={value!r}" for name, value, default in (
                 ("memory_source", self.memory_source, "previous-layer"), ("norm", self.norm, "layernorm"),

@@ -37,6 +37,7 @@ from txl.nn.norms import build_norm
 from txl.nn.positional import LayerPositions
 from txl.nn.recurrence import same_layer_memory
 from txl.nn.regularization import locked_dropout, word_dropout
+from txl.nn.reversible import reversible_blocks
 
 
 class FeedForward(nn.Module):
@@ -150,6 +151,7 @@ class TransformerXL(nn.Module):
     """
 
     checkpoint_blocks: bool = False
+    reversible_backward: bool = True  # config.reversible: False = plain autograd through the same blocks (tests)
 
     def __init__(self, config: TransformerXLConfig):
         super().__init__()
@@ -285,6 +287,10 @@ class TransformerXL(nn.Module):
             h, ponder, hidden_states, attentions = self.universal(
                 self.blocks[0], h, memory=memory_update, positions=lambda i: self.pos.layer(i, pos_state), mask=mask,
                 need_weights=output_attentions, checkpoint=recompute)
+        elif self.config.reversible:  # Reformer's reversible blocks: the backward rebuilds each block's input
+            h, hidden_states, attentions = reversible_blocks(
+                self.blocks, h, memory=memory_update, positions=self.pos.layer, pos_state=pos_state, mask=mask,
+                recompute=self.reversible_backward, need_weights=output_attentions)
         else:
             for i, block in enumerate(self.blocks):
                 hidden_states.append(h)
