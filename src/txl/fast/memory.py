@@ -139,6 +139,8 @@ def projection_key(model: nn.Module, dtype: torch.dtype) -> tuple:
     device = model.head.bias.device.type
     autocast = torch.is_autocast_enabled(device)
     params = [block.attn.kv_proj.weight for block in model.blocks]  # bias-free; read per call, never cached
+    params += [block.attn.global_kv_proj.weight for block in model.blocks  # Longformer's K_g, V_g (sliding)
+               if getattr(block.attn, "global_kv_proj", None) is not None]
     if model.config.pre_lnorm:
         params += [p for block in model.blocks for p in block.attn_norm.parameters()]  # LayerNorm or RMSNorm
     return (dtype, autocast, torch.get_autocast_dtype(device) if autocast else None,

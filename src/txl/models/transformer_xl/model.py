@@ -212,6 +212,8 @@ class TransformerXL(nn.Module):
                 nn.init.normal_(param, 0.0, std)
         if hasattr(self.pos, "reset_parameters"):  # an encoding's own init (learned concat: [I | I])
             self.pos.reset_parameters()
+        for block in self.blocks:  # Longformer initialises Q_g, K_g, V_g to Q_s, K_s, V_s (§3.1)
+            block.attn.match_global_projections()
         if self.universal is not None:
             self.universal.reset_parameters()
 
