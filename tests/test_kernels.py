@@ -583,7 +583,7 @@ def test_sliding_global_mask_all_false_is_plain_sliding_and_all_true_is_full_att
 def test_sliding_chosen_rows_take_every_position_term_and_all_chosen_is_full_attention(pos):
     """Causal, with an encoding's score terms: a chosen query's row is full attention over every earlier
     key with all position terms (fast = dense reference), so with every token chosen the kernel is
-    full attention; a pair joined only by a chosen key keeps the content score."""
+    full attention (the position terms of pairs joined only by a chosen key: tests/test_longformer.py)."""
     config = config_for("sliding", pos_encoding=pos, position_options={"values": True} if pos == "shaw" else None, window=3)
     model = build(config)
     n, i = 31, 17
