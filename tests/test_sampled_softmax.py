@@ -168,9 +168,10 @@ def test_evaluation_uses_the_full_softmax():
     a, b = sampled(x, labels=y), full(x, labels=y)
     torch.testing.assert_close(a.loss, b.loss, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
-    # training mode (dropout off): the loss is the sampled one, the logits still the full softmax's
+    # training mode (dropout off): the loss is the sampled one; full logits only when asked for
     sampled.train()
-    c = sampled(x, labels=y)
+    assert sampled(x, labels=y).logits is None
+    c = sampled(x, labels=y, return_logits=True)
     torch.testing.assert_close(c.logits, b.logits, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(c.loss, b.loss, atol=1e-3)
     assert sampled(x, labels=y, return_logits=False).logits is None

@@ -317,7 +317,8 @@ class TransformerXL(nn.Module):
                 aux_loss = cost if aux_loss is None else aux_loss + cost
 
         if return_logits is None:
-            return_logits = labels is None or not self.config.adaptive
+            # with labels, the adaptive softmax and a training step's sampled softmax need no full logits
+            return_logits = labels is None or not (self.config.adaptive or (self.training and self.config.sample_softmax))
         flat_labels = None if labels is None else labels.reshape(-1)
         scores, nll = self.head(h.reshape(batch * q_len, -1), flat_labels, want_scores=return_logits)
         logits = None if scores is None else scores.view(batch, q_len, -1)
