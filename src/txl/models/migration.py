@@ -148,7 +148,7 @@ def migrate(data: Any) -> Any:
     if not isinstance(data, dict):
         return data
     arch = data.get("arch", "decoder")
-    if arch in NEWER_ARCHS:
+    if isinstance(arch, str) and arch in NEWER_ARCHS:
         return dict(data)
     kept = KEPT.get(arch) if isinstance(arch, str) else None
     out = dict(data)
