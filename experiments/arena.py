@@ -130,11 +130,25 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("gqa", ("n_kv_head=2",), "xl with grouped-query attention, 2 key/value heads for 4 (Ainslie et al. 2023)"),
     Variant("mqa", ("n_kv_head=1",), "xl with multi-query attention, 1 key/value head (Shazeer 2019)"),
     Variant("qk-norm", ("qk_norm=true",), "xl with RMS-normalised queries and keys per head (Henry et al. 2020)"),
+    # the founding documents' remaining systems (issue 48), run with --section seeds
+    Variant("axial", ("pos_encoding=rope", "attention=axial", "attention_options.row=16"),
+            "axial attention over rows of 16: masked row and masked column heads, rope (Ho et al. 2019)"),
+    Variant("axial-outer", ("pos_encoding=rope", "attention=axial", "attention_options.row=16",
+                            'attention_options.axes=["row", "column", "previous-row"]'),
+            "axial rows of 16 with the outer decoder's row-above heads too: every earlier position in two layers, rope"),
+    Variant("etc", ("pos_encoding=rope", "attention=etc", "attention_options.radius=16", "attention_options.chunk=16"),
+            "ETC global-local: l2l radius 16, each 16th position global (g2g, g2l, l2g), Shaw labels per piece, "
+            "rope (Ainslie et al. 2020)"),
+    Variant("mlm-etc", ("attention=etc", "attention_options.radius=16", "attention_options.chunk=16"),
+            "bidirectional ETC global-local, radius 16, each 16th position global", MLM),
+    Variant("reversible", ("pre_lnorm=true", "reversible=true"),
+            "pre-LN xl with reversible blocks, activations rebuilt in the backward (Reformer; read against xl-preln)"),
 ]}
 REFERENCE = "xl"
 # `--section NAME`: these rows are trained on their own machine with the xl row again as their anchor and kept
 # in arena.json beside the main table (a later run of the main table keeps them), titled here
-SECTIONS = {"blocks": "Block options and recurrence variants of the Transformer-XL family (issue 47)"}
+SECTIONS = {"blocks": "Block options and recurrence variants of the Transformer-XL family (issue 47)",
+            "seeds": "The founding documents' remaining systems (issue 48)"}
 
 
 def _names(text: str) -> tuple[str, ...]:
