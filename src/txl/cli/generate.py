@@ -52,6 +52,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_threads(parser)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="where to run (default: auto, a GPU when there is one)")
+    style = parser.add_argument_group("style-transfer runs (arch = style-transformer)")
+    style.add_argument("--style", metavar="S", help="rewrite --prompt (or each line of --prompt-file or --input) in "
+                                                   "style S (a name the run's corpus gave, or its index), greedily")
     seq2seq = parser.add_argument_group("sequence-to-sequence runs (arch = encoder-decoder, rnn-seq2seq)")
     seq2seq.add_argument("--input", metavar="FILE", help="decode one source per line of FILE, one output per line "
                                                          "(--max-new-tokens caps each output)")
@@ -109,6 +112,10 @@ def write_text(text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.style is not None:  # a Style Transformer run (txl.models.style)
+        from txl.cli.style import run_transfer
+
+        return run_transfer(args)
     if args.input:
         from txl.cli.seq2seq import run_generate as run_seq2seq_generate
 
@@ -136,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
 
     if is_seq2seq(ckpt.model.config):
         raise UsageError(f"{ckpt.path} is a sequence-to-sequence model: decode sources with --input FILE")
+    if ckpt.model.config.arch == "style-transformer":
+        raise UsageError(f"{ckpt.path} is a Style Transformer: rewrite a sentence with --style S --prompt TEXT")
     check_causal(ckpt.model)  # before anything is printed
     for number, prompt in enumerate(prompts, 1):  # every prompt is checked before anything is printed
         encode_prompt(ckpt.vocab, prompt)

@@ -1,0 +1,77 @@
+"""`txl generate RUN --style S`: rewrite sentences in style S with a Style Transformer run
+(arch = style-transformer, `txl.models.style`).
+
+The sentences are `--prompt TEXT`, one per line of `--prompt-file FILE`, or one per line of `--input FILE`;
+each is tokenised as the run's corpus (`txl.data.style.tokenize`: lower case, words and punctuation, unknown
+words read as <unk>) and transferred greedily, as the paper evaluates; one output per line (`--json`: the
+sources, the outputs and the style)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from txl.errors import UsageError
+
+
+def _sentences(args: argparse.Namespace) -> list[str]:
+    from txl.cli.generate import read_prompts
+
+    if args.input:
+        if args.prompt is not None or args.prompt_file:
+            raise UsageError("give the sentences with one of --prompt, --prompt-file or --input")
+        args.prompt_file, args.input = args.input, None
+    if args.prompt is None and not args.prompt_file:
+        raise UsageError("--style rewrites sentences: give one with --prompt TEXT, or one per line with --input FILE")
+    sentences = read_prompts(args)
+    if not any(s.strip() for s in sentences):
+        raise UsageError("--prompt is empty: give a sentence to rewrite")
+    return sentences
+
+
+def run_transfer(args: argparse.Namespace) -> int:
+    from txl.cli.arguments import resolve_device
+    from txl.data.display import for_stream
+    from txl.data.style import encode_sentence
+    from txl.models.checkpoint import load_checkpoint
+
+    given = [flag for flag, value in (("--temperature", args.temperature), ("--top-k", args.top_k),
+                                      ("--top-p", args.top_p), ("--seed", args.seed), ("--mem-len", args.mem_len))
+             if value is not None] + (["--num-samples"] if args.num_samples != 1 else [])
+    if given:
+        raise UsageError(f"--style transfers greedily, as the Style Transformer is evaluated; drop {given[0]}")
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    sentences = _sentences(args)
+    device = resolve_device(args.device)
+    ckpt = load_checkpoint(args.checkpoint, device=device, require_vocab=True)
+    config = ckpt.model.config
+    if config.arch != "style-transformer":
+        raise UsageError(f"{ckpt.path} is a {config.arch} model; --style needs a Style Transformer run "
+                         "(txl train --preset style-transfer)")
+    style = config.style_index(args.style)
+    model, vocab = ckpt.model.eval(), ckpt.vocab
+    steps = min(args.max_new_tokens, config.max_length)
+    outputs = []
+    for start in range(0, len(sentences), 64):
+        chunk = [encode_sentence(vocab, s) for s in sentences[start: start + 64]]
+        width = max(len(ids) for ids in chunk)
+        tokens = torch.full((len(chunk), width), config.pad_id, dtype=torch.long)
+        for row, ids in enumerate(chunk):
+            tokens[row, : len(ids)] = torch.tensor(ids)
+        lengths = torch.tensor([len(ids) for ids in chunk])
+        styles = torch.full((len(chunk),), style, dtype=torch.long)
+        outputs += [vocab.decode(ids) for ids in model.transfer(tokens.to(device), lengths.to(device),
+                                                                 styles.to(device), max_length=steps)]
+    name = config.style_names[style] if config.style_names else str(style)
+    if args.json:
+        print(json.dumps({"checkpoint": str(ckpt.path), "style": name, "transfers": [
+            {"source": s, "transfer": t} for s, t in zip(sentences, outputs)]}, indent=2, ensure_ascii=False))
+        return 0
+    for text in outputs:
+        sys.stdout.write(for_stream(text, sys.stdout) + "\n")
+    sys.stdout.flush()
+    return 0
