@@ -129,7 +129,7 @@ def test_position_merge_modes():
     mul = build(pos_encoding="learned", position_options=dict(merge="mul"))
     e = mul.pos.table[:6]
     torch.testing.assert_close(mul.pos.embed(x), x * (e + 1))
-    concat = build(pos_encoding="learned", position_options=dict(merge="concat"))
+    concat = build(pos_encoding="learned", position_options=dict(merge="concat-project"))
     assert concat.pos.merge_proj.weight.shape == (32, 64)
     torch.manual_seed(0)
     fresh = type(concat)(concat.config)  # freshly initialised: concat starts as add
@@ -140,7 +140,7 @@ def test_position_merge_modes():
 @pytest.mark.parametrize(("overrides", "field"), [
     ({"pos_encoding": "rope", "position_options": {"hierarchical": 0.4}}, "position_options.hierarchical"),
     ({"pos_encoding": "learned", "position_options": {"hierarchical": 1.0}}, "position_options.hierarchical"),
-    ({"pos_encoding": "sinusoidal", "position_options": {"merge": "mul"}}, "position_options.merge"),
+    ({"pos_encoding": "rope", "position_options": {"merge": "mul"}}, "position_options.merge"),
     ({"pos_encoding": "learned", "position_options": {"merge": "stack"}}, "position_options.merge"),
 ])
 def test_learned_options_are_checked_by_name(overrides, field):

@@ -63,7 +63,9 @@ def test_kernel_and_encoding_options_move_into_their_tables():
     t5 = config_from_dict(legacy_config("decoder-t5-memory-tokens"))
     assert t5.to_dict()["position_options"] == {"buckets": 8, "max_distance": 16}
     shaw = config_from_dict(legacy_config("decoder-shaw-pre-ln"))
-    assert shaw.to_dict()["position_options"] == {"max_distance": 4, "values": True}
+    # (issue 48: Shaw's tables gained sharing across heads and layers, off as before)
+    assert shaw.to_dict()["position_options"] == {"max_distance": 4, "values": True, "share_heads": False,
+                                                  "share_layers": False}
     bigbird = config_from_dict(legacy_config("decoder-bigbird"))
     assert bigbird.to_dict()["attention_options"] == {"block": 2, "window": 1, "global_blocks": 1, "random_blocks": 1}
     assert config_from_dict(legacy_config("decoder-xl")).to_dict()["attention_options"] == {}

@@ -175,7 +175,7 @@ def migrate(data: Any) -> Any:
                 del out[key]
         elif kept is not None and key in LEGACY_DEFAULTS and key not in kept and _is_default(key, value, arch):
             del out[key]
-    return _sliding_before_issue_48(out)
+    return _learned_concat_before_issue_48(_sliding_before_issue_48(out))
 
 
 # Issue 48 (Longformer as published): attention='sliding' gained `global_projections` (Longformer's separate
@@ -196,6 +196,23 @@ def _sliding_before_issue_48(out: dict) -> dict:
     if not isinstance(options, dict) or options.keys() & set(SLIDING_ADDED_48):
         return out
     return {**out, "attention_options": {**options, **dict.fromkeys(SLIDING_ADDED_48, False)}}
+
+
+# Issue 48 (bert4keras's merge modes): the learned encoding's merge='concat' now widens [x ; e] as bert4keras does
+# and needs `dim` (the positions' width); txl's former concat, W [x ; e] projected back to d_model, is named
+# 'concat-project'. A complete dump written before (config.json, run.json: every field of KEPT) says 'concat'
+# without `dim`: it gets 'concat-project', the behaviour and the weights (pos.merge_proj) it was trained with. A
+# partial dict (a preset, a TOML file, --set) saying 'concat' without dim is refused by name (both fixes named).
+
+
+def _learned_concat_before_issue_48(out: dict) -> dict:
+    arch = out.get("arch", "decoder")
+    if arch not in ("decoder", "encoder-decoder") or out.get("pos_encoding") != "learned" or not KEPT[arch] <= out.keys():
+        return out
+    options = out.get("position_options")
+    if not isinstance(options, dict) or options.get("merge") != "concat" or "dim" in options:
+        return out
+    return {**out, "position_options": {**options, "merge": "concat-project"}}
 
 
 def legacy_option(key: str) -> tuple[str, tuple[str, ...], str] | None:

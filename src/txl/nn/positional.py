@@ -124,8 +124,10 @@ class PositionalEncoding(nn.Module):
         """How the options and the rest of the config combine (raise `ConfigError`); the options'
         own values are checked by their dataclass."""
 
+    takes_position_ids: ClassVar[bool] = False  # True: `embed` takes the caller's `position_ids=` (absolute)
+
     def embed(self, x: Tensor) -> Tensor:
-        """Absolute encodings add their table to the (B, T, d_model) input here."""
+        """Absolute encodings join their table to the (B, T, ·) token embedding here."""
         return x
 
     def prepare(self, *, k_len: int, clamp_len: int, device: torch.device, dtype: torch.dtype) -> dict:
@@ -148,6 +150,18 @@ class PositionalEncoding(nn.Module):
         """Transformer-XL's terms apart, (q + u, q + v, W_kR R) for kernels that fuse them; None for
         every other encoding."""
         return None
+
+
+def embed_positions(encoding: PositionalEncoding, x: Tensor, position_ids: Tensor | None = None) -> Tensor:
+    """`encoding.embed(x)`, with the caller's absolute positions (bert4keras's `custom_position_ids`) when
+    `position_ids` is given; a relative encoding, whose positions are distances, refuses them in one line."""
+    if position_ids is None:
+        return encoding.embed(x)
+    if not encoding.takes_position_ids:
+        able = ", ".join(name for name, cls in POSITIONAL_ENCODINGS.items() if cls.takes_position_ids)
+        raise UsageError(f"position_ids= gives absolute positions, which pos_encoding={encoding.name!r} does not "
+                         f"read (its positions are distances between tokens); encodings that take them: {able}")
+    return encoding.embed(x, position_ids=position_ids)
 
 
 # No positions (cross-attention, a content-only score): every term is absent.
@@ -185,24 +199,11 @@ def encoding_options() -> dict[str, type[Options]]:
 class ShawOptions(Options):
     max_distance: int = 64  # distances beyond this share one embedding (Shaw et al.'s clipping k)
     values: bool = False  # also add the distance embedding on the value side
+    share_heads: bool = False  # one table for all heads (Shaw et al. §3.1); False: one per head
+    share_layers: bool = False  # one table for all layers (bert4keras's NEZHA); False: one per layer
 
     def validate(self) -> None:
         self.at_least(0, "max_distance")
-
-
-PositionMerge = Literal["add", "mul", "concat"]
-
-
-@dataclass(frozen=True)
-class LearnedOptions(Options):
-    max_positions: int = 1024  # rows of the absolute table (inputs longer than this fail)
-    hierarchical: float = 0.0  # α of Su's decomposition, reaching max_positions²; 0 = off
-    merge: PositionMerge = "add"  # add | mul (x·(e+1)) | concat (projected back to d_model)
-
-    def validate(self) -> None:
-        self.at_least(1, "max_positions")
-        if not 0.0 <= self.hierarchical < 1.0:
-            self.fail("hierarchical", f"must be in [0, 1) (α; 0 = off), got {self.hierarchical}")
 
 
 @dataclass(frozen=True)
@@ -294,10 +295,14 @@ class ShawRelative(PositionalEncoding):
     """Shaw et al. 2018: learned embeddings of the clipped distance, on the key side (and optionally
     the value side): e_ij = q_i·(k_j + a^K_{clip(i-j)}), z_i = Σ_j α_ij (v_j + a^V_{clip(i-j)}).
 
-    For a causal LM distances are >= 0, so `max_relative_distance + 1` embeddings per layer and head
-    suffice. This is the paper's ablation row "Shaw et al. (2018)" (Dai et al. 2019, Table 6), pure
-    Shaw without the reference's extra r_w_bias/r_bias terms. In the bidirectional encoder
-    (`causal=False`) distances run from -k to k (the paper's clip(j - i, -k, k)): 2k + 1 embeddings.
+    For a causal LM distances are >= 0, so `max_relative_distance + 1` embeddings per table suffice.
+    This is the paper's ablation row "Shaw et al. (2018)" (Dai et al. 2019, Table 6), pure Shaw without
+    the reference's extra r_w_bias/r_bias terms. In the bidirectional encoder (`causal=False`) distances
+    run from -k to k (the paper's clip(j - i, -k, k)): 2k + 1 embeddings.
+
+    The tables are (layers, rows, heads, d_head): one per layer and head by default; `share_heads` keeps
+    one for all heads (as Shaw et al. §3.1: "shared across attention heads"), `share_layers` one for all
+    layers (as bert4keras builds its relative embedding once per model), both: one table in all.
     """
 
     relative = True
@@ -305,117 +310,110 @@ class ShawRelative(PositionalEncoding):
 
     def __init__(self, config: LayerConfig):
         super().__init__(config)
-        self.clip = clip = config.position_options.max_distance
+        options = config.position_options
+        self.clip = options.max_distance
         self.bidirectional = not config.causal
-        rows = 2 * clip + 1 if self.bidirectional else clip + 1
-        shape = (config.n_layer, rows, config.n_head, config.d_head)
+        self.n_head = config.n_head
+        shape = (1 if options.share_layers else config.n_layer, self.table_rows(),
+                 1 if options.share_heads else config.n_head, config.d_head)
         self.key_table = nn.Parameter(torch.zeros(shape))
-        self.value_table = nn.Parameter(torch.zeros(shape)) if config.position_options.values else None
+        self.value_table = nn.Parameter(torch.zeros(shape)) if options.values else None
 
-    def _rows(self, k_len: int, device, stride: int = 1) -> Tensor:
-        dist = torch.arange(k_len - 1, -1, -1, device=device) * stride
-        return dist.clamp(max=self.clip)
+    def table_rows(self) -> int:
+        return 2 * self.clip + 1 if self.bidirectional else self.clip + 1
 
-    def _signed_rows(self, q_len: int, k_len: int, device, stride: int = 1) -> Tensor:
-        """(i, n) table rows of the signed distances clipped to [-k, k] (bidirectional)."""
-        clip = self.clip
-        return (distances(q_len, k_len, device) * stride).clamp(-clip, clip) + clip
+    def row_of(self, dist: Tensor) -> Tensor:
+        """The table row of each distance i - j (query minus key; negative = a future key)."""
+        if self.bidirectional:
+            return dist.clamp(-self.clip, self.clip) + self.clip
+        return dist.clamp(0, self.clip)  # causal: a future key is masked; any row does
+
+    def table(self, which: str, layer: int, dtype: torch.dtype) -> Tensor:
+        """The key ("key") or value ("value") table layer `layer` reads, (rows, h, d)."""
+        table = self.key_table if which == "key" else self.value_table
+        table = table[layer if table.shape[0] > 1 else 0]
+        return table.expand(-1, self.n_head, -1).to(dtype)
 
     def score_bias(self, layer, state, q, *, k_len, rel_shift, stride=1):
+        table = self.table("key", layer, q.dtype)
         if self.bidirectional:  # q·a_r for every row r, then picked per (i, j): no (i, n, d) tensor
-            per_row = torch.einsum("bhid,rhd->bhir", q, self.key_table[layer].to(q.dtype))
-            rows = self._signed_rows(q.shape[-2], k_len, q.device, stride)
+            per_row = torch.einsum("bhid,rhd->bhir", q, table)
+            rows = self.row_of(distances(q.shape[-2], k_len, q.device) * stride)
             return per_row.gather(-1, rows.expand(*per_row.shape[:2], -1, -1))
-        emb = self.key_table[layer][self._rows(k_len, q.device, stride)].to(q.dtype)  # (n, h, d)
-        raw = torch.einsum("bhid,jhd->bhij", q, emb)
+        dist = torch.arange(k_len - 1, -1, -1, device=q.device) * stride  # columns = distances n-1 … 0
+        raw = torch.einsum("bhid,jhd->bhij", q, table[self.row_of(dist)])
         return rel_shift(raw)
 
     def value_term(self, layer, state, probs, *, stride=1):
         if self.value_table is None:
             return None
         q_len, k_len = probs.shape[-2:]
-        clip = self.clip
-        if self.bidirectional:
-            rows = self._signed_rows(q_len, k_len, probs.device, stride)
-        else:  # masked (future) keys have prob 0
-            rows = (distances(q_len, k_len, probs.device) * stride).clamp(0, clip)
+        rows = self.row_of(distances(q_len, k_len, probs.device) * stride)  # masked (future) keys have prob 0
         # Sum the probabilities of keys that share a clipped distance, then mix the value embeddings.
-        weights = probs.new_zeros(*probs.shape[:-1], self.value_table.shape[1])
+        weights = probs.new_zeros(*probs.shape[:-1], self.table_rows())
         weights.scatter_add_(-1, rows.expand_as(probs), probs)  # (b, h, i, rows)
-        return torch.einsum("bhir,rhd->bhid", weights, self.value_table[layer].to(probs.dtype))
+        return torch.einsum("bhir,rhd->bhid", weights, self.table("value", layer, probs.dtype))
 
 
-@register_encoding("sinusoidal")
-class SinusoidalAbsolute(PositionalEncoding):
-    """Vaswani et al. 2017 sinusoids added to the input. With memory, positions restart at 0 in every
-    segment, as in the paper's ablation: the same position is reused for different tokens, the
-    "temporal confusion" that motivates relative positions (Dai et al. 2019, §3.3)."""
+@dataclass(frozen=True)
+class NezhaOptions(Options):
+    max_distance: int = 64  # k: distances clip to [-k, k] (bert4keras's NEZHA: 2·64 + 1 rows)
 
-    @classmethod
-    def check_config(cls, config):
-        if config.d_model % 2:
-            raise ConfigError("config.d_model must be even for pos_encoding='sinusoidal'")
-
-    def embed(self, x):
-        table = sinusoid_table(torch.arange(x.shape[1], device=x.device), self.config.d_model)
-        return x + table.to(x.dtype)
+    def validate(self) -> None:
+        self.at_least(0, "max_distance")
 
 
-@register_encoding("learned", options=LearnedOptions)
-class LearnedAbsolute(PositionalEncoding):
-    """A trainable absolute table added to the input (Al-Rfou et al. 2018, BERT, GPT). Positions restart
-    every segment.
+def nezha_table(rows: int, depth: int) -> Tensor:
+    """bert4keras's `Sinusoidal` initializer: row r (r = 0 … rows-1, the row index, not the signed
+    distance) holds sin(r·ω_t) at 2t and cos(r·ω_t) at 2t+1, ω_t = 10000^(-2t/depth); an odd depth's last
+    column stays 0. Computed in float64."""
+    table = torch.zeros(rows, depth, dtype=torch.float64)
+    omega = 10000.0 ** (-2 * torch.arange(depth // 2, dtype=torch.float64) / depth)
+    angles = torch.arange(rows, dtype=torch.float64)[:, None] * omega
+    table[:, 0 : 2 * (depth // 2) : 2] = angles.sin()
+    table[:, 1 : 2 * (depth // 2) : 2] = angles.cos()
+    return table.to(torch.float32)
 
-    `hierarchical = α` (Su 2020, "层次分解位置编码", the bert4keras `PositionEmbedding`): a table e of n =
-    `max_positions` rows reaches n² positions as q_{i·n + j} = α·u_i + (1-α)·u_j with
-    u = (e - α·e_0) / (1-α), which equals e_j for every position j < n (the plain table: a model
-    trained on n positions keeps its behaviour there and extrapolates beyond). Without it, an input
-    longer than the table is an error.
 
-    `position_merge`: how the table joins the token embedding x: `add` (x + e), `mul` (x ⊙ (e + 1)),
-    `concat` (W [x ; e], W a d_model × 2·d_model projection initialised to [I | I], i.e. add).
+@register_encoding("nezha", options=NezhaOptions)
+class NezhaRelative(ShawRelative):
+    """NEZHA's functional relative positions (Wei et al. 2019, arXiv 1909.00204; bert4keras's NEZHA: a
+    `RelativePositionEmbedding` of 2k + 1 rows with the `Sinusoidal` initializer and trainable=False):
+    Shaw et al.'s key and value terms with a fixed table a shared by every head and layer,
+    e_ij = q_i·(k_j + a_{r(i,j)}), z_i = Σ_j α_ij (v_j + a_{r(i,j)}), r(i, j) = clip(j - i, -k, k) + k,
+    and a_r the sinusoid of the row index r (`nezha_table`), added before the 1/sqrt(d) scaling as in
+    bert4keras. A function of distance only: memory-compatible, and bidirectional too. The table is a
+    buffer computed from the options, so checkpoints hold nothing for it.
     """
 
     def __init__(self, config: LayerConfig):
-        super().__init__(config)
-        options = config.position_options
-        self.table = nn.Parameter(torch.zeros(options.max_positions, config.d_model))
-        self.alpha = options.hierarchical
-        self.merge = options.merge
-        if self.merge == "concat":
-            self.merge_proj = nn.Linear(2 * config.d_model, config.d_model, bias=False)
+        PositionalEncoding.__init__(self, config)
+        self.clip = config.position_options.max_distance
+        self.bidirectional = not config.causal
+        self.n_head = config.n_head
+        table = nezha_table(self.table_rows(), config.d_head)[None, :, None, :]  # (1, rows, 1, d): all layers, heads
+        self.register_buffer("key_table", table, persistent=False)
 
-    def reset_parameters(self) -> None:
-        """Called by the model after its init: the concat projection starts as [I | I] (plain add)."""
-        if self.merge == "concat":
-            eye = torch.eye(self.config.d_model)
-            with torch.no_grad():
-                self.merge_proj.weight.copy_(torch.cat([eye, eye], dim=1))
+    @property
+    def value_table(self) -> Tensor:
+        return self.key_table  # one table on both sides
 
-    def positions(self, length: int) -> Tensor:
-        """(length, d_model) position embeddings."""
-        n = self.table.shape[0]
-        if not self.alpha:
-            if length > n:
-                raise UsageError(
-                    f"pos_encoding='learned' has {n} positions but the input has {length} tokens; shorten "
-                    "the segment, raise max_positions or set hierarchical (e.g. 0.4) to extrapolate"
-                )
-            return self.table[:length]
-        if length > n * n:
-            raise UsageError(f"pos_encoding='learned' with hierarchical reaches {n * n} positions "
-                             f"(max_positions²) but the input has {length} tokens; raise max_positions")
-        pos = torch.arange(length, device=self.table.device)
-        u = (self.table - self.alpha * self.table[:1]) / (1 - self.alpha)
-        return self.alpha * u[pos // n] + (1 - self.alpha) * u[pos % n]
+    def table_rows(self) -> int:
+        return 2 * self.clip + 1  # as bert4keras, whatever the direction (a causal model reads rows 0 … k)
 
-    def embed(self, x):
-        e = self.positions(x.shape[1]).to(x.dtype)
-        if self.merge == "mul":
-            return x * (e + 1.0)
-        if self.merge == "concat":
-            return self.merge_proj(torch.cat([x, e.expand_as(x)], dim=-1))
-        return x + e
+    def row_of(self, dist: Tensor) -> Tensor:
+        return self.clip - dist.clamp(-self.clip, self.clip)  # clip(j - i, -k, k) + k with dist = i - j
+
+    @classmethod
+    def check_config(cls, config):
+        if config.attention == "sparse":  # the value term needs every head on one pattern (txl.nn.attention.sparse)
+            raise ConfigError("config.pos_encoding='nezha' adds a value term, which needs every head on one attention "
+                              "pattern; it is not available with attention='sparse'")
+        dilation = getattr(config.attention_options, "dilation", ())
+        layers = getattr(config.attention_options, "layer_dilations", None) or (dilation,)
+        if config.attention == "sliding" and any(len(set(d or ())) > 1 for d in layers):
+            raise ConfigError("config.pos_encoding='nezha' adds a value term, which needs every head on one attention "
+                              "pattern; it is not available with mixed sliding dilation")
 
 
 @register_encoding("rope")
@@ -582,3 +580,13 @@ class XPos(PositionalEncoding):
 
 def build_positional(config: LayerConfig) -> PositionalEncoding:
     return POSITIONAL_ENCODINGS[config.pos_encoding](config)
+
+
+# The absolute encodings (sinusoidal, learned) live in their own module and register on import.
+from txl.nn.positions_absolute import (  # noqa: E402
+    LearnedAbsolute,
+    LearnedOptions,
+    PositionMerge,
+    SinusoidalAbsolute,
+    SinusoidalOptions,
+)

@@ -34,7 +34,8 @@ from txl.nn.feedforward import activation, fc1_width
 from txl.nn.gating import GRUGate
 from txl.nn.memory import MemoryPass, MemoryState, register_pytree
 from txl.nn.norms import build_norm
-from txl.nn.positional import LayerPositions
+from txl.nn.positional import LayerPositions, embed_positions
+from txl.nn.positions_absolute import token_embedding_config
 from txl.nn.recurrence import same_layer_memory
 from txl.nn.regularization import locked_dropout, word_dropout
 from txl.nn.reversible import reversible_blocks
@@ -162,7 +163,8 @@ class TransformerXL(nn.Module):
         # the parts every layer is built from: plain PyTorch, or the CPU fast backend's (the default,
         # "auto"; same parameters and results, txl/fast/__init__.py)
         backend = backend_for(config.backend)
-        self.embed = AdaptiveEmbedding(config, linear=backend.linear)
+        # a widening concat of absolute positions (merge='concat') takes tokens d_model - dim wide
+        self.embed = AdaptiveEmbedding(token_embedding_config(config), linear=backend.linear)
         self.drop = backend.Dropout(config.dropout)
         self.pos = backend.positional(config)
         # universal: one block shared by every step (txl.models.transformer_xl.universal), else one block per layer
@@ -239,6 +241,7 @@ class TransformerXL(nn.Module):
         output_attentions: bool = False,
         output_hidden_states: bool = False,
         global_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
     ) -> TransformerXLOutput:
         """attention_mask: (b, t), 1 for a token and 0 for padding (the Hugging Face convention); padded
         positions are never attended to and never scored. With memory, the returned memory carries the
@@ -249,7 +252,9 @@ class TransformerXL(nn.Module):
         give each sequence what it gets run alone, for the relative encodings (docs/guide/data.md,
         "Padding inside the memory"). mem_len / clamp_len / same_length: this call's settings
         (default: the model's attributes). global_mask: (b, t), nonzero for global tokens (chosen
-        positions that see and are seen by all, e.g. a [CLS]); for kernels that take it (bigbird, sliding)."""
+        positions that see and are seen by all, e.g. a [CLS]); for kernels that take it (bigbird, sliding).
+        position_ids: (t,) or (b, t) absolute positions of the tokens for the absolute encodings (sinusoidal,
+        learned; bert4keras's custom_position_ids), e.g. to continue positions across segments; default 0 … t-1."""
         if input_ids.dim() != 2:
             raise UsageError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
         mem_len = self.mem_len if mem_len is None else mem_len
@@ -277,7 +282,7 @@ class TransformerXL(nn.Module):
                              key_padding=key_padding, global_mask=global_mask)
 
         memory_update = self.memory_kind(self, memory, mem_len=mem_len, q_len=q_len)
-        h = self.pos.embed(self._embed(input_ids))  # (b, t, d_model)
+        h = embed_positions(self.pos, self._embed(input_ids), position_ids)  # (b, t, d_model)
         # dropout_input: one mask per sequence (variational) instead of the per-position dropout
         h = locked_dropout(h, self.config.dropout_input, self.training) if self.config.dropout_input else self.drop(h)
         k_len = memory_update.past_length + q_len
