@@ -6,7 +6,18 @@ query-key dot products.
   two-layer network, B_i = W_2 relu(W_1 x_i + b_1) + b_2 (x_i = the query's projection, per head;
   W shared by the heads);
 - **random** (`mode="random"`, §3.2): one learned score row per head, R, the same for
-  every query (input-independent).
+  every query (input-independent);
+- **factorized dense** (`mode="factorized-dense"`, §3.1 "Factorized Dense Synthesizer"): the query's row
+  of width ℓ is the product of two short ones, A = F_A(x_i) of length a and B = F_B(x_i) of length b
+  (a·b >= ℓ), tiled to ℓ: C = H_A(A) * H_B(B), where H_A repeats each entry of A b times and H_B tiles B a
+  times, so C[t] = A[t // b]·B[t mod b] (A ⊗ B flattened, cut to ℓ). F_A, F_B share the hidden layer of
+  the dense form: A = W_A relu(W_1 x_i + b_1) + b_A, likewise B; a·d + b·d output weights instead of ℓ·d;
+- **factorized random** (`mode="factorized-random"`, §3.2 "Factorized Random Synthesizer"): R = R_1 R_2ᵀ
+  of rank k (`rank`) per head. The paper's R is ℓ × ℓ over (query, key) positions of a fixed-length input;
+  here, as for `random`, R is one row by distance, so it is that row laid out as an a × b grid (row t at
+  [t // b, t mod b]) that is R_1 R_2ᵀ, R_1 (a × k), R_2 (b × k): k·(a + b) parameters per head instead of ℓ.
+
+`factors` = a (0: ceil(sqrt(ℓ))); b = ceil(ℓ / a).
 
 The paper's rows index absolute positions 0 … ℓ-1 of a fixed-length input. Here they index the
 *distance* to the key (0 … L-1 for a causal LM, -(L-1) … L-1 bidirectionally, L =
@@ -22,6 +33,7 @@ absolute encodings enter through the input.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -40,11 +52,21 @@ from txl.nn.positional import LayerPositions
 class SynthesizerOptions(Options):
     """`attention_options` of attention='synthesizer'."""
 
-    mode: Literal["dense", "random"] = "dense"  # scores synthesised per query (dense) or learned by distance (random)
+    # scores synthesised per query (dense) or learned by distance (random), each also factorized (§3.1, §3.2)
+    mode: Literal["dense", "random", "factorized-dense", "factorized-random"] = "dense"
     max_len: int = 256  # distances a query can see (its window, itself included)
+    factors: int = 0  # a, factorized modes: the row of width ℓ is an a × ceil(ℓ/a) grid (0: a = ceil(sqrt(ℓ)))
+    rank: int = 8  # k, factorized-random: R_1 R_2ᵀ of rank k
 
     def validate(self) -> None:
-        self.at_least(1, "max_len")
+        self.at_least(1, "max_len", "rank")
+        self.at_least(0, "factors")
+
+
+def grid_shape(width: int, factors: int) -> tuple[int, int]:
+    """(a, b) of the factorized row: a·b >= width, a = `factors` (capped at width) or ceil(sqrt(width))."""
+    a = min(factors, width) if factors else math.isqrt(width - 1) + 1
+    return a, -(-width // a)
 
 
 @register("synthesizer", "fast", bidirectional=True, score_terms=False, options=SynthesizerOptions)
@@ -56,17 +78,35 @@ class SynthesizerAttention(nn.Module):
         self.mode, self.max_len, self.causal = config.attention_options.mode, config.attention_options.max_len, config.causal
         width = self.max_len if config.causal else 2 * self.max_len - 1
         d = config.d_head
+        self.width = width
+        a, b = grid_shape(width, config.attention_options.factors)
         if self.mode == "dense":
             self.hidden = nn.Linear(d, d)
             self.scores = nn.Linear(d, width)
-        else:
+        elif self.mode == "factorized-dense":
+            self.hidden = nn.Linear(d, d)
+            self.factor_a, self.factor_b = nn.Linear(d, a), nn.Linear(d, b)  # F_A, F_B
+        elif self.mode == "random":
             self.table = nn.Parameter(torch.randn(config.n_head, width) * config.init_std)
+        else:  # factorized-random: R_1 (h, a, k), R_2 (h, b, k); scaled so R_1 R_2ᵀ starts near init_std
+            k = config.attention_options.rank
+            scale = (config.init_std / k**0.5) ** 0.5
+            self.table_a = nn.Parameter(torch.randn(config.n_head, a, k) * scale)
+            self.table_b = nn.Parameter(torch.randn(config.n_head, b, k) * scale)
 
     def rows(self, q: Tensor) -> Tensor:
         """(b, h, i, width) synthetic scores of each query by distance column."""
         if self.mode == "dense":
             return self.scores(F.relu(self.hidden(q))).float()
-        return self.table.float()[None, :, None, :].expand(q.shape[0], -1, q.shape[2], -1)
+        if self.mode == "factorized-dense":
+            hidden = F.relu(self.hidden(q))
+            a, b = self.factor_a(hidden).float(), self.factor_b(hidden).float()  # (.., a), (.., b)
+            return (a[..., :, None] * b[..., None, :]).flatten(-2)[..., : self.width]  # H_A(A) * H_B(B)
+        if self.mode == "random":
+            table = self.table.float()
+        else:
+            table = (self.table_a.float() @ self.table_b.float().transpose(-1, -2)).flatten(-2)[:, : self.width]
+        return table[None, :, None, :].expand(q.shape[0], -1, q.shape[2], -1)
 
     def column(self, dist: Tensor) -> tuple[Tensor, Tensor]:
         """The row column of each distance, and whether it is within reach."""
