@@ -326,3 +326,24 @@ def test_bad_options_are_refused_by_name(overrides, message):
         return
     with pytest.raises(ConfigError, match=message):
         TransformerXLConfig(**{**BASE, **options, **overrides})
+
+
+@pytest.mark.parametrize("sets", [
+    ["model.attention=axial", "model.attention_options.row=4", 'model.attention_options.axes=["row", "column", "previous-row"]'],
+    ["model.attention=etc", "model.attention_options.radius=2", "model.attention_options.chunk=4"],
+])
+def test_txl_train_runs_three_steps(tmp_path, sets):
+    import json
+
+    from txl.cli.main import main
+
+    text = tmp_path / "plain.txt"
+    text.write_text("rows and columns of the grid, chunks and their global tokens\n" * 40)
+    small = ["model.n_layer=2", "model.d_model=32", "model.n_head=4", "model.d_head=8", "model.d_inner=64",
+             "model.mem_len=16", "model.pos_encoding=rope", "tgt_len=16", "eval_tgt_len=16", "batch_size=4",
+             "eval_batch_size=2", "eval_max_tokens=300", "max_steps=3", "eval_interval=3", "log_interval=1",
+             "max_minutes=0", "sample_tokens=0", "warmup_steps=0", *sets]
+    run = tmp_path / "run"
+    argv = ["train", "--preset", "tiny", "--data", f"text:{text}", "--out", str(run), "--threads", "1", "--quiet"]
+    assert main([*argv, *[arg for s in small for arg in ("--set", s)]]) == 0
+    assert json.loads((run / "result.json").read_text())["steps"] == 3
