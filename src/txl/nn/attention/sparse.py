@@ -46,12 +46,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from txl.errors import ConfigError
-from txl.nn.attention.masks import NEG, AttentionMask
+from txl.nn.attention.image_local import dense_pattern_attention
+from txl.nn.attention.masks import AttentionMask
 from txl.nn.attention.pattern import gathered_attention, pad_to
 from txl.nn.attention.registry import register
 from txl.nn.attention.sliding import UNBOUNDED, SlidingWindowAttention, SlidingWindowReference, shaw_values
 from txl.nn.options import LayerConfig, Options
-from txl.nn.positional import LayerPositions, rel_shift_pad
+from txl.nn.positional import LayerPositions
 
 
 @dataclass(frozen=True)
@@ -141,17 +142,8 @@ class SparseFixedReference(nn.Module):
 
     def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
                 need_weights: bool = False):
-        i, n, d = q.shape[-2], k.shape[-2], q.shape[-1]
-        q_content, k_content = positions.content(q, k)
-        scores = torch.einsum("bhid,bhjd->bhij", q_content, k_content)
-        bias = positions.score_bias(q, k_len=n, rel_shift=rel_shift_pad)
-        if bias is not None:
-            scores = scores + bias
-        scores = scores.float() * d**-0.5
-        visible = mask.visible(i, n, q.device) & self.pattern(i, n, q.device)[None]
-        probs = scores.masked_fill(~visible, NEG).softmax(dim=-1) * visible.any(-1, keepdim=True)
-        probs = probs.to(v.dtype)
-        out = torch.einsum("bhij,bhjd->bhid", F.dropout(probs, p=dropatt, training=training), v)
+        out, probs = dense_pattern_attention(q, k, v, self.pattern(q.shape[-2], k.shape[-2], q.device),
+                                             positions=positions, mask=mask, dropatt=dropatt, training=training)
         return out, probs if need_weights else None
 
     def extra_repr(self) -> str:
