@@ -162,9 +162,13 @@ def test_reversible_trains_three_steps():
     (dict(memory_source="same-layer"), "memory_source='same-layer'"),
     (dict(universal=True), "universal=True"),
     (dict(cmem_len=4), "cmem_len=4"),
+    (dict(attention="routing", pos_encoding="rope"), None),
+    (dict(attention="performer", pos_encoding="rope"), None),
 ])
 def test_reversible_refuses_blocks_it_cannot_invert(overrides, refused):
-    with pytest.raises(ConfigError, match=f"config.reversible needs pre-LN blocks.*got {refused}"):
+    message = f"config.reversible needs pre-LN blocks.*got {refused}" if refused else \
+        f"config.reversible cannot take attention='{overrides['attention']}'"
+    with pytest.raises(ConfigError, match=message):
         TransformerXLConfig(**{**BASE, **overrides})
 
 

@@ -166,6 +166,4 @@ class ReversibleStack(torch.autograd.Function):
                 x1 = y1 - f
                 dy2 = dy2 + x2_.grad
             y1, y2 = x1, x2
-        grads = [leaves[k].grad for k in run.names]
-        ctx.run = None  # the blocks and the memory pass are not kept past the backward
-        return (dy1 + dy2, None, *grads)
+        return (dy1 + dy2, None, *(leaves[k].grad for k in run.names))

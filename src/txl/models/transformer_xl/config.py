@@ -244,6 +244,10 @@ class TransformerXLConfig(ModelConfig):
                 raise ConfigError(f"config.reversible needs pre-LN blocks with plain residuals (pre_lnorm=true, "
                                   f"residual='add', memory_source='previous-layer', universal=false, cmem_len=0), "
                                   f"got {', '.join(refused)}")
+            if self.attention in ("performer", "routing"):  # their state moves in every training forward
+                raise ConfigError(f"config.reversible cannot take attention={self.attention!r}: its random features / "
+                                  "centroids change in each training forward, so the backward's recompute would not "
+                                  "rebuild the forward's blocks")
         if self.cmem_len:
             changed = [f"{name}={value!r}" for name, value, default in (
                 ("memory_source", self.memory_source, "previous-layer"), ("norm", self.norm, "layernorm"),
