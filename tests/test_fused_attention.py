@@ -27,7 +27,9 @@ from txl.nn.attention.xl_fast import fast_attention
 from txl.nn.positional import CONTENT_ONLY, POSITIONAL_ENCODINGS
 
 FUSED = ["sdpa", "flex"]
-ENCODINGS = list(POSITIONAL_ENCODINGS)  # every registered encoding
+# every registered encoding but nezha, whose value term a fused kernel never returns: it runs the fast kernel
+# (test_nezha_is_handed_to_the_fast_kernel below)
+ENCODINGS = [name for name in POSITIONAL_ENCODINGS if name != "nezha"]
 BIDIRECTIONAL = [p for p, cls in POSITIONAL_ENCODINGS.items() if not cls.causal_only]
 SCORE_TERMS = [p for p, cls in POSITIONAL_ENCODINGS.items() if cls.score_terms]
 EXTRA = {"shaw": {"position_options": {"max_distance": 6}}}  # clipping active inside the span
@@ -206,6 +208,13 @@ def test_full_model_equals_eager_over_segments_with_memory(impl, pos, same_lengt
     assert fused.blocks[0].attn.kernel is KERNELS[("full", impl)]
     assert_models_agree(eager, fused)
     assert fused_calls == [f"_{impl}"] * 8  # 2 layers x 4 segments, none handed to the fast kernel
+
+
+@pytest.mark.parametrize("impl", FUSED)
+def test_nezha_is_handed_to_the_fast_kernel(impl, flex_cpu_backward, fused_calls):
+    eager, fused = pair(impl, pos_encoding="nezha", position_options={"max_distance": 6})
+    assert_models_agree(eager, fused)
+    assert fused_calls == []
 
 
 SLIDING = {  # name: config overrides
