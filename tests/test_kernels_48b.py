@@ -313,7 +313,7 @@ def test_small_kernels_train_three_steps(name):
     (dict(attention="axial", same_length=True), None),
     (dict(attention="etc", attention_options=dict(chunk=1)), "config.attention_options.chunk must be >= 2"),
     (dict(attention="etc", attention_options=dict(radius=-1)), "config.attention_options.radius must be >= 0"),
-    (dict(attention="etc", pos_encoding="xl"), "config.pos_encoding='xl' adds a term"),
+    (dict(attention="etc", pos_encoding="xl"), "config.pos_encoding=.xl. adds a term"),
 ])
 def test_bad_options_are_refused_by_name(overrides, message):
     options = {"attention_options": dict(row=4, axes=["row", "column", "previous-row"])} if overrides["attention"] == "axial" else {}
@@ -347,3 +347,56 @@ def test_txl_train_runs_three_steps(tmp_path, sets):
     argv = ["train", "--preset", "tiny", "--data", f"text:{text}", "--out", str(run), "--threads", "1", "--quiet"]
     assert main([*argv, *[arg for s in small for arg in ("--set", s)]]) == 0
     assert json.loads((run / "result.json").read_text())["steps"] == 3
+
+
+@pytest.mark.parametrize("pos", ["xl", "shaw", "alibi", "t5", "rope"])
+@pytest.mark.parametrize("row", [1, 3, 5, 12, 40])  # 2c > n and c > n take the term from the full matrix
+@pytest.mark.parametrize(("causal", "n", "i"), [(True, 23, 23), (True, 31, 17), (True, 9, 1), (False, 22, 22)])
+def test_axial_takes_every_encodings_score_term_as_its_dense_reference(pos, row, causal, n, i):
+    if not causal and pos in ("xl", "alibi"):
+        pytest.skip(f"{pos} is defined for causal distances only")
+    axes = ["row", "column", "previous-row"] if causal else ["row", "column"]
+    cfg = TransformerXLConfig(**{**BASE, **({} if causal else dict(causal=False, mem_len=0)), "pos_encoding": pos,
+                                 "attention": "axial", "attention_options": dict(row=row, axes=axes)})
+    model = build(cfg)
+    positions = model.pos.layer(1, model.pos.prepare(k_len=n, clamp_len=0, device=torch.device("cpu"),
+                                                     dtype=torch.float32))
+    mask = AttentionMask(causal=causal)
+    outs, grads = [], []
+    for kernel in (AxialAttention(cfg), AxialReference(cfg)):
+        q, k, v = qkv(n, i, grad=True)
+        out = kernel(q, k, v, positions=positions, mask=mask, dropatt=0.0, training=False)[0]
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        outs.append(out)
+        grads.append((q.grad, k.grad, v.grad))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_axial_refuses_value_terms():
+    with pytest.raises(ConfigError, match="adds a value term over every key"):
+        TransformerXLConfig(**{**BASE, "pos_encoding": "shaw", "position_options": {"values": True},
+                               "attention": "axial", "attention_options": SMALL["axial"]})
+
+
+@pytest.mark.parametrize("pos", ["xl", "alibi", "t5"])
+def test_axial_with_score_terms_is_segment_invariant_with_memory_and_generates(pos):
+    """Transformer-XL's own positions on the grid: one long pass = segments with memory; decoding with
+    memory picks what re-running the context picks."""
+    from txl.generate.decoder import generate_rerun, stream_tokens
+
+    model = build(TransformerXLConfig(**{**config("axial").to_dict(), "pos_encoding": pos}))
+    x = torch.randint(0, 61, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(x, mem_len=24).logits
+        memory, pieces = None, []
+        for part in x.split([7, 8, 9], dim=1):
+            out = model(part, memory=memory, mem_len=24)
+            memory = out.memory
+            pieces.append(out.logits)
+        torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    assert list(stream_tokens(model, [1, 2, 3, 4, 5], max_new_tokens=12, temperature=0)) == \
+        list(generate_rerun(model, [1, 2, 3, 4, 5], max_new_tokens=12))

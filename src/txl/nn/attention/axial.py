@@ -20,9 +20,12 @@ at most the query's; with previous-row heads (`axes = ["row", "column", "previou
 outer + inner decoder in one layer) two layers reach every earlier position.
 
 The fast kernel reshapes the keys into the grid and attends within rows and columns (no (i, n)
-matrix); `attention_impl="eager"` builds the same pattern as a dense per-head mask: the reference. The
-pattern is not a band of distances, so the encoding's score terms do not apply (`score_terms=False`):
-positions come from RoPE/xPos (rotated q and k) or an absolute encoding in the input.
+matrix); `attention_impl="eager"` builds the same pattern as a dense per-head mask: the reference.
+Every positional encoding applies, its score term taken per axis on the grid: a row's keys are the
+distances 0 … c-1 from its queries (a c × c term per row), a column's are multiples of c (the term
+with `stride=c`), the row above is the first half of a 2c-key term. Transformer-XL's relative
+positions (the default) therefore run with memory as in the full kernel. Shaw's value term (and NEZHA's)
+would need the probabilities over every key: refused.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from txl.errors import ConfigError
 from txl.nn.attention.masks import AttentionMask
 from txl.nn.attention.pattern import dense_masked_attention, gathered_attention, pad_to
 from txl.nn.attention.registry import refuse, register
+from txl.nn.attention.sliding import shaw_values
 from txl.nn.options import LayerConfig, Options
 from txl.nn.positional import LayerPositions
 
@@ -61,6 +65,9 @@ class AxialOptions(Options):
 
 def check_axial(config: LayerConfig) -> None:
     axes = config.attention_options.axes
+    if shaw_values(config) or config.pos_encoding == "nezha":
+        raise ConfigError(f"config.pos_encoding={config.pos_encoding!r} adds a value term over every key, which "
+                          "attention='axial' never forms (set position_options.values=false for shaw)")
     if not config.causal and "previous-row" in axes:
         raise ConfigError("config.attention_options.axes 'previous-row' is the causal grid's past row; "
                           "a bidirectional model (causal=false) takes row and column")
@@ -71,6 +78,24 @@ def check_axial(config: LayerConfig) -> None:
 
 def head_axes(n_head: int, axes: tuple[str, ...]) -> list[str]:
     return [axes[t % len(axes)] for t in range(n_head)]
+
+
+def grid_bias(positions: LayerPositions, q: Tensor, k_len: int, stride: int = 1) -> Tensor | None:
+    """The encoding's score term for query rows q (B, h, I, d), the last I of k_len keys `stride` apart,
+    as (B, h, I, k_len) (None: the encoding adds none)."""
+    bias = positions.score_bias(q, k_len=k_len, stride=stride)
+    return None if bias is None else bias.expand(*q.shape[:3], k_len)
+
+
+def rows_of_full_bias(full: Tensor, *, lead: int, first: int, rows: int, c: int, shift: int) -> Tensor:
+    """From the (b, h, i, n) term over every pair: (b, h, q_rows, c, c), each query row against key row
+    (its row - shift). For sequences shorter than the 2c keys a row term would need (the encoding's
+    tables stop at distance n - 1): there it costs O(n²) = O(c²)."""
+    b, h, i, n = full.shape
+    q_rows = rows - first
+    grid = F.pad(full, (0, rows * c - n, lead, q_rows * c - i - lead)).view(b, h, q_rows, c, rows, c)
+    key_rows = (first + torch.arange(q_rows, device=full.device) - shift).clamp(min=0)  # row -1: masked anyway
+    return grid[:, :, torch.arange(q_rows, device=full.device), :, key_rows, :].permute(1, 2, 0, 3, 4)
 
 
 def axial_pattern(kinds: list[str], q_len: int, k_len: int, row: int, causal: bool, device: torch.device) -> Tensor:
@@ -86,8 +111,7 @@ def axial_pattern(kinds: list[str], q_len: int, k_len: int, row: int, causal: bo
     return torch.stack([by_axis[kind] for kind in kinds])
 
 
-@register("axial", "fast", bidirectional=True, score_terms=False, cross_attention=False, check=check_axial,
-          options=AxialOptions)
+@register("axial", "fast", bidirectional=True, cross_attention=False, check=check_axial, options=AxialOptions)
 class AxialAttention(nn.Module):
     """`attention="axial"`: row, column (and previous-row) heads over the grid of the keys."""
 
@@ -106,13 +130,15 @@ class AxialAttention(nn.Module):
         if need_weights:
             return AxialReference.forward(self, q, k, v, positions=positions, mask=mask, dropatt=dropatt,
                                           training=training, need_weights=True)
+        q_raw = q  # the score terms take the projected queries (xl adds its own bias v)
         q, k = positions.content(q, k)
         b, h, i, d = q.shape
-        n, c = k.shape[-2], self.row
+        n, c, scale = k.shape[-2], self.row, q.shape[-1] ** -0.5
         rows, first = -(-n // c), (n - i) // c  # grid rows; the first row holding a query
         lead = n - i - first * c  # queries padded on the left onto the grid
         q_rows = rows - first
         q_grid = pad_to(F.pad(q, (0, 0, lead, 0)), 2, c).view(b, h, q_rows, c, d)
+        raw_grid = pad_to(F.pad(q_raw, (0, 0, lead, 0)), 2, c).view(b, h, q_rows, c, d)
         k_grid = pad_to(k, 2, c).view(b, h, rows, c, d)
         v_grid = pad_to(v, 2, c).view(b, h, rows, c, d)
         real = torch.arange(rows * c, device=q.device) < n  # (rows·c,) a key, not the grid's padding
@@ -126,37 +152,54 @@ class AxialAttention(nn.Module):
                 if mask.causal:
                     above = torch.arange(rows, device=q.device) <= first + torch.arange(q_rows, device=q.device)[:, None]
                     visible = visible & above  # (q_rows, rows): the query's row and those above
+                # the term of keys c apart: each column's queries are the last q_rows of its rows
+                by_column = raw_grid.permute(0, 3, 1, 2, 4).reshape(b * c, h, q_rows, d)
+                bias = grid_bias(positions, by_column, rows, stride=c)
+                if bias is not None:
+                    bias = bias.reshape(b, c, h, q_rows, rows).transpose(1, 2)[:, heads] * scale
                 o, _ = gathered_attention(qs.transpose(2, 3), ks.transpose(2, 3), vs.transpose(2, 3), visible,
-                                          dropatt=dropatt, training=training, need_lse=False)
+                                          dropatt=dropatt, training=training, need_lse=False, score_offset=bias)
                 out[:, heads] = o.transpose(2, 3)
                 continue
+            shift = 0 if kind == "row" else 1
             if kind == "row":
                 keys, values, seen = ks[:, :, first:], vs[:, :, first:], real[:, first:]
             else:  # previous-row: the grid shifted down one row, an empty row on top
                 keys, values = F.pad(ks, (0, 0, 0, 0, 1, 0))[:, :, first:rows], F.pad(vs, (0, 0, 0, 0, 1, 0))[:, :, first:rows]
                 seen = F.pad(real, (0, 0, 1, 0), value=False)[:, first:rows]
+            if (shift + 1) * c <= n:  # a row's queries are the last c of [row above ;] own row's keys
+                bias = grid_bias(positions, raw_grid.transpose(1, 2).reshape(b * q_rows, h, c, d), (shift + 1) * c)
+                if bias is not None:
+                    bias = bias[..., :c].reshape(b, q_rows, h, c, c).transpose(1, 2)
+            else:
+                full = grid_bias(positions, q_raw, n)
+                bias = None if full is None else rows_of_full_bias(full, lead=lead, first=first, rows=rows, c=c,
+                                                                   shift=shift)
+            if bias is not None:
+                bias = bias[:, heads] * scale
             visible = seen[:, None, :, None, :]  # (b|1, 1, q_rows, 1, c)
             if mask.causal and kind == "row":
                 visible = visible & torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
             out[:, heads], _ = gathered_attention(qs, keys, values, visible, dropatt=dropatt, training=training,
-                                                  need_lse=False)
+                                                  need_lse=False, score_offset=bias)
         return out.view(b, h, q_rows * c, d)[:, :, lead:lead + i], None
 
     def extra_repr(self) -> str:
         return f"row={self.row}, axes={self.kinds}"
 
 
-@register("axial", "eager", bidirectional=True, score_terms=False, cross_attention=False, check=check_axial,
-          options=AxialOptions)
+@register("axial", "eager", bidirectional=True, cross_attention=False, check=check_axial, options=AxialOptions)
 class AxialReference(AxialAttention):
     """The same axes as a dense per-head (i, n) mask, O(n²): the ground truth for `AxialAttention`."""
 
     def forward(self, q, k, v, *, positions: LayerPositions, mask: AttentionMask, dropatt: float, training: bool,
                 need_weights: bool = False):
         refuse(self.name, mask, same_length="")
-        q, k = positions.content(q, k)
         i, n = q.shape[-2], k.shape[-2]
+        bias = positions.score_bias(q, k_len=n)  # the encoding's term over every pair, as the eager kernel
+        offset = None if bias is None else bias.float() * q.shape[-1] ** -0.5
+        q, k = positions.content(q, k)
         pattern = axial_pattern(self.kinds, i, n, self.row, mask.causal, q.device)
         visible = mask.visible(i, n, q.device) & pattern[None]
-        out, probs = dense_masked_attention(q, k, v, visible, dropatt=dropatt, training=training)
+        out, probs = dense_masked_attention(q, k, v, visible, dropatt=dropatt, training=training, score_offset=offset)
         return out, probs if need_weights else None
