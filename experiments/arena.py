@@ -131,11 +131,12 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in [
     Variant("mqa", ("n_kv_head=1",), "xl with multi-query attention, 1 key/value head (Shazeer 2019)"),
     Variant("qk-norm", ("qk_norm=true",), "xl with RMS-normalised queries and keys per head (Henry et al. 2020)"),
     # the founding documents' remaining systems (issue 48), run with --section seeds
-    Variant("axial", ("pos_encoding=rope", "attention=axial", "attention_options.row=16"),
-            "axial attention over rows of 16: masked row and masked column heads, rope (Ho et al. 2019)"),
-    Variant("axial-outer", ("pos_encoding=rope", "attention=axial", "attention_options.row=16",
+    Variant("axial", ("attention=axial", "attention_options.row=16"),
+            "axial attention over rows of 16: masked row and masked column heads, xl positions (Ho et al. 2019)"),
+    Variant("axial-outer", ("attention=axial", "attention_options.row=16",
                             'attention_options.axes=["row", "column", "previous-row"]'),
-            "axial rows of 16 with the outer decoder's row-above heads too: every earlier position in two layers, rope"),
+            "axial rows of 16 with the outer decoder's row-above heads too: every earlier position in two layers, "
+            "xl positions"),
     Variant("etc", ("pos_encoding=rope", "attention=etc", "attention_options.radius=16", "attention_options.chunk=16"),
             "ETC global-local: l2l radius 16, each 16th position global (g2g, g2l, l2g), Shaw labels per piece, "
             "rope (Ainslie et al. 2020)"),
