@@ -8,6 +8,8 @@ invariants on every kernel with its default options.)"""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -140,6 +142,9 @@ def test_linformer_layerwise_sharing_holds_one_matrix_for_the_whole_stack():
         e, f = block.attn.kernel.projections()
         assert e is first and f is first
     assert sum(p is first for p in model.parameters()) == 1  # the optimizer sees it once
+    copied = copy.deepcopy(model)  # (averaging, EMA) the copy's layers share the copy's E
+    own = copied.blocks[0].attn.kernel.key_projection
+    assert own is not first and all(block.attn.kernel.projections()[0] is own for block in copied.blocks)
 
 
 def test_linformer_layerwise_equals_key_value_with_equal_matrices_and_sums_their_gradients():
@@ -202,6 +207,12 @@ def test_sparse_pattern_option_picks_the_kernel_and_strided_stays_the_default():
     assert type(SparseStridedReference(fixed)) is SparseFixedReference
     strided = config("sparse", pattern="strided")
     assert type(SparseStridedAttention(strided)) is SparseStridedAttention
+    from txl.nn.attention.fused import SparseFlex, SparseSDPA
+    from txl.nn.attention.registry import resolve_kernel
+
+    for fused in (SparseSDPA, SparseFlex, resolve_kernel("sparse", "auto")):  # they cover the strided bands only
+        assert type(fused(fixed)) is SparseFixedAttention
+        assert isinstance(fused(strided), SparseStridedAttention) and not isinstance(fused(strided), SparseFixedReference)
     assert TransformerXLConfig(**{**BASE, "attention": "sparse"}).attention_options.pattern == "strided"
 
 
