@@ -163,7 +163,8 @@ class StyleTransfer:
         model, config = self.model, self.model.config
         batch = tokens.shape[0]
         noisy, noisy_len = word_drop(tokens, lengths, config.word_drop, eos_id=config.eos_id, pad_id=config.pad_id)
-        self_nll = token_nll(model.reconstruct(noisy, noisy_len, styles, tokens), tokens, config.pad_id)
+        self_nll = token_nll(model.reconstruct(noisy, noisy_len, styles, tokens, temperature=config.temperature),
+                             tokens, config.pad_id)  # the reference's temperature reaches every pass of f
         loss = config.self_factor * self_nll.sum() / batch
         losses = {"self": float(self_nll.detach().sum()) / batch}
         if cycle:
@@ -171,7 +172,8 @@ class StyleTransfer:
             d = model.discriminator
             d.eval()
             soft, soft_len = self._rewrite(tokens, lengths, other)
-            cycle_nll = token_nll(model.reconstruct(soft, soft_len, styles, tokens), tokens, config.pad_id)
+            cycle_nll = token_nll(model.reconstruct(soft, soft_len, styles, tokens, temperature=config.temperature),
+                                  tokens, config.pad_id)
             if config.discriminator == "multi":
                 adv = F.nll_loss(d(soft, soft_len), other + 1, reduction="sum") / batch
             else:
