@@ -237,7 +237,6 @@ class StyleTransfer:
         style = names[0] if names else "0"
         return [(f"txl generate {run} --style {style} --prompt TEXT", "rewrite a sentence in a style (--input FILE: "
                                                                      "one per line)"),
-                (f"txl eval {run}", "self-reconstruction perplexity on the valid split"),
                 (f"txl plot {run}", "training curves as a PNG"),
                 (f"txl train --resume {run} --max-steps N", "train longer")]
 
