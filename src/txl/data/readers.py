@@ -102,7 +102,8 @@ def make_plan(spec: DataSpec) -> Plan:
     }
     if spec.name not in planners:  # pair corpora and document collections have their own readers
         raise DataError(f"{spec.text!r} is not a token stream for a language model: a pair corpus trains with "
-                        "txl.data.seq2seq, a docs: collection with --objective classify (txl.data.documents)")
+                        "txl.data.seq2seq, a docs: collection with --objective classify (txl.data.documents), a "
+                        "style: corpus the Style Transformer (txl.data.style, --preset style-transfer)")
     return planners[spec.name](spec)
 
 
