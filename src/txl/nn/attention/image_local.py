@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from txl.nn.attention.masks import NEG, AttentionMask
 from txl.nn.attention.pattern import pad_to
 from txl.nn.attention.registry import register
+from txl.nn.attention.sparse import dense_pattern_attention
 from txl.nn.options import LayerConfig, Options
 from txl.nn.positional import LayerPositions, rel_shift_pad
 
@@ -56,26 +57,6 @@ def image_local_pattern(q_len: int, k_len: int, query_block: int, memory_block: 
     p = torch.arange(q_len, device=device)[:, None] + k_len - q_len
     j = torch.arange(k_len, device=device)[None, :]
     return (j <= p) & (j >= (p // query_block) * query_block - memory_block)
-
-
-def dense_pattern_attention(q: Tensor, k: Tensor, v: Tensor, pattern: Tensor, *, positions: LayerPositions,
-                            mask: AttentionMask, dropatt: float, training: bool) -> tuple[Tensor, Tensor]:
-    """The full kernel's attention (content, the encoding's score and value terms) restricted to `pattern`
-    ((h|1, i, n) bool) and the mask: softmax over the visible keys, a row that sees none gets 0. Returns
-    out and the probabilities (b, h, i, n)."""
-    i, n, d = q.shape[-2], k.shape[-2], q.shape[-1]
-    q_content, k_content = positions.content(q, k)
-    scores = torch.einsum("bhid,bhjd->bhij", q_content, k_content)
-    bias = positions.score_bias(q, k_len=n, rel_shift=rel_shift_pad)
-    if bias is not None:
-        scores = scores + bias
-    visible = mask.visible(i, n, q.device) & pattern[None]
-    probs = (scores.float() * d**-0.5).masked_fill(~visible, NEG).softmax(dim=-1) * visible.any(-1, keepdim=True)
-    probs = probs.to(v.dtype)
-    dropped = F.dropout(probs, p=dropatt, training=training)
-    out = torch.einsum("bhij,bhjd->bhid", dropped, v)
-    value_term = positions.value_term(dropped)
-    return (out if value_term is None else out + value_term), probs
 
 
 @register("image-local", "fast", cross_attention=False, options=ImageLocalOptions)

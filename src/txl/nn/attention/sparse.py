@@ -46,13 +46,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from txl.errors import ConfigError
-from txl.nn.attention.image_local import dense_pattern_attention
-from txl.nn.attention.masks import AttentionMask
+from txl.nn.attention.masks import NEG, AttentionMask
 from txl.nn.attention.pattern import gathered_attention, pad_to
 from txl.nn.attention.registry import register
 from txl.nn.attention.sliding import UNBOUNDED, SlidingWindowAttention, SlidingWindowReference, shaw_values
 from txl.nn.options import LayerConfig, Options
-from txl.nn.positional import LayerPositions
+from txl.nn.positional import LayerPositions, rel_shift_pad
 
 
 @dataclass(frozen=True)
@@ -112,6 +111,26 @@ class SparseStridedReference(SparseStridedAttention, SlidingWindowReference):
 
 # ---------------------------------------------------------------------------------------------
 # the fixed pattern
+
+
+def dense_pattern_attention(q: Tensor, k: Tensor, v: Tensor, pattern: Tensor, *, positions: LayerPositions,
+                            mask: AttentionMask, dropatt: float, training: bool) -> tuple[Tensor, Tensor]:
+    """The full kernel's attention (content, the encoding's score and value terms) restricted to `pattern`
+    ((h|1, i, n) bool) and the mask: softmax over the visible keys, a row that sees none gets 0. Returns
+    out and the probabilities (b, h, i, n)."""
+    i, n, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    q_content, k_content = positions.content(q, k)
+    scores = torch.einsum("bhid,bhjd->bhij", q_content, k_content)
+    bias = positions.score_bias(q, k_len=n, rel_shift=rel_shift_pad)
+    if bias is not None:
+        scores = scores + bias
+    visible = mask.visible(i, n, q.device) & pattern[None]
+    probs = (scores.float() * d**-0.5).masked_fill(~visible, NEG).softmax(dim=-1) * visible.any(-1, keepdim=True)
+    probs = probs.to(v.dtype)
+    dropped = F.dropout(probs, p=dropatt, training=training)
+    out = torch.einsum("bhij,bhjd->bhid", dropped, v)
+    value_term = positions.value_term(dropped)
+    return (out if value_term is None else out + value_term), probs
 
 
 def fixed_pattern(n_head: int, q_len: int, k_len: int, stride: int, summary: int, device: torch.device) -> Tensor:
