@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from txl.errors import ConfigError, UsageError
 from txl.nn.options import LayerConfig, Options
-from txl.nn.positional import PositionalEncoding, register_encoding, sinusoid_table
+from txl.nn.positions_base import PositionalEncoding, register_encoding, sinusoid_table
 
 PositionMerge = Literal["add", "mul", "zero", "concat", "concat-project"]
 SinusoidLayout = Literal["halves", "interleaved"]
