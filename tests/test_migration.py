@@ -14,7 +14,7 @@ from txl import ConfigError, EncoderDecoderConfig, RecurrentConfig, TransformerX
 from txl.errors import CheckpointError
 from txl.models.checkpoint import RUN_SETTINGS, check_run_setting
 from txl.models.configuration import CONFIGS
-from txl.models.migration import ADDED_SINCE, KEPT, LEGACY_DEFAULTS, NEWER_ARCHS, OPTION_KEYS, migrate
+from txl.models.migration import ADDED_SINCE, KEPT, LEGACY_DEFAULTS, NEWER_ARCHS, OPTION_KEYS, REGAINED, migrate
 from txl.models.registry import config_from_dict, load_config
 from txl.train.config import build_run_config, check_train_value
 
@@ -29,17 +29,23 @@ def legacy_config(name: str) -> dict:
 def test_each_architecture_has_only_its_own_fields():
     """76 fields in one config before; then 39 (decoder), 23 (encoder-decoder), 15 (recurrent LMs); the
     decoder has 6 more since (issue 47's block options: defaults = the old behaviour, so no migration step) and 3
-    for sequence classification (num_labels = 0: a language model, as before)."""
+    for sequence classification (num_labels = 0: a language model, as before), and 4 of issue 48 (act_type,
+    universal_signals, reversible, sample_softmax: a config saved before them loads with its old behaviour); the
+    encoder-decoder 9 of issue 48 (the block options norm, ffn, n_kv_head, qk_norm and the Universal Transformer's
+    universal, act_threshold, ponder_cost, act_type, universal_signals; the first three of those were old keys it
+    ignored: REGAINED)."""
     assert len(LEGACY_DEFAULTS) == 76
     counts = {cls.__name__: len(dataclasses.fields(cls)) for cls in (TransformerXLConfig, EncoderDecoderConfig,
                                                                     RecurrentConfig)}
-    assert counts == {"TransformerXLConfig": 39 + 6 + 3, "EncoderDecoderConfig": 23, "RecurrentConfig": 15}
+    assert counts == {"TransformerXLConfig": 39 + 6 + 3 + 4, "EncoderDecoderConfig": 23 + 9, "RecurrentConfig": 15}
     for arch, cls in CONFIGS.items():  # the migration's frozen table is this change's shapes
         if arch in NEWER_ARCHS:  # added after the migration: no old-shape config names it
             assert arch not in KEPT and migrate({"arch": arch, "mem_len": 512}) == {"arch": arch, "mem_len": 512}
             continue
         added = ADDED_SINCE.get(arch, frozenset())
-        assert set(cls.field_names()) - OPTION_FIELDS - added == KEPT[arch], arch
+        regained = REGAINED.get(arch, frozenset())
+        assert regained <= set(LEGACY_DEFAULTS) and not regained & KEPT[arch], arch
+        assert set(cls.field_names()) - OPTION_FIELDS - added - regained == KEPT[arch], arch
         assert not added & set(LEGACY_DEFAULTS), arch  # new keys: never in a legacy config.json
 
 
@@ -82,7 +88,6 @@ def test_migrate_is_pure_and_keeps_unknown_keys_for_the_config_to_refuse():
 
 @pytest.mark.parametrize(("changes", "message"), [
     # a family field the new architecture does not have, set away from its default
-    (dict(universal=True), "config.universal only applies to arch='decoder'; the encoder-decoder has no such option"),
     (dict(d_embed=64), "config.d_embed only applies to arch='decoder'; the encoder-decoder has no such option"),
     (dict(mem_len=16), "config.mem_len must be 0 with arch='encoder-decoder'"),
 ])
@@ -97,15 +102,21 @@ def test_an_old_encoder_decoder_config_with_what_it_ignored_is_refused_in_one_li
         load_config(tmp_path / "ckpt")
 
 
-def test_the_encoder_decoder_config_refuses_universal_everywhere():
-    message = "config.universal only applies to arch='decoder'; the encoder-decoder has no such option: remove it"
+def test_the_encoder_decoder_config_takes_universal_everywhere_and_an_old_dump_loads_as_trained(tmp_path):
+    """Issue 48: `universal` is an option of the encoder-decoder (the Universal Transformer encoder-decoder);
+    it was refused here since issue 44 and ignored by the flat config before. A complete old dump (every key of
+    the flat config) that says universal=true was trained without it: it loads as the plain encoder-decoder."""
     for build in (lambda: EncoderDecoderConfig(universal=True),
                   lambda: EncoderDecoderConfig.from_dict({"universal": True}),
                   lambda: EncoderDecoderConfig.from_json('{"arch": "encoder-decoder", "universal": true}'),
                   lambda: build_run_config(preset="seq2seq-reverse", sets=["model.universal=true"]).model_config(10)):
-        with pytest.raises(ConfigError) as err:
-            build()
-        assert str(err.value).startswith(message) and "\n" not in str(err.value)
+        assert build().universal is True
+    data = {**legacy_config("encoder-decoder"), "universal": True, "act_threshold": 0.5, "ponder_cost": 0.3}
+    config = config_from_dict(data)
+    assert (config.universal, config.act_threshold, config.ponder_cost) == (False, 0.99, 0.01)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(data))
+    assert load_config(tmp_path / "ckpt") == config
 
 
 def test_old_keys_in_set_are_migrated_and_the_new_ones_work_too():

@@ -117,8 +117,19 @@ KEPT: dict[str, frozenset[str]] = {
 # are the behaviour it was trained with (the paper's recurrence, residual, LayerNorm, ReLU, n_head k/v heads).
 ADDED_SINCE: dict[str, frozenset[str]] = {
     "decoder": frozenset(("memory_source", "residual", "norm", "ffn", "n_kv_head", "qk_norm",
-                          "num_labels", "classifier_pooling", "classifier_segments")),
+                          "num_labels", "classifier_pooling", "classifier_segments",
+                          # issue 48: the UT's combination and signals (a step below), reversible blocks, sampled softmax
+                          "act_type", "universal_signals", "reversible", "sample_softmax")),
+    # issue 48: the block options and the Universal Transformer's ACT settings of the decoder, now honoured by the
+    # encoder-decoder (defaults = its behaviour before)
+    "encoder-decoder": frozenset(("norm", "ffn", "n_kv_head", "qk_norm", "act_type", "universal_signals")),
 }
+# Old keys an architecture's config gained after this migration (issue 48: the Universal Transformer
+# encoder-decoder). The old flat config accepted them for that architecture and ignored them, so a complete old
+# dump (every key of LEGACY_DEFAULTS: a config.json or run.json written before issue 44) drops them whatever
+# their value, and its model loads as it was trained; any other dict keeps them (a preset or --set asking for
+# the Universal Transformer encoder-decoder gets it).
+REGAINED: dict[str, frozenset[str]] = {"encoder-decoder": frozenset(("universal", "act_threshold", "ponder_cost"))}
 # Architectures added after this migration (issue 48: the RNN encoder-decoder): no config of the old shape
 # names them, so `migrate` leaves their dicts as they are (a key they lack reaches the constructor, which
 # refuses it by name).
@@ -151,6 +162,8 @@ def migrate(data: Any) -> Any:
     if isinstance(arch, str) and arch in NEWER_ARCHS:
         return dict(data)
     kept = KEPT.get(arch) if isinstance(arch, str) else None
+    regained = REGAINED.get(arch, frozenset()) if isinstance(arch, str) else frozenset()
+    flat_dump = LEGACY_DEFAULTS.keys() <= data.keys()
     out = dict(data)
     for key, value in data.items():
         if key in OPTION_KEYS:
@@ -173,9 +186,12 @@ def migrate(data: Any) -> Any:
                     del out[key]
             elif key not in CHECKED_BEFORE or _is_default(key, value, arch):
                 del out[key]
+        elif key in regained:
+            if flat_dump:
+                del out[key]
         elif kept is not None and key in LEGACY_DEFAULTS and key not in kept and _is_default(key, value, arch):
             del out[key]
-    return _learned_concat_before_issue_48(_sliding_before_issue_48(out))
+    return _universal_before_issue_48(_learned_concat_before_issue_48(_sliding_before_issue_48(out)))
 
 
 # Issue 48 (Longformer as published): attention='sliding' gained `global_projections` (Longformer's separate
@@ -215,10 +231,28 @@ def _learned_concat_before_issue_48(out: dict) -> dict:
     return {**out, "position_options": {**options, "merge": "concat-project"}}
 
 
+# Issue 48 (the Universal Transformer as tensor2tensor): `act_type` (basic = t2t's default interpolation, now the
+# default; accumulated = the weighted sum of the steps' outputs, txl's only combination before) and
+# `universal_signals` (every-step = the timestep and position signals before every step, now the default;
+# after-first = the timestep signal from step 1 on, txl's before). A complete decoder dump written before them
+# (config.json, run.json: every field of KEPT) with universal=true lacks both: it gets accumulated and
+# after-first, the behaviour it was trained with. A partial dict (a preset, a TOML file, --set) takes the new
+# defaults.
+UNIVERSAL_BEFORE_48 = {"act_type": "accumulated", "universal_signals": "after-first"}
+
+
+def _universal_before_issue_48(out: dict) -> dict:
+    if out.get("arch", "decoder") != "decoder" or out.get("universal") is not True or not KEPT["decoder"] <= out.keys():
+        return out
+    if out.keys() & UNIVERSAL_BEFORE_48.keys():
+        return out
+    return {**out, **UNIVERSAL_BEFORE_48}
+
+
 def legacy_option(key: str) -> tuple[str, tuple[str, ...], str] | None:
     """(kind, owners, new name) of an old option key, e.g. 'sliding_window' -> ('attention', ('sliding',),
     'window'); None for any other key. Used by the messages about old keys given to a new config."""
     return OPTION_KEYS.get(key)
 
 
-__all__ = ["ADDED_SINCE", "KEPT", "LEGACY_DEFAULTS", "NEWER_ARCHS", "OPTION_KEYS", "legacy_option", "migrate"]
+__all__ = ["ADDED_SINCE", "KEPT", "REGAINED", "LEGACY_DEFAULTS", "NEWER_ARCHS", "OPTION_KEYS", "legacy_option", "migrate"]

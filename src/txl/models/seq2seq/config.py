@@ -3,9 +3,13 @@
 
 n_layer decoder blocks with cross-attention over n_encoder_layer bidirectional blocks, both on the LM's
 blocks, so the attention kernel and positional encoding (with their options) are chosen as for the
-decoder. It has no segment memory, no adaptive softmax, no universal or compressive variant and none of
-their settings: giving one is refused in one line that names it (`config.universal only applies to
-arch='decoder'; the encoder-decoder has no such option: remove it`). `encoder_config()` and
+decoder, and the block options (norm, ffn, n_kv_head, qk_norm) apply to both stacks. `universal = true`
+makes it the Universal Transformer encoder-decoder (Dehghani et al. 2019: each stack one shared block with
+ACT halting, `act_type`, `universal_signals`; txl.models.transformer_xl.universal). It has no segment memory,
+no adaptive or sampled softmax, no compressive memory, no recurrence variant, no reversible or gated blocks
+and none of their settings: giving one is refused in one line that names it (`config.same_length only
+applies to arch='decoder'; the encoder-decoder has no such option: remove it`); tests/test_universal.py
+checks every field of TransformerXLConfig is either honoured here or refused. `encoder_config()` and
 `decoder_config()` are the `TransformerXLConfig` views its two stacks are built from.
 """
 
@@ -20,6 +24,8 @@ from txl.models.transformer_xl.config import (
     AttentionImpl,
     AttentionName,
     Backend,
+    FeedForwardName,
+    NormName,
     PositionalName,
     TransformerXLConfig,
 )
@@ -63,6 +69,19 @@ class EncoderDecoderConfig(ModelConfig):
     attention_impl: AttentionImpl = "auto"
     backend: Backend = "auto"
     tie_weight: bool = True  # the output layer reads the target embedding (Press & Wolf 2017)
+    # --- block options (as the decoder LM's, docs/guide/models.md "Block options"): both stacks -------------
+    norm: NormName = "layernorm"  # every block norm and the final ones; rmsnorm: x / rms(x) * g
+    ffn: FeedForwardName = "relu"  # relu (the paper) | gelu | swiglu | geglu
+    n_kv_head: int | None = None  # key/value heads of every attention (grouped-query); None = n_head
+    qk_norm: bool = False  # RMSNorm of q and k per head before the scores
+    # --- Universal Transformer encoder-decoder (Dehghani et al. 2019; txl.models.transformer_xl.universal) -----
+    # each stack becomes one shared block applied for up to its depth (n_encoder_layer or n_layer; n_layer)
+    # steps with ACT halting per position, as tensor2tensor's universal_transformer
+    universal: bool = False
+    act_threshold: float = 0.99  # a position halts once its summed halting probability reaches this
+    ponder_cost: float = 0.01  # τ: weight of both stacks' ponder cost (steps + remainder) in the training loss
+    act_type: Literal["basic", "accumulated"] = "basic"  # t2t's: interpolated state | weighted sum of the steps
+    universal_signals: Literal["every-step", "after-first"] = "every-step"  # timestep + position before every step
     init_std: float = 0.02  # positional parameters (the rest: Xavier, as tensor2tensor and fairseq)
     layer_norm_eps: float = 1e-5
 
@@ -106,7 +125,8 @@ class EncoderDecoderConfig(ModelConfig):
         shared = {name: getattr(self, name) for name in (
             "vocab_size", "d_model", "n_head", "d_head", "d_inner", "dropout", "dropatt", "pre_lnorm", "final_norm",
             "pos_encoding", "position_options", "attention", "attention_options", "attention_impl", "backend",
-            "tie_weight", "init_std", "layer_norm_eps")}
+            "tie_weight", "init_std", "layer_norm_eps", "norm", "ffn", "n_kv_head", "qk_norm", "universal",
+            "act_threshold", "ponder_cost", "act_type", "universal_signals")}
         return TransformerXLConfig(**shared, mem_len=0, **changes)
 
     def encoder_config(self) -> TransformerXLConfig:

@@ -31,10 +31,12 @@ from txl.fast import backend_for
 from txl.models.seq2seq.config import EncoderDecoderConfig
 from txl.models.transformer_xl.config import TransformerXLConfig
 from txl.models.transformer_xl.model import Block, FeedForward
+from txl.models.transformer_xl.universal import UniversalDepth, additive_positions, position_signal
 from txl.nn.attention.layer import Attention, share_kernels
 from txl.nn.attention.masks import AttentionMask
 from txl.nn.backend import REFERENCE, Backend
 from txl.nn.memory import MemoryPass
+from txl.nn.norms import build_norm
 from txl.nn.positional import LayerPositions, PositionalEncoding
 
 CAUSAL = AttentionMask(causal=True)
@@ -113,11 +115,11 @@ class DecoderBlock(nn.Module):
         super().__init__()
         self.pre_lnorm = config.pre_lnorm
         self.self_attn = Attention(config, layer_idx=layer_idx, backend=backend)
-        self.self_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.self_norm = build_norm(config.norm, config.d_model, eps=config.layer_norm_eps)
         self.cross_attn = Attention(config, layer_idx=layer_idx, backend=backend)
-        self.cross_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.cross_norm = build_norm(config.norm, config.d_model, eps=config.layer_norm_eps)
         self.ff = FeedForward(config, backend=backend)
-        self.ff_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.ff_norm = build_norm(config.norm, config.d_model, eps=config.layer_norm_eps)
 
     def forward(self, h: Tensor, encoded: Tensor, *, positions: LayerPositions, cross_mask: AttentionMask,
                 cache: DecoderCache | None = None) -> Tensor:
@@ -138,13 +140,19 @@ class DecoderBlock(nn.Module):
 class Seq2SeqOutput:
     """logits (b, t, V); loss: mean over scored target tokens (label-smoothed when asked); nll (b, t)
     per-token NLL (never smoothed, 0 where the label is -100); encoded (b, s, d) the encoder output
-    (pass it back as `encoded=` to skip the encoder); cache: the decoder cache when one was given."""
+    (pass it back as `encoded=` to skip the encoder); cache: the decoder cache when one was given.
+    universal: ponder_depth = the decoder's mean ACT depth (steps + remainder) over the scored target
+    tokens, encoder_ponder_depth the encoder's over the real source tokens (None when `encoded=` was given);
+    in training mode aux_loss = ponder_cost · (their sum), already included in `loss`."""
 
     logits: Tensor
     loss: Tensor | None
     nll: Tensor | None
     encoded: Tensor
     cache: DecoderCache | None = None
+    ponder_depth: Tensor | None = None
+    encoder_ponder_depth: Tensor | None = None
+    aux_loss: Tensor | None = None
 
 
 class EncoderDecoder(nn.Module):
@@ -171,14 +179,22 @@ class EncoderDecoder(nn.Module):
         self.source_embed = None if shared else nn.Embedding(config.source_vocab_size or config.vocab_size, d)
         self.drop = backend.Dropout(config.dropout)
         self.encoder_pos = backend.positional(encoder_view)
-        self.encoder = nn.ModuleList(Block(encoder_view, layer_idx=i, backend=backend) for i in range(n_encoder))
+        # universal: one shared block per stack, applied step after step with ACT halting (UniversalDepth)
+        universal = config.universal
+        self.encoder = nn.ModuleList(Block(encoder_view, layer_idx=i, backend=backend)
+                                     for i in range(1 if universal else n_encoder))
         share_kernels(block.attn for block in self.encoder)  # layer-wise shared kernel parameters (Linformer)
         self.decoder_pos = backend.positional(decoder_view)
-        self.decoder = nn.ModuleList(DecoderBlock(decoder_view, layer_idx=i, backend=backend) for i in range(config.n_layer))
+        self.decoder = nn.ModuleList(DecoderBlock(decoder_view, layer_idx=i, backend=backend)
+                                     for i in range(1 if universal else config.n_layer))
+        self.encoder_act = UniversalDepth(encoder_view, backend=backend) if universal else None
+        self.decoder_act = UniversalDepth(decoder_view, backend=backend) if universal else None
+        if universal and config.universal_signals == "every-step":
+            additive_positions(self.encoder_pos)  # refuses an absolute encoding not merged by addition
         # pre-LN sums residuals without a norm: both stacks end in one (post-LN output is normalised)
         final = config.pre_lnorm and config.final_norm
-        self.encoder_norm = nn.LayerNorm(d, eps=config.layer_norm_eps) if final else nn.Identity()
-        self.decoder_norm = nn.LayerNorm(d, eps=config.layer_norm_eps) if final else nn.Identity()
+        self.encoder_norm = build_norm(config.norm, d, eps=config.layer_norm_eps) if final else nn.Identity()
+        self.decoder_norm = build_norm(config.norm, d, eps=config.layer_norm_eps) if final else nn.Identity()
         # Tied (Press & Wolf 2017, as Vaswani et al. §3.4): the output layer reads the target embedding
         # table itself, so a checkpoint holds it once.
         self.head = None if config.tie_weight else backend.Linear(d, config.vocab_size, bias=False)
@@ -210,6 +226,9 @@ class EncoderDecoder(nn.Module):
             if table is not None:
                 nn.init.normal_(table.weight, 0.0, self.config.d_model**-0.5)
         nn.init.zeros_(self.head_bias)
+        for act in (self.encoder_act, self.decoder_act):
+            if act is not None:
+                act.reset_parameters()  # the halting bias (t2t's act_halting_bias_init = 1)
 
     def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
         params = {id(p): p for p in self.parameters()}
@@ -234,6 +253,10 @@ class EncoderDecoder(nn.Module):
 
     def encode(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """(b, s) source ids -> (b, s, d) encoder output. Rows of padding carry values no query reads."""
+        return self._encode(input_ids, attention_mask)[0]
+
+    def _encode(self, input_ids: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """(encoder output, universal: the mean ACT depth over the real source tokens, else None)."""
         if input_ids.dim() != 2:
             raise UsageError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
         key_padding = self.source_padding(input_ids, attention_mask)
@@ -241,9 +264,22 @@ class EncoderDecoder(nn.Module):
         state = self.encoder_pos.prepare(k_len=input_ids.shape[1], clamp_len=0,
                                          device=h.device, dtype=h.dtype)
         mask = AttentionMask(causal=False, key_padding=key_padding)
+        if self.encoder_act is not None:
+            block = self.encoder[0]
+
+            def run_step(x: Tensor, step: int):
+                block.attn.layer_idx = step  # per-step structures (xl's W_kR), as a layer of the stack
+                try:
+                    return block(x, memory=None, positions=self.encoder_pos.layer(step, state), mask=mask)
+                finally:
+                    block.attn.layer_idx = 0
+
+            h, ponder, _, _ = self.encoder_act.loop(run_step, h, positions=position_signal(self.encoder_pos, h))
+            depth = ponder.mean() if key_padding is None else ponder[key_padding].mean()
+            return self.encoder_norm(h), depth
         for i, block in enumerate(self.encoder):
             h, _ = block(h, memory=None, positions=self.encoder_pos.layer(i, state), mask=mask)
-        return self.encoder_norm(h)
+        return self.encoder_norm(h), None
 
     @staticmethod
     def source_padding(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor | None:
@@ -266,6 +302,11 @@ class EncoderDecoder(nn.Module):
     def decode(self, decoder_input_ids: Tensor, encoded: Tensor, *, attention_mask: Tensor | None = None,
                cache: DecoderCache | None = None) -> Tensor:
         """(b, t) target ids (the continuation of `cache`, if given) -> (b, t, d) final hidden states."""
+        return self._decode(decoder_input_ids, encoded, attention_mask=attention_mask, cache=cache)[0]
+
+    def _decode(self, decoder_input_ids: Tensor, encoded: Tensor, *, attention_mask: Tensor | None,
+                cache: DecoderCache | None) -> tuple[Tensor, Tensor | None]:
+        """(final hidden states, universal: the ACT depth ρ (b, t) of each target position, else None)."""
         if decoder_input_ids.dim() != 2:
             raise UsageError(f"decoder_input_ids must be (batch, length), got shape {tuple(decoder_input_ids.shape)}")
         if encoded.shape[0] != decoder_input_ids.shape[0]:
@@ -279,12 +320,29 @@ class EncoderDecoder(nn.Module):
         state = self.decoder_pos.prepare(k_len=past + decoder_input_ids.shape[1], clamp_len=0,
                                          device=h.device, dtype=h.dtype)
         cross_mask = AttentionMask(causal=False, key_padding=key_padding)
+        if self.decoder_act is not None:
+            block = self.decoder[0]
+
+            def run_step(x: Tensor, step: int):
+                # this step's self-attention cache slot; cross-attention reads one projection of the
+                # encoder output (slot 0: the same weights and the same encoder output at every step)
+                block.self_attn.layer_idx = step
+                try:
+                    return block(x, encoded, positions=self.decoder_pos.layer(step, state), cross_mask=cross_mask,
+                                 cache=cache), None
+                finally:
+                    block.self_attn.layer_idx = 0
+
+            rows = position_signal(self.decoder_pos, h, offset=past)
+            h, ponder, _, _ = self.decoder_act.loop(run_step, h, positions=rows)
+            return self.decoder_norm(h), ponder
         for i, block in enumerate(self.decoder):
             h = block(h, encoded, positions=self.decoder_pos.layer(i, state), cross_mask=cross_mask, cache=cache)
-        return self.decoder_norm(h)
+        return self.decoder_norm(h), None
 
     def new_cache(self) -> DecoderCache:
-        """An empty decoder cache for incremental decoding (txl.generate.seq2seq asks the model for it)."""
+        """An empty decoder cache for incremental decoding (txl.generate.seq2seq asks the model for it); a
+        universal decoder keeps one self-attention slot per step."""
         return DecoderCache.empty(self.config.n_layer)
 
     def forward(
@@ -302,11 +360,12 @@ class EncoderDecoder(nn.Module):
         masks cross-attention). `cache`: decode `decoder_input_ids` after the tokens it holds."""
         if decoder_input_ids is None:
             raise UsageError("decoder_input_ids is required (the target shifted right, start symbol first)")
+        encoder_depth = None
         if encoded is None:
-            encoded = self.encode(input_ids, attention_mask)
+            encoded, encoder_depth = self._encode(input_ids, attention_mask)
         else:
             self.source_padding(input_ids, attention_mask)
-        hidden = self.decode(decoder_input_ids, encoded, attention_mask=attention_mask, cache=cache)
+        hidden, ponder = self._decode(decoder_input_ids, encoded, attention_mask=attention_mask, cache=cache)
         logits = self.output_logits(self.drop(hidden))  # (b, t, V)
         loss = nll = None
         if labels is not None:
@@ -322,7 +381,16 @@ class EncoderDecoder(nn.Module):
                 loss = smoothed / count
             else:
                 loss = nll.sum() / count
-        return Seq2SeqOutput(logits=logits, loss=loss, nll=nll, encoded=encoded, cache=cache)
+        depth = aux_loss = None
+        if ponder is not None:
+            scored = (labels != -100) if labels is not None else torch.ones_like(ponder, dtype=torch.bool)
+            depth = ponder[scored].mean() if bool(scored.any()) else ponder.mean()
+            if self.training and self.config.ponder_cost:  # τ · mean ρ of both stacks joins the training loss
+                aux_loss = self.config.ponder_cost * (depth if encoder_depth is None else depth + encoder_depth)
+                if loss is not None:
+                    loss = loss + aux_loss
+        return Seq2SeqOutput(logits=logits, loss=loss, nll=nll, encoded=encoded, cache=cache, ponder_depth=depth,
+                             encoder_ponder_depth=encoder_depth, aux_loss=aux_loss)
 
     def output_logits(self, hidden: Tensor) -> Tensor:
         """(.., d) final hidden states -> (.., V) logits."""

@@ -116,6 +116,10 @@ class TransformerXLConfig(ModelConfig):
     # how the steps' states are combined (tensor2tensor's act_type): basic = t2t's default interpolation of the
     # state by the halting weights; accumulated = the weighted sum of every step's output (txl before issue 48)
     act_type: Literal["basic", "accumulated"] = "basic"
+    # what is added to the state before each step (t2t's step_preprocess): every-step = the timestep sinusoid
+    # and the absolute position rows before every step (t2t); after-first = the timestep from step 1 on only
+    # (txl before issue 48, what an older universal config loads as: txl.models.migration)
+    universal_signals: Literal["every-step", "after-first"] = "every-step"
     # reversible blocks (Gomez et al. 2017, Reformer): y1 = x1 + attn(x2), y2 = x2 + ffn(y1); the backward
     # recomputes each block's input from its output instead of storing it (txl.nn.reversible)
     reversible: bool = False

@@ -25,7 +25,7 @@ from txl.generate.decoder import generate_tokens
 from txl.models.transformer_xl.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txl.models.transformer_xl.compressive import MemoryCompressor
 from txl.models.transformer_xl.config import TransformerXLConfig
-from txl.models.transformer_xl.universal import UniversalDepth
+from txl.models.transformer_xl.universal import UniversalDepth, additive_positions, position_signal
 from txl.nn.attention.layer import Attention, share_kernels
 from txl.nn.attention.masks import AttentionMask
 from txl.nn.backend import REFERENCE, Backend
@@ -169,6 +169,8 @@ class TransformerXL(nn.Module):
         self.pos = backend.positional(config)
         # universal: one block shared by every step (txl.models.transformer_xl.universal), else one block per layer
         self.universal = UniversalDepth(config, backend=backend) if config.universal else None
+        if config.universal and config.universal_signals == "every-step":
+            additive_positions(self.pos)  # refuses an absolute encoding not merged by addition
         self.blocks = nn.ModuleList(Block(config, layer_idx=i, backend=backend)
                                     for i in range(1 if config.universal else config.n_layer))
         share_kernels(block.attn for block in self.blocks)  # layer-wise shared kernel parameters (Linformer)
@@ -293,7 +295,8 @@ class TransformerXL(nn.Module):
         if self.universal is not None:
             h, ponder, hidden_states, attentions = self.universal(
                 self.blocks[0], h, memory=memory_update, positions=lambda i: self.pos.layer(i, pos_state), mask=mask,
-                need_weights=output_attentions, checkpoint=recompute)
+                need_weights=output_attentions, checkpoint=recompute,
+                position_rows=position_signal(self.pos, h, position_ids=position_ids))
         elif self.config.reversible:  # Reformer's reversible blocks: the backward rebuilds each block's input
             h, hidden_states, attentions = reversible_blocks(
                 self.blocks, h, memory=memory_update, positions=self.pos.layer, pos_state=pos_state, mask=mask,
