@@ -241,7 +241,9 @@ def study(args) -> dict:
             "train_sentences": {n: len(corpus.sentences("train", i)) for i, n in enumerate(names)},
             "command": "OMP_NUM_THREADS=1 txl " + " ".join(shown),
             "study_command": "python experiments/style_transfer.py " + " ".join(
-                shlex.quote(a) if a != args.data else shlex.quote(shown_spec(a)) for a in sys.argv[1:]),
+                [f"--data {shlex.quote(shown_spec(args.data))}", f"--minutes {args.minutes:g}",
+                 f"--pretrain-steps {args.pretrain_steps}", f"--max-test {args.max_test}", f"--seed {args.seed}"]
+                + [f"--set {shlex.quote(s)}" for s in args.set]),
             "model": {k: v for k, v in config.to_dict().items() if k in (
                 "n_layer", "n_encoder_layer", "n_discriminator_layer", "d_model", "n_head", "d_head", "d_inner",
                 "discriminator", "self_factor", "cycle_factor", "adversarial_factor", "temperature",
@@ -296,7 +298,7 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", required=True, help="a style: spec (one file per style)")
     parser.add_argument("--minutes", type=float, default=25.0, help="training budget (txl train --max-minutes)")
@@ -307,7 +309,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="which samples are shown")
     parser.add_argument("--runs", default="/tmp/txl-style-transfer", help="the run directory's parent (reused)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "results"), help="where the .json and .md go")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT / "src"))
     r = study(args)
     out = Path(args.out)

@@ -292,3 +292,34 @@ def test_train_refuses_other_data_for_it_and_it_for_style_data(styles, tmp_path,
     err = capsys.readouterr().err
     assert "trains model.arch='style-transformer'" in err and "Traceback" not in err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+@pytest.mark.slow
+def test_the_study_end_to_end(styles, tmp_path):
+    """experiments/style_transfer.py on a 3-step run: the three measures per direction beside the copy row,
+    the tools on real sentences, ten samples each way (at most what the test split holds), the page written
+    without this machine's paths, the finished run reused. Numbers are never asserted: results live in docs/."""
+    import studies
+
+    study = studies.load("style_transfer")
+    argv = ["--data", styles, "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "docs"), "--max-test", "20",
+            "--pretrain-steps", "1"]
+    for s in ("train.max_steps=3", "model.n_layer=1", "model.n_encoder_layer=1", "model.n_discriminator_layer=1",
+              "model.d_model=16", "model.d_head=8", "model.d_inner=32", "train.batch_size=4",
+              "model.discriminator_steps=1", "model.generator_steps=1"):
+        argv += ["--set", s]
+    assert study.main(argv) == 0
+    report = json.loads((tmp_path / "docs" / "style_transfer.json").read_text())
+    assert [(r["from"], r["to"], r["system"]) for r in report["rows"]] == [
+        ("verse", "news", "style transformer"), ("verse", "news", "copy (the input)"),
+        ("news", "verse", "style transformer"), ("news", "verse", "copy (the input)")]
+    for row in report["rows"]:
+        assert 0 <= row["style_accuracy"] <= 1 and row["target_lm_ppl"] > 0 and 0 <= row["self_bleu"] <= 100
+    assert all(r["self_bleu"] == 100 for r in report["rows"] if r["system"].startswith("copy"))
+    assert report["training"]["steps"] == 3 and set(report["real_test"]) == {"verse", "news"}
+    assert {(s["from"], s["to"]) for s in report["samples"]} == {("verse", "news"), ("news", "verse")}
+    page = (tmp_path / "docs" / "style_transfer.md").read_text()
+    assert str(tmp_path) not in page and "DIR/verse.txt" in page and "## Ten samples, news -> verse" in page
+    mtime = (tmp_path / "runs" / "style" / "result.json").stat().st_mtime
+    assert study.main(argv) == 0  # the finished run is reused
+    assert (tmp_path / "runs" / "style" / "result.json").stat().st_mtime == mtime
