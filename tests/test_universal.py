@@ -452,3 +452,30 @@ def test_encoder_decoder_refuses_in_one_line(field):
     with pytest.raises(ConfigError, match=f"config.{field}") as error:
         config_from_dict({"arch": "encoder-decoder", field: REFUSED[field]})
     assert "\n" not in str(error.value)
+
+
+def test_txl_train_eval_generate_the_universal_encoder_decoder_preset(tmp_path, capsys):
+    """`txl train --preset seq2seq-reverse-universal` for three steps on a small pair corpus, then `txl eval`
+    (teacher-forced and decoded, beam 2) and `txl generate --input`: the UT encoder-decoder loads back as one."""
+    import json
+
+    from txl.cli.main import main
+    from txl.models.registry import load_model
+
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "seq2seq-reverse-universal", "--data", "reverse?size=100&max_len=6",
+                 "--out", str(run), "--threads", "1", "--set", "batch_size=8", "--set", "eval_batch_size=8",
+                 "--set", "log_interval=1", "--set", "max_minutes=0", "--set", "warmup_steps=1",
+                 "--set", "beam_size=2", "--set", "max_steps=3", "--set", "eval_interval=3",
+                 "--set", "final_max_tokens=40", "--quiet"]) == 0
+    result = json.loads((run / "result.json").read_text())
+    assert result["steps"] == 3
+    model = load_model(run)
+    assert model.config.universal and model.decoder_act is not None and len(model.encoder) == 1
+    capsys.readouterr()
+    assert main(["eval", str(run), "--split", "test", "--max-pairs", "10", "--beam-size", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["pairs"] == 10 and 0 <= report["token_accuracy"] <= 1
+    (tmp_path / "in.txt").write_text("abc\nxyz\n")
+    assert main(["generate", str(run), "--input", str(tmp_path / "in.txt"), "--max-new-tokens", "8"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
