@@ -335,8 +335,11 @@ def test_universal_encoder_decoder_ponder_cost_trains_both_halting_units_and_rou
     assert model.encoder_act.halt.weight.grad.abs().sum() > 0
     assert model.decoder_act.halt.weight.grad.abs().sum() > 0
     model.eval()
-    evaluated = model(src, None, dec, dec)
+    with torch.no_grad():
+        evaluated = model(src, None, dec, dec)
     assert evaluated.aux_loss is None and 1.0 < float(evaluated.ponder_depth) <= 4.0
+    blocks = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("encoder.", "decoder.")))
+    assert model.config.num_parameters_estimate() <= blocks  # a lower bound: one block per stack
     model.save_pretrained(tmp_path / "ut")
     loaded = EncoderDecoder.from_pretrained(tmp_path / "ut").eval()
     with torch.no_grad():

@@ -22,7 +22,7 @@ Per key of the old shape:
    encoder-decoder, `n_head` for the LSTM) is dropped when it holds the old default (or, for the
    encoder-decoder, the only value the old checks allowed: mem_len = 0);
 3. everything else stays as it is, so a value the new config cannot take reaches its constructor, which
-   refuses it in one line naming the field and the fix (`config.universal only applies to
+   refuses it in one line naming the field and the fix (`config.same_length only applies to
    arch='decoder'; the encoder-decoder has no such option: remove it`).
 
 A legacy option key and its new name given together (`sliding_window` and `attention_options.window`)

@@ -138,10 +138,12 @@ class EncoderDecoderConfig(ModelConfig):
         return self._view(causal=True, n_layer=self.n_layer)
 
     def num_parameters_estimate(self) -> int:
-        """A lower bound of the non-embedding parameter count (see TransformerXLConfig's)."""
+        """A lower bound of the non-embedding parameter count (see TransformerXLConfig's); universal: one
+        block per stack, whatever the depth."""
         attention = 4 * self.d_model * self.n_head * self.d_head
         ffn = 2 * self.d_model * self.d_inner
-        return (self.n_encoder_layer or self.n_layer) * (attention + ffn) + self.n_layer * (2 * attention + ffn)
+        encoder, decoder = (1, 1) if self.universal else (self.n_encoder_layer or self.n_layer, self.n_layer)
+        return encoder * (attention + ffn) + decoder * (2 * attention + ffn)
 
 
 __all__ = ["EncoderDecoderConfig"]
