@@ -357,7 +357,7 @@ def test_universal_encoder_decoder_three_training_steps():
         out = model(src, None, dec, src.flip(1))
         out.loss.backward()
         opt.step()
-        losses.append(float(out.loss))
+        losses.append(float(out.loss.detach()))
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
 
 
