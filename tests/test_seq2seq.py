@@ -87,8 +87,14 @@ def test_cached_decoding_equals_uncached(overrides):
     assert beams[0].tokens == beams[1].tokens
 
 
-def test_cached_logits_equal_the_full_pass():
-    model = build()
+@pytest.mark.parametrize("overrides", [dict(), dict(position_options={"merge": "mul"}),
+                                       dict(position_options={"merge": "zero"}),
+                                       dict(pos_encoding="learned", position_options={"merge": "mul"})],
+                         ids=["add", "sinusoidal-mul", "sinusoidal-zero", "learned-mul"])
+def test_cached_logits_equal_the_full_pass(overrides):
+    """Token by token with the cache = one pass, for every way the absolute positions join the tokens (the
+    offset rows are merged as the encoding merges: adding the rows of zeros was right for add only)."""
+    model = build(**overrides)
     src, mask = padded([[5, 6, 7, 8], [9, 10]])
     target = torch.tensor([[BOS, 4, 5, 6, 7], [BOS, 8, 9, 10, 11]])
     with torch.no_grad():

@@ -37,7 +37,7 @@ from txl.nn.attention.masks import AttentionMask
 from txl.nn.backend import REFERENCE, Backend
 from txl.nn.memory import MemoryPass
 from txl.nn.norms import build_norm
-from txl.nn.positional import LayerPositions, PositionalEncoding
+from txl.nn.positional import LayerPositions, PositionalEncoding, embed_positions
 
 CAUSAL = AttentionMask(causal=True)
 
@@ -246,10 +246,10 @@ class EncoderDecoder(nn.Module):
             raise UsageError(f"token id {int(ids.max()) if int(ids.max()) >= 0 else int(ids.min())} is outside "
                              f"the vocabulary of {table.num_embeddings} ids")
         x = table(ids) * self.config.d_model**0.5
-        if offset:  # positions offset.. (cached decoding): the encoding's rows for the whole prefix
-            zeros = x.new_zeros(1, offset + ids.shape[1], x.shape[-1])
-            return self.drop(x + pos.embed(zeros)[:, offset:])
-        return self.drop(pos.embed(x))
+        if offset and pos.takes_position_ids:  # positions offset.. (cached decoding), merged as the encoding merges
+            positions = torch.arange(offset, offset + ids.shape[1], device=ids.device)
+            return self.drop(embed_positions(pos, x, positions))
+        return self.drop(pos.embed(x))  # (a relative encoding adds nothing to the input at any offset)
 
     def encode(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """(b, s) source ids -> (b, s, d) encoder output. Rows of padding carry values no query reads."""
