@@ -4,7 +4,7 @@ refused by name, the JSON round-trip, and the table of architectures (Hugging Fa
 A family's config is a dataclass decorated with `@model_config("decoder")` (one or more `arch` names)
 and subclassing `ModelConfig`; it declares its fields and overrides `validate`. The decorator registers
 it in `CONFIGS` and makes its constructor refuse a key it does not have in one line: a field of another
-architecture says which one has it and that this one has no such option ("config.universal only applies
+architecture says which one has it and that this one has no such option ("config.same_length only applies
 to arch='decoder'; the encoder-decoder has no such option: remove it"), an old option key says its new
 place (`txl.models.migration`), anything else gets a did-you-mean. `from_dict` runs the migration first,
 so config.json files written before the split load unchanged.

@@ -280,6 +280,8 @@ class SequenceToSequence(LanguageModelling):
             with self._sync(last=j == len(chunks) - 1):
                 with autocast(device, self.precision):
                     out = forward(src, mask, dec, labels, label_smoothing=self.cfg.label_smoothing)
+                depth = getattr(out, "ponder_depth", None)  # a universal encoder-decoder: the decoder's ACT depth
+                self.ponder_depth = None if depth is None else depth.detach()
                 # mean over the step's scored tokens, whatever their split into micro-batches
                 scale = int((labels != -100).sum()) / max(count, 1)
                 self.scaler.scale(out.loss * scale).backward()
