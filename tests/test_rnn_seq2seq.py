@@ -251,7 +251,7 @@ def test_parameter_estimate_is_exact(overrides):
     (dict(init_range=0.0), "init_range must be > 0"),
     (dict(n_layer=0), "n_layer must be >= 1"),
     (dict(share_embeddings=True, source_vocab_size=40), "share_embeddings needs one vocabulary"),
-    (dict(n_head=4), "n_head only applies to arch='decoder' or 'encoder-decoder'"),
+    (dict(n_head=4), "n_head only applies to arch='decoder'"),
     (dict(mem_len=16), "mem_len only applies to"),
     (dict(attention="sliding"), "attention only applies to"),
 ])
