@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     if args.style is not None:  # a Style Transformer run (txl.models.style)
         from txl.cli.style import run_transfer
 
-        return run_transfer(args)
+        return run_transfer(args, read_prompts=read_prompts)
     if args.input:
         from txl.cli.seq2seq import run_generate as run_seq2seq_generate
 

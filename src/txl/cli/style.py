@@ -17,9 +17,7 @@ import torch
 from txl.errors import UsageError
 
 
-def _sentences(args: argparse.Namespace) -> list[str]:
-    from txl.cli.generate import read_prompts
-
+def _sentences(args: argparse.Namespace, read_prompts) -> list[str]:
     if args.input:
         if args.prompt is not None or args.prompt_file:
             raise UsageError("give the sentences with one of --prompt, --prompt-file or --input")
@@ -32,7 +30,9 @@ def _sentences(args: argparse.Namespace) -> list[str]:
     return sentences
 
 
-def run_transfer(args: argparse.Namespace) -> int:
+def run_transfer(args: argparse.Namespace, *, read_prompts) -> int:
+    """`read_prompts`: txl.cli.generate's reader of --prompt / --prompt-file (passed in: this module is
+    imported by that one)."""
     from txl.cli.arguments import resolve_device
     from txl.data.display import for_stream
     from txl.data.style import encode_sentence
@@ -45,7 +45,7 @@ def run_transfer(args: argparse.Namespace) -> int:
         raise UsageError(f"--style transfers greedily, as the Style Transformer is evaluated; drop {given[0]}")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    sentences = _sentences(args)
+    sentences = _sentences(args, read_prompts)
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device=device, require_vocab=True)
     config = ckpt.model.config
