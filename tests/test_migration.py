@@ -14,7 +14,15 @@ from txl import ConfigError, EncoderDecoderConfig, RecurrentConfig, TransformerX
 from txl.errors import CheckpointError
 from txl.models.checkpoint import RUN_SETTINGS, check_run_setting
 from txl.models.configuration import CONFIGS
-from txl.models.migration import ADDED_SINCE, KEPT, LEGACY_DEFAULTS, NEWER_ARCHS, OPTION_KEYS, REGAINED, migrate
+from txl.models.migration import (
+    ADDED_SINCE,
+    KEPT,
+    LEGACY_DEFAULTS,
+    NEWER_ARCHS,
+    OPTION_KEYS,
+    REGAINED,
+    migrate,
+)
 from txl.models.registry import config_from_dict, load_config
 from txl.train.config import build_run_config, check_train_value
 

@@ -180,7 +180,7 @@ def test_universal_lm_equals_tensor2tensors_act_loop(pos, act_type, signals):
             state = model.pos.prepare(k_len=9, clamp_len=0, device=x.device, dtype=h0.dtype)
             rows = model.pos.position_table(h0, None) if pos != "xl" else None
 
-            def block_fn(inp, t):
+            def block_fn(inp, t, state=state):
                 block.attn.layer_idx = t
                 try:
                     return block(inp, memory=None, positions=model.pos.layer(t, state), mask=CAUSAL)[0]
