@@ -29,7 +29,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from txl.errors import ConfigError, UsageError
 from txl.models.rnn_seq2seq.config import RNNSeq2SeqConfig
-from txl.models.seq2seq.model import Seq2SeqOutput
+from txl.models.seq2seq.model import Seq2SeqOutput, pair_loss
 
 RecurrentState = Tensor | tuple[Tensor, Tensor]  # GRU: h (L, b, H); LSTM: (h, c)
 
@@ -296,19 +296,7 @@ class RNNEncoderDecoder(nn.Module):
             self.source_lengths(input_ids, attention_mask)
         hidden = self.decode(decoder_input_ids, encoded, attention_mask=attention_mask, cache=cache)
         logits = self.output_logits(self.drop(hidden))  # (b, t, V)
-        loss = nll = None
-        if labels is not None:
-            if labels.shape != decoder_input_ids.shape:
-                raise UsageError(f"labels must have the shape of decoder_input_ids {tuple(decoder_input_ids.shape)}, "
-                                 f"got {tuple(labels.shape)}")
-            flat = logits.float().reshape(-1, logits.shape[-1])
-            nll = F.cross_entropy(flat, labels.reshape(-1), ignore_index=-100, reduction="none").view(labels.shape)
-            count = (labels != -100).sum().clamp(min=1)
-            if label_smoothing:
-                loss = F.cross_entropy(flat, labels.reshape(-1), ignore_index=-100, reduction="sum",
-                                       label_smoothing=label_smoothing) / count
-            else:
-                loss = nll.sum() / count
+        loss, nll = pair_loss(logits, labels, decoder_input_ids, label_smoothing)
         return Seq2SeqOutput(logits=logits, loss=loss, nll=nll, encoded=encoded, cache=cache)
 
     # ------------------------------------------------------------------------------------------

@@ -155,6 +155,26 @@ class Seq2SeqOutput:
     aux_loss: Tensor | None = None
 
 
+def pair_loss(logits: Tensor, labels: Tensor | None, decoder_input_ids: Tensor,
+              label_smoothing: float = 0.0) -> tuple[Tensor | None, Tensor | None]:
+    """(loss, nll) of a sequence-to-sequence forward: nll (b, t) per target token (0 where labels are -100),
+    loss its mean over the scored tokens, label-smoothed when asked ((None, None) without labels). Shared by
+    every encoder-decoder (the Transformer's and the RNN's)."""
+    if labels is None:
+        return None, None
+    if labels.shape != decoder_input_ids.shape:
+        raise UsageError(f"labels must have the shape of decoder_input_ids {tuple(decoder_input_ids.shape)}, "
+                         f"got {tuple(labels.shape)}")
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    nll = F.cross_entropy(flat, labels.reshape(-1), ignore_index=-100, reduction="none").view(labels.shape)
+    count = (labels != -100).sum().clamp(min=1)
+    if not label_smoothing:
+        return nll.sum() / count, nll
+    smoothed = F.cross_entropy(flat, labels.reshape(-1), ignore_index=-100, reduction="sum",
+                               label_smoothing=label_smoothing)
+    return smoothed / count, nll
+
+
 class EncoderDecoder(nn.Module):
     """`out = model(input_ids, attention_mask=, decoder_input_ids=, labels=)`.
 
@@ -367,20 +387,7 @@ class EncoderDecoder(nn.Module):
             self.source_padding(input_ids, attention_mask)
         hidden, ponder = self._decode(decoder_input_ids, encoded, attention_mask=attention_mask, cache=cache)
         logits = self.output_logits(self.drop(hidden))  # (b, t, V)
-        loss = nll = None
-        if labels is not None:
-            if labels.shape != decoder_input_ids.shape:
-                raise UsageError(f"labels must have the shape of decoder_input_ids {tuple(decoder_input_ids.shape)}, "
-                                 f"got {tuple(labels.shape)}")
-            flat = logits.float().reshape(-1, logits.shape[-1])
-            nll = F.cross_entropy(flat, labels.reshape(-1), ignore_index=-100, reduction="none").view(labels.shape)
-            count = (labels != -100).sum().clamp(min=1)
-            if label_smoothing:
-                smoothed = F.cross_entropy(flat, labels.reshape(-1), ignore_index=-100, reduction="sum",
-                                           label_smoothing=label_smoothing)
-                loss = smoothed / count
-            else:
-                loss = nll.sum() / count
+        loss, nll = pair_loss(logits, labels, decoder_input_ids, label_smoothing)
         depth = aux_loss = None
         if ponder is not None:
             scored = (labels != -100) if labels is not None else torch.ones_like(ponder, dtype=torch.bool)
