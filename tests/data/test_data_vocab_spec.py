@@ -161,6 +161,7 @@ def test_parse_spec_forms(tmp_path):
         "reverse",
         "pydoc-summaries",
         "docs",  # collections of separate documents (txl.data.documents): classification, document-level LM
+        "style",  # two files, one style each (txl.data.style): the Style Transformer
     }
 
 
