@@ -112,7 +112,7 @@ def test_relative_encodings_padded_with_memory_equal_alone(impl, pos, layout):
 
 
 # the kernels that take a padding mask and run causal with memory (no score term: rope)
-PADDING_KERNELS = ["bigbird", "lsh", "routing", "synthesizer", "performer", "linear"]
+PADDING_KERNELS = ["bigbird", "lsh", "routing", "synthesizer", "performer", "linear", "axial", "etc", "image-local"]
 DISTANCE_ONLY = {"bigbird", "lsh", "routing", "synthesizer"}  # q·k scores: left padding shifts nothing
 
 

@@ -27,7 +27,7 @@ import torch
 from txl.errors import ConfigError, TrainingError
 from txl.eval.precision import resolve_precision
 from txl.eval.result import EvalResult, metric_value
-from txl.models.registry import build_model
+from txl.models.registry import build_model, config_from_dict
 from txl.models.rnn.config import RNN_ARCHS
 from txl.train.averaging import WeightAverage
 from txl.train.checkpoint import (
@@ -117,6 +117,12 @@ class Trainer:
         self.sample_prompt = sample_prompt_ids(self.corpus, cfg) if objective.writes_sample else []
         self.model_config = objective.model_config(run.model_config(vocab_size=len(self.corpus.vocab)), self.corpus,
                                                    cfg.data)
+        recorded = previous_run_record(self.out).get("model") if resume else None
+        if isinstance(recorded, dict) and recorded.get("arch", "decoder") == self.model_config.arch:
+            # the complete model config the run recorded when it started: read through the migration as a
+            # complete dump, it keeps the behaviour the run was trained with where a later version changed a
+            # default (issue 48's options), which the run's own partial [model] section would not
+            self.model_config = config_from_dict(recorded)
         arch = self.model_config.arch
         if cfg.optimizer == "muon" and arch != "decoder":
             raise ConfigError(f"train.optimizer='muon' is for the Transformer-XL decoder (model.arch='decoder'), "
