@@ -119,10 +119,7 @@ class Trainer:
                                                    cfg.data)
         recorded = previous_run_record(self.out).get("model") if resume else None
         if isinstance(recorded, dict) and recorded.get("arch", "decoder") == self.model_config.arch:
-            # the complete model config the run recorded when it started: read through the migration as a
-            # complete dump, it keeps the behaviour the run was trained with where a later version changed a
-            # default (issue 48's options), which the run's own partial [model] section would not
-            self.model_config = config_from_dict(recorded)
+            self.model_config = config_from_dict(recorded)  # complete: migrated with the behaviour it trained with
         arch = self.model_config.arch
         if cfg.optimizer == "muon" and arch != "decoder":
             raise ConfigError(f"train.optimizer='muon' is for the Transformer-XL decoder (model.arch='decoder'), "
