@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -92,12 +93,12 @@ def reference_eval_step(pytorch_dir: Path, shape, *, seed: int = 0):
     return step
 
 
-def measure(pytorch_dir: Path, config: str, threads: int, *, warmup: int, steps: int) -> list[dict]:
+def measure(pytorch_dir: Path, config: str, threads: int, *, warmup: int, steps: int, profile: int = 0) -> list[dict]:
     import torch
 
     from txl.bench.common import interleaved_medians, shape_named
     from txl.bench.evaluation import make_eval_step
-    from txl.bench.train import make_step
+    from txl.bench.train import make_step, op_kinds, profile_steps
 
     torch.set_num_threads(threads)
     shape = shape_named(config)
@@ -117,6 +118,11 @@ def measure(pytorch_dir: Path, config: str, threads: int, *, warmup: int, steps:
         rows.append({"config": config, "kind": kind, "threads": threads, "tokens_per_step": tokens,
                      "kimiyoung_tok_s": round(ref, 1), "txl_tok_s": round(ours, 1), "ratio": round(ours / ref, 3),
                      "times_s": {name: value["times_s"] for name, value in got.items()}})
+        if profile:  # where each side's step goes, by operator kind (ms per step, profiled apart from the timing)
+            kinds = {name: op_kinds(profile_steps(step, profile, top=None)) for name, step in contenders.items()}
+            rows[-1]["profile_ms"] = {name: {k: round(v, 2) for k, v in value.items()} for name, value in kinds.items()}
+            # the ratio txl would reach if everything but its matrix products took no time at all
+            rows[-1]["matmul_bound"] = round(1000 * got["kimiyoung"]["median_s"] / kinds["txl"]["matmul"], 2)
         print(f"{config} {kind} {threads} thread(s): kimiyoung {ref:,.0f} tok/s, txl {ours:,.0f} tok/s, "
               f"x{ours / ref:.2f}", flush=True)
     return rows
@@ -129,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=15, help="timed rounds (one step of each side per round)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also profile N more steps of each side: milliseconds per step in matrix products, "
+                             "copies, random draws and the rest, and the ratio txl's matrix products alone allow")
     parser.add_argument("--out", type=Path, default=Path("reference_speed"))
     args = parser.parse_args(argv)
     if not (args.reference / "mem_transformer.py").is_file():
@@ -136,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     from txl.bench.common import machine, machine_markdown
 
     rows = [row for config in args.config.split(",") for threads in map(int, args.threads.split(","))
-            for row in measure(args.reference, config, threads, warmup=args.warmup, steps=args.steps)]
+            for row in measure(args.reference, config, threads, warmup=args.warmup, steps=args.steps,
+                               profile=args.profile)]
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine(), "warmup": args.warmup, "steps": args.steps, "rows": rows}
     (args.out / "reference_speed.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -145,6 +155,20 @@ def main(argv: list[str] | None = None) -> int:
              "| config | step | threads | kimiyoung | txl | txl / kimiyoung |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['config']} | {r['kind']} | {r['threads']} | {r['kimiyoung_tok_s']:,.0f} | {r['txl_tok_s']:,.0f} | "
               f"{r['ratio']:.2f} |" for r in rows]
+    profiled = [r for r in rows if "profile_ms" in r]
+    if profiled:
+        lines += ["", "Where a step goes (ms per step, profiled; `outside ops`: the median step minus the time the profiler "
+                  "saw inside operators, i.e. Python and dispatch; `bound`: kimiyoung's step over txl's matrix products "
+                  "alone, the ratio txl would reach if nothing else took any time)", "",
+                  "| config | step | threads | side | step ms | matmul | copy | random | other | outside ops | bound |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in profiled:
+            for name, kinds in r["profile_ms"].items():
+                step_ms = 1000 * statistics.median(r["times_s"][name])
+                bound = f"{r['matmul_bound']:.2f}" if name == "txl" else ""
+                lines.append(f"| {r['config']} | {r['kind']} | {r['threads']} | {name} | {step_ms:.1f} | {kinds['matmul']:.1f} | "
+                             f"{kinds['copy']:.1f} | {kinds['random']:.1f} | {kinds['other']:.1f} | "
+                             f"{step_ms - kinds['ops']:.1f} | {bound} |")
     (args.out / "reference_speed.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out / 'reference_speed.md'}")
     return 0

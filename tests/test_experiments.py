@@ -325,16 +325,38 @@ def test_reference_speed_times_both_sides_and_writes_the_ratio(tmp_path):
     (ref / "utils" / "helper.py").write_text("def width(d):\n    return d\n")
     out = tmp_path / "out"
     assert main(["reference_speed", "--reference", str(ref), "--config", "tiny", "--threads", "1", "--warmup", "0",
-                 "--steps", "2", "--out", str(out)]) == 0
+                 "--steps", "2", "--profile", "1", "--out", str(out)]) == 0
     got = json.loads((out / "reference_speed.json").read_text())
     assert [(r["kind"], r["threads"]) for r in got["rows"]] == [("train", 1), ("eval", 1)]
     for row in got["rows"]:
         assert all(len(times) == 2 for times in row["times_s"].values())
         assert row["ratio"] == pytest.approx(row["txl_tok_s"] / row["kimiyoung_tok_s"], rel=1e-2, abs=1e-3)  # (3 decimals)
-    assert "| tiny | train | 1 |" in (out / "reference_speed.md").read_text()
+        for kinds in row["profile_ms"].values():  # every side's profile, split by operator kind
+            assert set(kinds) == {"matmul", "copy", "random", "other", "ops"} and kinds["matmul"] > 0
+            assert kinds["ops"] == pytest.approx(sum(kinds[k] for k in ("matmul", "copy", "random", "other")), abs=0.05)
+        assert row["matmul_bound"] > 0
+    text = (out / "reference_speed.md").read_text()
+    assert "| tiny | train | 1 |" in text and "| tiny | train | 1 | txl |" in text and "| bound |" in text
 
 
 def test_reference_speed_refuses_a_folder_without_the_reference(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["reference_speed", "--reference", str(tmp_path)])
     assert exit_.value.code == 2 and "no mem_transformer.py" in capsys.readouterr().err
+
+
+def test_step_profile_splits_each_step_by_operator_kind(tmp_path):
+    """experiments/step_profile.py (issue 49, item 1): per config and thread count, the step time, the
+    profile by operator kind (the kinds sum to the operators' time) and the costliest operators."""
+    out = tmp_path / "out"
+    assert main(["step_profile", "--config", "tiny", "--threads", "1", "--warmup", "0", "--steps", "1",
+                 "--profile", "1", "--top", "5", "--out", str(out)]) == 0
+    got = json.loads((out / "step_profile.json").read_text())
+    (row,) = got["rows"]
+    assert (row["config"], row["threads"], row["precision"]) == ("tiny", 1, "fp32")
+    kinds = row["kinds_ms"]
+    assert kinds["matmul"] > 0 and kinds["ops"] == pytest.approx(
+        sum(kinds[k] for k in ("matmul", "copy", "random", "other")), abs=0.05)
+    assert len(row["top"]) == 5 and row["top"][0]["self_ms_per_step"] >= row["top"][-1]["self_ms_per_step"]
+    text = (out / "step_profile.md").read_text()
+    assert "| tiny | 1 | fp32 |" in text and "## tiny, 1 thread(s), fp32" in text

@@ -132,9 +132,10 @@ def run(options: BenchOptions) -> dict:
     }
 
 
-def profile_steps(step: Callable[[], float], n: int, *, top: int = 25) -> list[dict]:
+def profile_steps(step: Callable[[], float], n: int, *, top: int | None = 25) -> list[dict]:
     """Run `step` n more times under the torch profiler (CPU): the operators with the most self time,
-    per step, with their share of the profiled time (where a training step's time goes)."""
+    per step, with their share of the profiled time (where a training step's time goes); `top=None`:
+    every operator."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -144,6 +145,27 @@ def profile_steps(step: Callable[[], float], n: int, *, top: int = 25) -> list[d
     total = sum(e.self_cpu_time_total for e in events) or 1.0
     return [{"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 1000 / n, "calls_per_step": e.count / n,
              "percent": 100 * e.self_cpu_time_total / total} for e in events[:top]]
+
+
+# Operator kinds of a profile (`op_kinds`): the matrix products (oneDNN's linear, BLAS), the copies,
+# the random draws (dropout), and everything else (element-wise, reductions, softmax, optimiser ...).
+MATMUL_OPS = frozenset({"mkldnn::_linear_pointwise", "aten::mm", "aten::bmm", "aten::baddbmm", "aten::baddbmm_",
+                        "aten::addmm", "aten::addmm_", "aten::addbmm", "aten::matmul", "aten::linear"})
+COPY_OPS = frozenset({"aten::copy_", "aten::_to_copy", "aten::cat", "aten::stack", "aten::contiguous", "aten::clone"})
+RANDOM_OPS = frozenset({"aten::random_", "aten::bernoulli_", "aten::uniform_", "aten::rand", "aten::rand_like",
+                        "aten::randint", "aten::normal_"})
+
+
+def op_kinds(ops: list[dict]) -> dict[str, float]:
+    """Milliseconds per step by operator kind, from `profile_steps(..., top=None)`: matmul, copy, random,
+    other, and ops (their sum: the time the profiler saw inside operators)."""
+    kinds = {"matmul": 0.0, "copy": 0.0, "random": 0.0, "other": 0.0}
+    for op in ops:
+        kind = ("matmul" if op["op"] in MATMUL_OPS else "copy" if op["op"] in COPY_OPS
+                else "random" if op["op"] in RANDOM_OPS else "other")
+        kinds[kind] += op["self_ms_per_step"]
+    kinds["ops"] = sum(kinds.values())
+    return kinds
 
 
 def table(result: dict) -> str:
