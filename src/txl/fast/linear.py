@@ -9,9 +9,9 @@ summation order differs.
 
 torch exposes oneDNN's fp32 linear as `torch.ops.mkldnn._linear_pointwise` (used by inductor's CPU
 backend) without a derivative, so `_OneDNNLinear` writes the backward with the same op: the input
-gradient reads the weight transposed in place, and the weight gradient dy^T x goes to oneDNN only when
-x is the wider operand (oneDNN copies its transposed first argument; BLAS, which reads both in place,
-measured as fast or faster otherwise).
+gradient reads the weight transposed in place, and the weight gradient is computed as
+(x^T dy)^T or dy^T x, whichever makes the operand that oneDNN copies (its transposed first argument)
+the smaller one.
 
 It runs only where it was measured to pay: CPU, fp32 (autocast off: bf16 and fp16 already go to
 oneDNN), x86-64, outside `torch.compile` (whose inductor backend fails to lower the op), and a
@@ -77,11 +77,10 @@ def input_grad(grad: Tensor, weight: Tensor) -> Tensor:
 
 def weight_grad(grad: Tensor, x: Tensor) -> Tensor:
     """grad^T @ x for 2-d grad (rows, out) and x (rows, in): the weight gradient, (out, in)."""
-    # BLAS reads both transposed operands in place; oneDNN copies its first argument (here grad^T). That
-    # copy pays only when the input side is the wider one (e.g. the feed-forward's second layer); with
-    # in <= out, torch.mm measured as fast or faster (1-25%, tiny to base shapes, 1 thread).
-    if x.numel() * grad.shape[1] < MIN_MACS or x.shape[1] <= grad.shape[1] or not _eligible(x, grad):
+    if x.numel() * grad.shape[1] < MIN_MACS or not _eligible(x, grad):  # (no weight is read here)
         return torch.mm(grad.t(), x)
+    if x.shape[1] <= grad.shape[1]:  # oneDNN copies its first argument, transposed: the smaller one
+        return _onednn(x.t(), grad.t()).t().contiguous()
     return _onednn(grad.t(), x.t())
 
 
