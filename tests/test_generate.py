@@ -376,3 +376,57 @@ def test_generation_records_no_autograd_graph(entry):
     else:
         list(gen.stream_tokens(model, prompt, max_new_tokens=3, temperature=0.0))
     assert seen and not any(seen)
+
+
+def absolute_model(pos: str, *, mem_len: int) -> TransformerXL:
+    torch.manual_seed(2)  # greedy streams of 7-8 distinct tokens (seed 0's sinusoidal one has 3)
+    config = TransformerXLConfig(vocab_size=256, n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64,
+                                 mem_len=mem_len, dropout=0.0, init_std=0.3, pos_encoding=pos)
+    return TransformerXL(config).eval()
+
+
+@pytest.mark.parametrize("pos", ["sinusoidal", "learned"])
+def test_absolute_encodings_continue_their_positions_while_generating(pos):
+    """A token fed alone is numbered where it stands in its segment, not 0: with the text inside one
+    segment and the memory, token steps equal re-running the whole text (positions 0 … n-1)."""
+    model = absolute_model(pos, mem_len=64)
+    assert model.takes_position_ids and not tiny_model().takes_position_ids
+    prompt = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    reused = generate(model, prompt, max_new_tokens=40, temperature=0.0, segment_len=64)
+    assert reused == generate_rerun(model, prompt, max_new_tokens=40)
+    assert len(set(reused)) > 5
+
+
+def test_absolute_positions_skip_padding_restart_every_segment_and_after_a_reset():
+    """The positions the decoder passes: each row's real tokens counted from its first (left padding not
+    counted), mod segment_len, and from 0 again for a row that was reset."""
+    from txl.generate.decoder import Decoder
+
+    model = absolute_model("learned", mem_len=8)
+    seen = []
+    forward = model.forward
+    model.forward = lambda ids, **kw: seen.append(kw["position_ids"].tolist()) or forward(ids, **kw)
+    decoder = Decoder(model, segment_len=4)
+    ids = torch.tensor([[0, 0, 11, 12, 13], [21, 22, 23, 24, 25]])
+    decoder.feed(ids, attention_mask=torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]))
+    for _ in range(3):
+        decoder.step(torch.tensor([5, 6]))
+    decoder.reset([1])
+    decoder.step(torch.tensor([5, 6]))
+    assert seen == [[[0, 0, 0, 1], [0, 1, 2, 3]],  # the prompt's first chunk of 4 columns
+                    [[2], [0]],  # its last column
+                    [[3], [1]], [[0], [2]], [[1], [3]],  # three steps
+                    [[2], [0]]]  # row 1 was reset
+
+
+@pytest.mark.parametrize("mem_len", [0, 16])
+@pytest.mark.parametrize("pos", ["sinusoidal", "learned"])
+def test_left_padded_rows_of_an_absolute_model_generate_what_they_generate_alone(pos, mem_len):
+    model = absolute_model(pos, mem_len=mem_len)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1]]
+    padded = torch.tensor([prompts[0], [0] * 5 + prompts[1]])
+    mask = torch.tensor([[1] * 8, [0] * 5 + [1] * 3])
+    together = sample(model, padded, attention_mask=mask, max_new_tokens=12, temperature=0.0, segment_len=16)
+    for row, prompt in enumerate(prompts):
+        alone = sample(model, [prompt], max_new_tokens=12, temperature=0.0, segment_len=16)
+        assert together.ids[row] == alone.ids[0]

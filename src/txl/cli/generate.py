@@ -155,7 +155,9 @@ def run(args: argparse.Namespace) -> int:
     if args.stop_at_eos and ckpt.vocab.eos_id is None:
         raise UsageError(f"this {ckpt.vocab.kind} vocabulary has no <eos> symbol to stop at; use --stop STRING")
     mem_len = ckpt.model.mem_len if args.mem_len is None else args.mem_len
-    window = ckpt.train_setting("tgt_len") if mem_len == 0 else None  # the vanilla model's training window
+    # the vanilla model's training window; an absolute encoding's positions restart every training segment
+    absolute = getattr(ckpt.model, "takes_position_ids", False)
+    window = ckpt.train_setting("tgt_len") if mem_len == 0 or absolute else None
     generator = torch.Generator().manual_seed(args.seed) if args.seed is not None else None
     settings = dict(max_new_tokens=args.max_new_tokens, num_samples=args.num_samples, stop=stops,
                     stop_at_eos=args.stop_at_eos, temperature=temperature, top_k=top_k, top_p=top_p, mem_len=mem_len,

@@ -11,6 +11,11 @@ With `mem_len = 0` there is nothing to carry, so each step re-runs a sliding win
 `segment_len` tokens instead: the vanilla Transformer's way (Al-Rfou et al. 2018), and the only
 sensible one for a model trained without memory.
 
+An absolute encoding (sinusoidal, learned) numbers every training segment's tokens from 0; the decoder
+passes each token its place in the text, counted from the row's first real token and restarting every
+`segment_len` tokens (`txl generate` and `txl serve` pass the run's tgt_len), where a token fed alone
+would otherwise always be position 0.
+
 The model is used only through its contract (`model(ids, memory=, mem_len=)` -> `.logits`, `.memory`),
 so this package sits below `txl.models`. Tokens are picked by `txl.nn.sampling.pick_tokens`. Entry
 points: `stream_tokens` (one prompt, tokens as they come), `sample` (a batch, stopping, log-probabilities),
@@ -28,7 +33,7 @@ import torch
 from torch import Tensor
 
 from txl.errors import UsageError
-from txl.nn.memory import MemoryState
+from txl.nn.memory import MemoryState, reset_rows
 from txl.nn.options import MAX_LENGTH
 from txl.nn.sampling import check_sampling, pick_tokens
 
@@ -101,6 +106,12 @@ class Decoder:
         self.context: Tensor | None = None  # mem_len 0: the window of the last tokens (B, t)
         self.context_mask: Tensor | None = None  # mem_len 0 with padding or a reset: (B, t) bool, True = real
         self.logits: Tensor | None = None  # (B, V) of the next token
+        # An absolute encoding (sinusoidal, learned) numbers a segment's tokens 0 … segment_len-1 in training; a
+        # forward numbers its own tokens from 0, so a token fed alone would always be position 0. The decoder
+        # passes each real token its place in the row's text instead, counted from the row's first token
+        # (padding not counted) and restarting every segment_len tokens: (B,) real tokens so far, mod segment_len.
+        self.absolute = bool(getattr(model, "takes_position_ids", False))
+        self.seen: Tensor | None = None
 
     @torch.no_grad()
     def feed(self, ids: Tensor, *, before_chunk: Callable[[], object] | None = None,
@@ -123,6 +134,8 @@ class Decoder:
             # a slice of the longer [window ; ids] would keep all of it alive
             self.context = context[:, -self.segment_len :].clone() if context.shape[1] > self.segment_len else context
             extra = {} if self.context_mask is None else {"attention_mask": self.context_mask}
+            if self.absolute and self.context_mask is not None:  # the window's real tokens from position 0
+                extra["position_ids"] = self._positions(self.context_mask, None)
             with self.lock:
                 logits = self.model(self.context, mem_len=0, **extra).logits
             self.logits = logits[:, -1].clone() if logits.shape[1] > 1 else logits[:, -1]
@@ -133,6 +146,10 @@ class Decoder:
             if before_chunk is not None:
                 before_chunk()
             extra = {} if chunk_mask is None else {"attention_mask": chunk_mask}
+            if self.absolute:
+                real = torch.ones_like(chunk, dtype=torch.bool) if chunk_mask is None else chunk_mask
+                extra["position_ids"] = self._positions(real, self.seen)
+                self.seen = (real.sum(1) if self.seen is None else self.seen + real.sum(1)) % self.segment_len
             with self.lock:
                 out = self.model(chunk, memory=self.memory, mem_len=self.mem_len, **extra)
             self.memory = out.memory
@@ -149,13 +166,21 @@ class Decoder:
         are stale until the next feed."""
         if self.mem_len == 0:
             if self.context is not None:
-                from txl.nn.memory import reset_rows
-
                 chosen = reset_rows(rows, self.context.shape[0], device=self.context.device)
                 real = torch.ones_like(self.context, dtype=torch.bool) if self.context_mask is None else self.context_mask
                 self.context_mask = real & ~chosen[:, None]
         elif self.memory is not None:
             self.memory = self.memory.reset(rows)
+            if self.seen is not None:  # the rows' next token is position 0 again
+                self.seen = self.seen.masked_fill(reset_rows(rows, self.seen.shape[0], device=self.seen.device), 0)
+
+    def _positions(self, real: Tensor, seen: Tensor | None) -> Tensor:
+        """(B, t) positions of the absolute encoding: the real tokens (`real`, (B, t) bool) numbered on
+        from `seen` ((B,) or None = 0), mod segment_len; padding gets position 0 (it is never attended)."""
+        count = real.long().cumsum(1) - 1
+        if seen is not None:
+            count = count + seen[:, None]
+        return count.clamp(min=0) % self.segment_len
 
     @staticmethod
     def _padding(attention_mask, ids: Tensor) -> Tensor:

@@ -221,6 +221,12 @@ class TransformerXL(nn.Module):
         if self.universal is not None:
             self.universal.reset_parameters()
 
+    @property
+    def takes_position_ids(self) -> bool:
+        """Whether `forward` reads `position_ids=` (an absolute encoding: sinusoidal, learned): a decoder that
+        feeds a text token by token passes each token's place in its segment (txl.generate.decoder)."""
+        return self.pos.takes_position_ids
+
     def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
         params = {id(p): p for p in self.parameters()}
         if exclude_embeddings:
