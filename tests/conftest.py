@@ -5,7 +5,9 @@ Two tiers, one marker (issue 45):
     pytest -m "not slow"    the fast tier, what you run while working: in-process tests only, on up to
                             four pytest-xdist workers (one per CPU this process may use); under 2 minutes
                             on 2 cores
-    pytest                  the whole suite, what CI (.ci/run) and the README run: every test, one process
+    pytest                  the whole suite, what CI (.ci/run) and the README run: every test, on the same
+                            workers (whole files per worker; 15 minutes on 2 cores where one process took
+                            22-23); `pytest -n 0` runs it in one process
 
 `slow` marks what a developer need not wait for on every change: a test that starts a Python process or
 forks (the `txl` command line as a process, DDP, process-wide limits, `torch.compile`'s workers, the
@@ -47,18 +49,18 @@ SLOW_CASES = {
     "tests/test_robustness.py::test_bad_input[run-locked]",
 }
 
-# The fast tier runs on this many pytest-xdist workers at most: each imports torch and collects the
+# Both tiers run on this many pytest-xdist workers at most: each imports torch and collects the
 # suite (seconds), so more workers than this gain little on ~2,000 tests of a fraction of a second.
 MAX_FAST_WORKERS = 4
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
-    """`pytest -m "not slow"` as typed (or on folders) runs on pytest-xdist workers, whole files per worker
-    (module fixtures build their tiny runs once); `-n N` (`-n 0`: one process), `-p no:xdist`, test files
-    or node ids named on the command line, or any other selection keep pytest's own behaviour."""
+    """`pytest` and `pytest -m "not slow"` as typed (or on folders) run on pytest-xdist workers, whole files
+    per worker (module fixtures build their tiny runs once); `-n N` (`-n 0`: one process), `-p no:xdist`,
+    test files or node ids named on the command line, or any other `-m` keep pytest's own behaviour."""
     option = config.option
-    if (" ".join(str(getattr(option, "markexpr", "")).split()) != "not slow"
+    if (" ".join(str(getattr(option, "markexpr", "")).split()) not in ("not slow", "")
             or not config.pluginmanager.hasplugin("xdist") or os.environ.get("PYTEST_XDIST_WORKER")
             or getattr(option, "numprocesses", 0) is not None or getattr(option, "tx", None)
             or option.collectonly or option.usepdb
@@ -75,8 +77,14 @@ def pytest_cmdline_main(config):
 def pytest_configure(config):
     # Tiny tensors gain nothing from intra-op threads, and on a busy machine every parallel region of the
     # many small ops waits for a descheduled thread (measured: minutes instead of seconds; the fast tier
-    # spent 4-5x the CPU at torch's default of one thread per core). Child processes are not affected.
+    # spent 4-5x the CPU at torch's default of one thread per core).
     torch.set_num_threads(1)
+    # The same for `txl` commands, in this process and in the ones a test starts: txl's own thread count
+    # follows the machine's load (txl.cli.arguments.default_threads), so two runs that a test compares
+    # bit for bit (a run and its resumed copy) could get 1 and 2 threads on a busy machine and differ in
+    # the last bits; with OMP_NUM_THREADS set the environment decides, the same for every run. A test of
+    # txl's own choice removes it (tests/test_demo.py).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.hookimpl(tryfirst=True)
