@@ -51,7 +51,7 @@ SLOW_CASES = {
 
 # Both tiers run on this many pytest-xdist workers at most: each imports torch and collects the
 # suite (seconds), so more workers than this gain little on ~2,000 tests of a fraction of a second.
-MAX_FAST_WORKERS = 4
+MAX_WORKERS = 4
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -67,7 +67,7 @@ def pytest_cmdline_main(config):
             or any(".py" in arg for arg in config.args)):
         return
     workers = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
-                  MAX_FAST_WORKERS)
+                  MAX_WORKERS)
     if workers > 1:
         option.numprocesses = workers
         if option.dist == "no":
