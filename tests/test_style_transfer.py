@@ -1,7 +1,7 @@
 """The Style Transformer (Dai et al. 2019; issue 48 item 6): the two-style corpus, the model's invariances
 (soft decoding of one-hot distributions = hard decoding; cached decoding = teacher forcing; padding changes
 nothing), the discriminators, the training schedule and which network each step updates, and the commands
-(`txl train --preset style-transfer --data style:A,B`, `txl generate --style S`)."""
+(`txl train --preset style-transfer --data style:A,B`, `txl generate --style S`, `txl eval`)."""
 
 from __future__ import annotations
 
@@ -253,7 +253,7 @@ SMALL = ["--set", "model.n_layer=1", "--set", "model.n_encoder_layer=1", "--set"
 
 
 def test_txl_train_and_generate_with_a_style(styles, tmp_path, capsys):
-    """Three steps (pre-training, discriminator, generator), the run's end, `txl generate --style`."""
+    """Three steps (pre-training, discriminator, generator), the run's end, `txl generate --style`, `txl eval`."""
     from txl.cli.main import main
 
     run = tmp_path / "run"
@@ -279,6 +279,25 @@ def test_txl_train_and_generate_with_a_style(styles, tmp_path, capsys):
     assert "transfers greedily" in capsys.readouterr().err
     assert main(["generate", str(run), "--prompt", "x"]) != 0
     assert "--style S" in capsys.readouterr().err
+    # txl eval: the paper's three measures of every direction beside copying, the tools on real sentences, samples
+    assert main(["eval", str(run), "--split", "test", "--samples", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["split"] == "test" and report["styles"] == ["verse", "news"]
+    assert [(r["from"], r["to"], r["system"]) for r in report["rows"]] == [
+        ("verse", "news", "style transformer"), ("verse", "news", "copy (the input)"),
+        ("news", "verse", "style transformer"), ("news", "verse", "copy (the input)")]
+    assert all(r["self_bleu"] == 100 for r in report["rows"] if r["system"].startswith("copy"))
+    assert [r["sentences"] for r in report["rows"]] == [report["real"][r["from"]]["sentences"] for r in report["rows"]]
+    assert len(report["samples"]) == sum(min(2, v["sentences"]) for v in report["real"].values())
+    assert main(["eval", str(run), "--max-sentences", "3", "--samples", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| verse -> news | style transformer | 3 |" in out and "samples, news -> verse:" in out
+    assert "(valid: verse 3, news 3 sentences)" in out
+    assert main(["eval", str(run), "--vanilla"]) == 2
+    err = capsys.readouterr().err
+    assert "--vanilla does not apply to a Style Transformer run" in err and len(err.strip().splitlines()) == 1
+    assert main(["eval", str(run), "--split", "all"]) == 2
+    assert "no split 'all'" in capsys.readouterr().err
 
 
 def test_train_refuses_other_data_for_it_and_it_for_style_data(styles, tmp_path, capsys):

@@ -1,5 +1,6 @@
 """`txl eval`: score a checkpoint on a split (bpc/ppl) with long memory, the vanilla baseline, a masked-LM
-or dynamic evaluation, or a memory sweep. An encoder-decoder run is scored by `txl.cli.seq2seq`.
+or dynamic evaluation, or a memory sweep. An encoder-decoder run is scored by `txl.cli.seq2seq`, a Style
+Transformer run by `txl.cli.style`.
 
 Kept free of torch at import time (`txl --help` imports every subcommand's `configure`); the work is
 done by `txl.eval`, imported when the command runs.
@@ -90,9 +91,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     seq2seq.add_argument("--length-penalty", type=LENGTH_PENALTY, default=0.6,
                          help="GNMT alpha of beam search (default 0.6)")
     seq2seq.add_argument("--samples", type=integer(0, 100_000), default=10,
-                         help="sample outputs printed next to references")
+                         help="sample outputs printed next to references (a Style Transformer run: "
+                              "transfers each way; default 10)")
     seq2seq.add_argument("--max-pairs", type=integer(0, MAX_SCORED), default=0,
                          help="score only the first N pairs (0 = all)")
+    style = parser.add_argument_group("Style Transformer runs (arch = style-transformer): style accuracy, self-BLEU, "
+                                      "target-style perplexity of the transfers, and --samples of them each way")
+    style.add_argument("--max-sentences", type=integer(0, MAX_SCORED), default=0,
+                       help="transfer only the first N sentences of each style (0 = all)")
     vanilla = parser.add_argument_group("vanilla baseline (Al-Rfou et al. 2018)")
     vanilla.add_argument("--vanilla", action="store_true",
                          help="score every token with a fresh window of --attn-len tokens and no memory")
@@ -158,6 +164,10 @@ def run(args: argparse.Namespace) -> int:
     ckpt = load_checkpoint(args.checkpoint, device=device)
     if getattr(ckpt.model.config, "num_labels", 0):  # a document classifier (issue 47)
         return _run_classify(args, ckpt, device)
+    if ckpt.model.config.arch == "style-transformer":  # the paper's three measures (txl.eval.style)
+        from txl.cli.style import run_eval as run_style_eval
+
+        return run_style_eval(args, ckpt, device)
     if args.split is None:
         args.split = "all" if args.text else _default_split(ckpt, args.data)
     _check_text_encoding(ckpt, args)

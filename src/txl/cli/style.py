@@ -1,5 +1,5 @@
 """`txl generate RUN --style S`: rewrite sentences in style S with a Style Transformer run
-(arch = style-transformer, `txl.models.style`).
+(arch = style-transformer, `txl.models.style`); `txl eval RUN`: score its transfers (`run_eval`).
 
 The sentences are `--prompt TEXT`, one per line of `--prompt-file FILE`, or one per line of `--input FILE`;
 each is tokenised as the run's corpus (`txl.data.style.tokenize`: lower case, words and punctuation, unknown
@@ -74,4 +74,56 @@ def run_transfer(args: argparse.Namespace, *, read_prompts) -> int:
     for text in outputs:
         sys.stdout.write(for_stream(text, sys.stdout) + "\n")
     sys.stdout.flush()
+    return 0
+
+
+def run_eval(args: argparse.Namespace, ckpt, device) -> int:
+    """`txl eval RUN` of a Style Transformer run: every sentence of a split transferred into the other style,
+    scored by the paper's three measures (`txl.eval.style`), with `--samples` transfers each way."""
+    from txl.data.display import for_stream
+    from txl.data.style import open_style_corpus
+    from txl.eval.style import bleu_available, real_table, rows_table, score_style_transfer
+
+    lm_only = [flag for flag, given in (
+        ("--text", args.text), ("--vanilla", args.vanilla), ("--sweep-mem", args.sweep_mem),
+        ("--per-token", args.per_token), ("--dynamic-lr", args.dynamic_lr is not None),
+        ("--mask-prob", args.mask_prob is not None), ("--tgt-len", args.tgt_len is not None),
+        ("--mem-len", args.mem_len is not None), ("--clamp-len", args.clamp_len is not None),
+        ("--same-length", args.same_length is not None), ("--max-tokens", args.max_tokens),
+        ("--max-pairs", args.max_pairs)) if given]
+    if lm_only:
+        raise UsageError(f"{lm_only[0]} does not apply to a Style Transformer run: it is scored on a split of its "
+                         "style corpus (--split, --data, --max-sentences, --samples)")
+    spec = args.data or ckpt.data_spec
+    if spec is None:
+        raise UsageError(f"{ckpt.path} records no corpus; name one with --data SPEC")
+    corpus = open_style_corpus(spec, vocab=ckpt.vocab)
+    split = args.split or ("valid" if "valid" in corpus.splits else corpus.splits[-1])
+    if split not in corpus.splits:
+        raise UsageError(f"the corpus has no split {split!r} holding sentences of every style "
+                         f"(splits: {', '.join(corpus.splits)})")
+    if "train" not in corpus.splits:
+        raise UsageError(f"{corpus.spec} has no train sentences of every style: the style classifier and the "
+                         "target-style language models learn from them")
+    progress = not args.quiet and sys.stderr.isatty()
+    scores = score_style_transfer(ckpt.model, ckpt.vocab, corpus, split, max_sentences=args.max_sentences,
+                                  n_samples=args.samples, device=device, progress=progress)
+    if args.json:
+        print(json.dumps({"checkpoint": str(ckpt.path), "data": corpus.spec, **scores}, indent=2,
+                         ensure_ascii=False))
+        return 0
+    counts = ", ".join(f"{name} {v['sentences']:,}" for name, v in scores["real"].items())
+    print(f"checkpoint  {ckpt.path}\ndata        {corpus.spec} ({split}: {counts} sentences)\n")
+    print(rows_table(scores))
+    print("\nthe measures on the split's own sentences (their own style):\n")
+    print(real_table(scores))
+    if not bleu_available():
+        print("(self-BLEU needs the optional package sacrebleu: pip install 'txl[style]')")
+    directions = dict.fromkeys((s["from"], s["to"]) for s in scores["samples"])
+    for source, target in directions:
+        print(f"\nsamples, {source} -> {target}:\n\n| input | transfer |\n|---|---|")
+        for s in scores["samples"]:
+            if (s["from"], s["to"]) == (source, target):
+                cells = [for_stream(s[k].replace("|", "\\|"), sys.stdout) for k in ("source", "transfer")]
+                print(f"| {cells[0]} | {cells[1]} |")
     return 0

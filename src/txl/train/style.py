@@ -235,7 +235,9 @@ class StyleTransfer:
     def next_commands(self, run: str) -> list[tuple[str, str]]:
         names = self.model.config.style_names
         style = names[0] if names else "0"
-        return [(f"txl generate {run} --style {style} --prompt TEXT", "rewrite a sentence in a style (--input FILE: "
+        test = " --split test" if "test" in self.corpus.splits else ""
+        return [(f"txl eval {run}{test}", "style accuracy, self-BLEU and target-style perplexity of its transfers"),
+                (f"txl generate {run} --style {style} --prompt TEXT", "rewrite a sentence in a style (--input FILE: "
                                                                      "one per line)"),
                 (f"txl plot {run}", "training curves as a PNG"),
                 (f"txl train --resume {run} --max-steps N", "train longer")]
