@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -513,3 +514,50 @@ def test_training_curve_is_thinned_and_skips_damaged_lines(tmp_path):
     assert len(curve["train"]) == CURVE_POINTS and curve["train"][0] == [1, 5.0] and curve["train"][-1] == [1000, 0.005]
     assert curve["valid"] == [[20, 1.5]]
     assert training_curve(tmp_path / "missing.jsonl") == {}
+
+
+def _other_run(kind: str, root: Path) -> Path:
+    """A two-step run of a model that is not a language model, trained with the public command line."""
+    tiny = ["--set", "model.n_layer=1", "--set", "model.d_model=16", "--set", "model.d_head=8", "--set",
+            "model.d_inner=32", "--set", "batch_size=4", "--set", "eval_batch_size=8", "--set", "max_steps=2",
+            "--set", "eval_interval=2", "--quiet", "--threads", "1"]
+    run = root / kind
+    if kind == "encoder-decoder":
+        argv = ["--preset", "seq2seq-reverse", "--data", "reverse?size=40&max_len=5", "--set", "model.n_encoder_layer=1",
+                "--set", "final_splits=[]"]
+    elif kind == "style-transformer":
+        (root / "a.txt").write_text("".join(f"to be or not to be that is {i}\n" for i in range(60)))
+        (root / "b.txt").write_text("".join(f"the company said it expects a loss {i}\n" for i in range(60)))
+        argv = ["--preset", "style-transfer", "--data", f"style:{root / 'a.txt'},{root / 'b.txt'}?min_len=3",
+                "--set", "model.n_encoder_layer=1", "--set", "model.n_discriminator_layer=1",
+                "--set", "model.pretrain_steps=1", "--set", "model.discriminator_steps=1",
+                "--set", "model.generator_steps=1"]
+    else:  # a document classifier
+        for split, count in (("train", 6), ("valid", 2)):
+            for label in ("west", "east"):
+                for i in range(count):
+                    path = root / "docs" / split / label / f"{i}.txt"
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text(f"memory segment {label} layer token {i}")
+        argv = ["--objective", "classify", "--data", f"docs:{root / 'docs'}", "--set", "model.mem_len=8",
+                "--set", "tgt_len=8"]
+    assert main(["train", *argv, "--out", str(run), *tiny]) == 0
+    return run
+
+
+@pytest.mark.parametrize(("kind", "words"), [
+    ("encoder-decoder", "is a sequence-to-sequence model (encoder-decoder): txl serve continues text with a "
+                        "language model; decode sources with txl generate RUN --input FILE"),
+    ("style-transformer", "is a Style Transformer: txl serve continues text with a language model; rewrite "
+                          "sentences with txl generate RUN --style S --prompt TEXT"),
+    ("classifier", "is a document classifier: txl serve continues text with a language model; score documents "
+                   "with txl eval RUN"),
+])
+def test_a_run_that_is_not_a_language_model_is_refused_in_one_line(tmp_path, capsys, kind, words):
+    """The encoder-decoder and the Style Transformer used to end in an AttributeError traceback (no mem_len); the
+    classifier was served, generating with the LM head that its training never scores."""
+    run = _other_run(kind, tmp_path)
+    capsys.readouterr()
+    assert main(["serve", str(run), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and "\n" not in err and "Traceback" not in err
