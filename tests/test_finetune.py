@@ -232,3 +232,35 @@ def test_txl_generate_warns_once_per_prompt_on_stderr(tmp_path, corpus):
     warnings = [line for line in err.splitlines() if "warning:" in line]
     assert len(warnings) == 1 and "'The', 'Zebra'" in warnings[0] and "'the' for 'The'" in warnings[0], err
     assert warnings[0].startswith("txl generate: warning: 2 words of the prompt are not in the vocabulary")
+
+
+# ---------------------------------------------------------------------------------------------
+# --init-from takes a checkpoint of the run's own family
+
+SMALL = {"vocab_size": 40, "n_layer": 1, "d_model": 16, "n_head": 2, "d_head": 8, "d_inner": 32}
+
+
+@pytest.mark.parametrize(("model", "what"), [
+    ({"arch": "encoder-decoder", "n_encoder_layer": 1}, "a sequence-to-sequence model (model.arch='encoder-decoder')"),
+    ({"arch": "rnn-seq2seq", "d_hidden": 16}, "a sequence-to-sequence model (model.arch='rnn-seq2seq')"),
+    ({"arch": "style-transformer", "n_encoder_layer": 1, "n_discriminator_layer": 1, "max_length": 7},
+     "a Style Transformer (model.arch='style-transformer')"),
+    ({"arch": "decoder", "causal": False, "mem_len": 0, "pos_encoding": "rope"},
+     "a bidirectional masked LM (model.arch='decoder')"),
+], ids=["encoder-decoder", "rnn-seq2seq", "style-transformer", "masked-lm"])
+def test_a_checkpoint_of_another_family_is_refused_before_its_vocabulary_is_read(tmp_path, corpus, model, what):
+    """The encoder-decoder's pair vocabulary was read as a language model's ("not a txl vocabulary"), the masked
+    LM's mask id was a shape mismatch blamed on its config.json."""
+    from txl.models.registry import build_model, config_from_dict
+
+    rnn = model["arch"] == "rnn-seq2seq"  # (no heads, no feed-forward)
+    config = config_from_dict({k: v for k, v in {**SMALL, **model}.items()
+                               if not rnn or k not in ("n_head", "d_head", "d_inner")})
+    build_model(config).save_pretrained(tmp_path / "other")
+    (tmp_path / "other" / "vocab.json").write_text("{}")  # never read: the family is told first
+    config_file = helpers.write_config(tmp_path, corpus, steps=1, varlen="false")
+    code, err = call("train", "--config", str(config_file), "--init-from", str(tmp_path / "other"), "--out",
+                     str(tmp_path / "run"), "--quiet")  # (the model section is the checkpoint's)
+    line = one_error_line(err)
+    assert code == 2 and f"the checkpoint is {what} but this run trains a causal language model" in line, line
+    assert not (tmp_path / "run").exists()

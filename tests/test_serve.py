@@ -545,19 +545,25 @@ def _other_run(kind: str, root: Path) -> Path:
     return run
 
 
-@pytest.mark.parametrize(("kind", "words"), [
-    ("encoder-decoder", "is a sequence-to-sequence model (encoder-decoder): txl serve continues text with a "
-                        "language model; decode sources with txl generate RUN --input FILE"),
-    ("style-transformer", "is a Style Transformer: txl serve continues text with a language model; rewrite "
-                          "sentences with txl generate RUN --style S --prompt TEXT"),
-    ("classifier", "is a document classifier: txl serve continues text with a language model; score documents "
-                   "with txl eval RUN"),
+@pytest.mark.parametrize(("kind", "what", "advice"), [
+    ("encoder-decoder", "is a sequence-to-sequence model (encoder-decoder)",
+     "decode sources with txl generate RUN --input FILE"),
+    ("style-transformer", "is a Style Transformer",
+     "rewrite sentences with txl generate RUN --style S --prompt TEXT (or --input FILE)"),
+    ("classifier", "is a document classifier", "score documents with txl eval RUN"),
 ])
-def test_a_run_that_is_not_a_language_model_is_refused_in_one_line(tmp_path, capsys, kind, words):
-    """The encoder-decoder and the Style Transformer used to end in an AttributeError traceback (no mem_len); the
-    classifier was served, generating with the LM head that its training never scores."""
+def test_a_run_that_is_not_a_language_model_is_refused_by_serve_and_generate(tmp_path, capsys, kind, what, advice):
+    """`txl serve` of the encoder-decoder and the Style Transformer used to end in an AttributeError traceback (no
+    mem_len), and the classifier was served (and `txl generate --prompt` ran), generating with the LM head its
+    training never scores; `txl generate --input` called each of them "a language model"."""
     run = _other_run(kind, tmp_path)
+    (tmp_path / "in.txt").write_text("abc\n")
     capsys.readouterr()
     assert main(["serve", str(run), "--port", "0"]) == 2
     err = capsys.readouterr().err.strip()
-    assert words in err and "\n" not in err and "Traceback" not in err
+    assert f"{what}: txl serve continues text with a language model; {advice}" in err and "\n" not in err
+    given = [["--prompt", "abc"]] + ([] if kind == "encoder-decoder" else [["--input", str(tmp_path / "in.txt")]])
+    for flags in given:  # (an encoder-decoder's --input is what it takes)
+        assert main(["generate", str(run), *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"{what}: {advice}" in err and "\n" not in err and "Traceback" not in err

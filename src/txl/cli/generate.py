@@ -139,12 +139,11 @@ def run(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device=device, require_vocab=True)
-    from txl.models.registry import is_seq2seq
+    from txl.models.registry import not_a_language_model
 
-    if is_seq2seq(ckpt.model.config):
-        raise UsageError(f"{ckpt.path} is a sequence-to-sequence model: decode sources with --input FILE")
-    if ckpt.model.config.arch == "style-transformer":
-        raise UsageError(f"{ckpt.path} is a Style Transformer: rewrite a sentence with --style S --prompt TEXT")
+    other = not_a_language_model(ckpt.model.config)
+    if other is not None:
+        raise UsageError(f"{ckpt.path} is {other[0]}: {other[1]}")
     check_causal(ckpt.model)  # before anything is printed
     for number, prompt in enumerate(prompts, 1):  # every prompt is checked before anything is printed
         encode_prompt(ckpt.vocab, prompt)

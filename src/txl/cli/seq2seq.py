@@ -113,9 +113,14 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UsageError(f"input file {args.input} has no sources (one per line)")
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device=device, require_vocab=True)
-    from txl.models.registry import is_seq2seq
+    from txl.generate.decoder import check_causal
+    from txl.models.registry import is_seq2seq, not_a_language_model
 
     if not is_seq2seq(ckpt.model.config):
+        other = not_a_language_model(ckpt.model.config)
+        if other is not None:
+            raise UsageError(f"{ckpt.path} is {other[0]}: {other[1]}")
+        check_causal(ckpt.model)
         raise UsageError(f"{ckpt.path} is a language model: continue text with --prompt, not --input")
     vocab = ckpt.vocab
     encoded = []

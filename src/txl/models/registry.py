@@ -45,6 +45,18 @@ def is_seq2seq(config: ModelConfig | str) -> bool:
     return (config if isinstance(config, str) else getattr(config, "arch", None)) in SEQ2SEQ_ARCHS
 
 
+def not_a_language_model(config: ModelConfig) -> tuple[str, str] | None:
+    """For a model that does not continue text, (what it is, the command it takes instead); None for a
+    language model (decoder-only or recurrent; a bidirectional one is refused by its own check)."""
+    if is_seq2seq(config):
+        return f"a sequence-to-sequence model ({config.arch})", "decode sources with txl generate RUN --input FILE"
+    if getattr(config, "arch", None) == "style-transformer":
+        return "a Style Transformer", "rewrite sentences with txl generate RUN --style S --prompt TEXT (or --input FILE)"
+    if getattr(config, "num_labels", 0):
+        return "a document classifier", "score documents with txl eval RUN"
+    return None
+
+
 assert set(CONFIGS) == set(ARCHITECTURES), "every registered config has a model"
 
 

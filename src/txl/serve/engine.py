@@ -27,7 +27,7 @@ from txl.errors import CheckpointError, UsageError
 from txl.generate.decoder import Decoder as StreamDecoder
 from txl.generate.text import TextStream
 from txl.models.checkpoint import LoadedCheckpoint, load_checkpoint
-from txl.models.registry import is_seq2seq
+from txl.models.registry import not_a_language_model
 from txl.nn.memory import Memory
 from txl.nn.sampling import check_sampling, pick_tokens
 
@@ -86,15 +86,9 @@ def open_run(path: str | Path, *, device: str = "cpu") -> ServedRun:
                                   "cannot score or generate: serve another one (e.g. the run's last/ or best/) "
                                   "or retrain")
     config = ckpt.model.config
-    if is_seq2seq(config):
-        raise UsageError(f"{ckpt.path} is a sequence-to-sequence model ({config.arch}): txl serve continues text "
-                         "with a language model; decode sources with txl generate RUN --input FILE")
-    if config.arch == "style-transformer":
-        raise UsageError(f"{ckpt.path} is a Style Transformer: txl serve continues text with a language model; "
-                         "rewrite sentences with txl generate RUN --style S --prompt TEXT")
-    if getattr(config, "num_labels", 0):
-        raise UsageError(f"{ckpt.path} is a document classifier: txl serve continues text with a language model; "
-                         "score documents with txl eval RUN")
+    other = not_a_language_model(config)
+    if other is not None:
+        raise UsageError(f"{ckpt.path} is {other[0]}: txl serve continues text with a language model; {other[1]}")
     if not config.causal:
         raise UsageError(f"{ckpt.path} is a bidirectional (masked-LM) model: it cannot generate text; "
                          "txl serve needs a causal language model")

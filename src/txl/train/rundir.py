@@ -12,7 +12,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from txl.errors import CheckpointError, DataError, OutputError, UsageError, describe_os_error
+from txl.errors import CheckpointError, ConfigError, DataError, OutputError, UsageError, describe_os_error
 from txl.io.rundir import LOCK_NAME, RunLock, check_utf8_path, refuse_link, remove_stale_temporaries
 from txl.models.pretrained import check_state_dict, read_json, recover_directory, write_json
 
@@ -181,6 +181,8 @@ def open_training_corpus(objective, spec: str, out: Path, *, init_from: str | Pa
     when they read as <unk>, else one DataError naming them and what to do."""
     from txl.data.corpus import OtherTokenizer, UnknownSymbols, describe_symbols
 
+    if init_from is not None and not resume:
+        check_init_source(init_from, objective)
     vocab = fixed_vocabulary(out, init_from=init_from, resume=resume) if objective.name != "seq2seq" else None
     if vocab is None:
         return objective.open_corpus(spec)
@@ -204,6 +206,31 @@ def open_training_corpus(objective, spec: str, out: Path, *, init_from: str | Pa
     return corpus
 
 
+FAMILIES = {"seq2seq": "a sequence-to-sequence model", "style": "a Style Transformer",
+            "mlm": "a bidirectional masked LM", "lm": "a causal language model"}
+
+
+def check_init_source(source: str | Path, objective) -> None:
+    """A fine-tuning run (`--init-from`) starts from a checkpoint of its own family (a causal language model or
+    classifier, a masked LM, an encoder-decoder, a Style Transformer), said in one line before the checkpoint's
+    vocabulary is read (an encoder-decoder's pair vocabulary read as a language model's was "not a txl
+    vocabulary"; a masked LM's extra mask id was a shape mismatch)."""
+    from txl.models.pretrained import read_config_data, resolve_checkpoint
+    from txl.models.registry import is_seq2seq
+
+    data = read_config_data(resolve_checkpoint(source))
+    arch = data.get("arch", "decoder") if isinstance(data, dict) else None
+    if not isinstance(arch, str):
+        return  # load_checkpoint names what is wrong with the config
+    have = ("seq2seq" if is_seq2seq(arch) else "style" if arch == "style-transformer"
+            else "mlm" if data.get("causal") is False else "lm")
+    want = objective.name if objective.name in FAMILIES else "lm"
+    if have != want:
+        raise ConfigError(f"--init-from {source}: the checkpoint is {FAMILIES[have]} (model.arch={arch!r}) but this "
+                          f"run trains {FAMILIES[want]}; fine-tune from a run of the same kind, or train without "
+                          "--init-from")
+
+
 def load_initial_weights(model, source: str | Path, vocab) -> Path:
     """Fine-tuning (`--init-from`): copy trained weights into a new run's model. The vocabulary must be
     the same one (ids mean the same symbols: `open_training_corpus` reads the new text with it); the
@@ -220,7 +247,13 @@ def load_initial_weights(model, source: str | Path, vocab) -> Path:
     weights = ckpt.model.state_dict()
     # a classifier fine-tuned from a language model (issue 47): the LM's weights, its classification head fresh
     weights.update({k: v for k, v in model.state_dict().items() if k.startswith("classifier.") and k not in weights})
-    check_state_dict(model.state_dict(), weights, ckpt.path)
+    own = model.state_dict()
+    for name in sorted(set(own) & set(weights)):  # the run's settings against the checkpoint's, named as such
+        if tuple(own[name].shape) != tuple(weights[name].shape):
+            raise ConfigError(f"--init-from {source}: tensor {name!r} has shape {tuple(weights[name].shape)} in the "
+                              f"checkpoint but {tuple(own[name].shape)} in this run's model; give the run the "
+                              f"checkpoint's model settings (its config.json: {ckpt.path / 'config.json'})")
+    check_state_dict(own, weights, ckpt.path)
     model.load_state_dict(weights)
     return ckpt.path
 
