@@ -487,6 +487,10 @@ def test_a_bidirectional_model_is_refused(tmp_path, capsys, tiny):
     Vocab("bytes").save(tmp_path / "mlm" / "vocab.json")
     assert main(["serve", str(tmp_path / "mlm"), "--port", "0"]) == 2
     assert "bidirectional" in capsys.readouterr().err
+    (tmp_path / "in.txt").write_text("abc\n")  # generate --input called it "a language model"
+    assert main(["generate", str(tmp_path / "mlm"), "--input", str(tmp_path / "in.txt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "bidirectional encoder" in err and "cannot generate text" in err and "\n" not in err
 
 
 def test_a_port_in_use_and_three_runs_end_in_one_line(run_dir, capsys):
