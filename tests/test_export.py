@@ -239,13 +239,14 @@ def test_export_errors_are_one_line_and_write_nothing(run_dir, tmp_path, monkeyp
     ({"causal": False, "mem_len": 0, "pos_encoding": "rope"}, "bidirectional"),
     ({"arch": "encoder-decoder"}, "encoder-decoder"),
     ({"arch": "lstm"}, "lstm model cannot be exported"),
+    ({"num_labels": 2}, "a document classifier cannot be exported"),  # (it was exported as a language model)
 ])
 def test_models_without_a_fixed_shape_step_are_refused(overrides, why, tmp_path):
-    if "arch" in overrides:  # another architecture: its own config and class
+    if "arch" in overrides or "num_labels" in overrides:  # another architecture or head: built by the registry
         from txl.models.registry import build_model
 
         fields = dict(vocab_size=23, n_layer=2, d_model=32, d_inner=48, mem_len=8, **overrides)
-        if overrides["arch"] == "encoder-decoder":
+        if overrides.get("arch") == "encoder-decoder":
             fields.update(n_head=4, d_head=8, pos_encoding="sinusoidal")
             del fields["mem_len"]
         build_model(config_from_dict(fields)).save_pretrained(tmp_path / "ckpt")

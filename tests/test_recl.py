@@ -216,3 +216,27 @@ def test_a_vanilla_transformer_reads_at_most_its_training_length(group):
     np.testing.assert_allclose(capped[8], context_nll(model, tokens, positions, context_len=8), atol=1e-6)
     full = context_losses(model, tokens, positions, [8, 32])
     assert not np.allclose(full[32], capped[8])  # without the cap the longer window is read whole
+
+
+@pytest.mark.parametrize(("fields", "words"), [
+    ({"arch": "encoder-decoder", "n_encoder_layer": 1},
+     "is a sequence-to-sequence model (encoder-decoder): txl recl measures a language model's context"),
+    ({"num_labels": 2}, "is a document classifier: txl recl measures a language model's context"),
+    ({"causal": False, "mem_len": 0, "pos_encoding": "rope"}, "is a bidirectional (masked-LM) model"),
+], ids=["encoder-decoder", "classifier", "masked-lm"])
+def test_a_model_that_is_not_a_causal_lm_is_refused_in_one_line(tmp_path, fields, words):
+    """The encoder-decoder ended in an AttributeError traceback; the classifier and the masked LM were scored as if
+    they predicted the next token."""
+    import contextlib
+    import io
+
+    from txl.models.registry import build_model, config_from_dict
+
+    config = config_from_dict({"vocab_size": 32, "n_layer": 1, "d_model": 16, "n_head": 2, "d_head": 8,
+                               "d_inner": 32, **fields})
+    build_model(config).save_pretrained(tmp_path / "ckpt")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["recl", str(tmp_path / "ckpt"), "--contexts", "8,16", "--data", "builtin"])
+    lines = err.getvalue().strip().splitlines()
+    assert code == 2 and len(lines) == 1 and words in lines[0], err.getvalue()

@@ -138,6 +138,15 @@ def run(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     ckpts = [load_checkpoint(path, device=device) for path in args.checkpoint]
+    from txl.models.registry import not_a_language_model
+
+    for ckpt in ckpts:  # RECL compares how language models use context (an encoder-decoder ended in a traceback)
+        other = not_a_language_model(ckpt.model.config)
+        if other is not None:
+            raise UsageError(f"{ckpt.path} is {other[0]}: txl recl measures a language model's context; {other[1]}")
+        if not ckpt.model.config.causal:
+            raise UsageError(f"{ckpt.path} is a bidirectional (masked-LM) model: it sees both sides of every token, "
+                             "so its gain from left context is not what txl recl measures; give causal language models")
     names = names or [_label(c.path) for c in ckpts]
     if len(set(names)) != len(names):
         raise UsageError(f"two checkpoints have the same label ({names}); give --names")

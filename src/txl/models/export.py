@@ -63,8 +63,12 @@ def exportable(model: nn.Module) -> None:
         raise CheckpointError("an encoder-decoder model cannot be exported: its decoder cache grows with every "
                               "token (txl export takes decoder-only Transformer-XL models)")
     if not isinstance(model, TransformerXL):
+        why = "the recurrent ones have no export path" if config.arch in ("lstm", "sha-rnn") else "language models only"
         raise CheckpointError(f"a {config.arch} model cannot be exported yet (txl export takes Transformer-XL "
-                              "models; the recurrent ones have no export path)")
+                              f"models; {why})")
+    if getattr(config, "num_labels", 0):
+        raise CheckpointError("a document classifier cannot be exported: txl export writes a language model's "
+                              "segment step, and a classifier's training never scores its LM head")
     if not config.causal:
         raise CheckpointError("a bidirectional encoder (causal=false) has no memory to export; txl export takes "
                               "causal language models")
