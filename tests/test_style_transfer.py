@@ -298,6 +298,11 @@ def test_txl_train_and_generate_with_a_style(styles, tmp_path, capsys):
     assert "--vanilla does not apply to a Style Transformer run" in err and len(err.strip().splitlines()) == 1
     assert main(["eval", str(run), "--split", "all"]) == 2
     assert "no split 'all'" in capsys.readouterr().err
+    files, query = styles.removeprefix("style:").split("?")
+    swapped = "style:" + ",".join(reversed(files.split(","))) + "?" + query  # style 0 would be scored as style 1
+    assert main(["eval", str(run), "--data", swapped]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "gives the styles (news, verse) but the run learned (verse, news), in that order" in err and "\n" not in err
 
 
 def test_train_refuses_other_data_for_it_and_it_for_style_data(styles, tmp_path, capsys):

@@ -98,6 +98,12 @@ def run_eval(args: argparse.Namespace, ckpt, device) -> int:
     if spec is None:
         raise UsageError(f"{ckpt.path} records no corpus; name one with --data SPEC")
     corpus = open_style_corpus(spec, vocab=ckpt.vocab)
+    config = ckpt.model.config
+    names = tuple(config.style_names) or tuple(str(i) for i in range(config.n_styles))
+    if len(corpus.styles) != config.n_styles or (config.style_names and corpus.styles != names):
+        raise UsageError(f"{corpus.spec} gives the styles ({', '.join(corpus.styles)}) but the run learned "
+                         f"({', '.join(names)}), in that order: list one file per style of the run, in its order "
+                         "(?names= renames them)")
     split = args.split or ("valid" if "valid" in corpus.splits else corpus.splits[-1])
     if split not in corpus.splits:
         raise UsageError(f"the corpus has no split {split!r} holding sentences of every style "
