@@ -75,3 +75,13 @@ def test_the_classifier_learns_two_separable_styles_and_leaves_the_random_state_
     again = train_classifier(verse + news, [0] * 40 + [1] * 40, 2, seed=0, epochs=5)
     mixed = [["thou", "said", "x"], ["art", "million"], ["w3"]]
     assert predict(mixed) == again(mixed)  # seeded: the same classifier
+
+
+def test_without_sacrebleu_self_bleu_is_left_out_and_the_table_says_so(monkeypatch):
+    import txl.eval.style as style
+
+    monkeypatch.setattr(style, "bleu_available", lambda: False)
+    assert style.self_bleu([["a"]], [["a"]]) is None
+    row = {"from": "a", "to": "b", "system": style.MODEL, "sentences": 1, "style_accuracy": 0.5, "self_bleu": None,
+           "target_lm_ppl": 12.0}
+    assert style.rows_table({"rows": [row]}).splitlines()[-1] == "| a -> b | style transformer | 1 | 50.0% | - | 12.0 |"
