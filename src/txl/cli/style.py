@@ -12,8 +12,6 @@ import argparse
 import json
 import sys
 
-import torch
-
 from txl.errors import UsageError
 
 
@@ -36,6 +34,7 @@ def run_transfer(args: argparse.Namespace, *, read_prompts) -> int:
     from txl.cli.arguments import resolve_device
     from txl.data.display import for_stream
     from txl.data.style import encode_sentence
+    from txl.eval.style import transfer_sentences
     from txl.models.checkpoint import load_checkpoint
 
     given = [flag for flag, value in (("--temperature", args.temperature), ("--top-k", args.top_k),
@@ -55,17 +54,8 @@ def run_transfer(args: argparse.Namespace, *, read_prompts) -> int:
     style = config.style_index(args.style)
     model, vocab = ckpt.model.eval(), ckpt.vocab
     steps = min(args.max_new_tokens, config.max_length)
-    outputs = []
-    for start in range(0, len(sentences), 64):
-        chunk = [encode_sentence(vocab, s) for s in sentences[start: start + 64]]
-        width = max(len(ids) for ids in chunk)
-        tokens = torch.full((len(chunk), width), config.pad_id, dtype=torch.long)
-        for row, ids in enumerate(chunk):
-            tokens[row, : len(ids)] = torch.tensor(ids)
-        lengths = torch.tensor([len(ids) for ids in chunk])
-        styles = torch.full((len(chunk),), style, dtype=torch.long)
-        outputs += [vocab.decode(ids) for ids in model.transfer(tokens.to(device), lengths.to(device),
-                                                                 styles.to(device), max_length=steps)]
+    encoded = [encode_sentence(vocab, s) for s in sentences]
+    outputs = [vocab.decode(ids) for ids in transfer_sentences(model, encoded, style, device=device, max_length=steps)]
     name = config.style_names[style] if config.style_names else str(style)
     if args.json:
         print(json.dumps({"checkpoint": str(ckpt.path), "style": name, "transfers": [

@@ -164,22 +164,22 @@ def self_bleu(hypotheses: Sequence[Sequence[str]], references: Sequence[Sequence
 
 # -- the whole score ---------------------------------------------------------------------------------------------
 def transfer_sentences(model, sentences: Sequence[Sequence[int]], style: int, *, device=None,
-                       batch_size: int = 64, progress: bool = False, desc: str = "transfer") -> list[list[int]]:
-    """Greedy transfers (ids, without <eos>) of sentences given as ids ending in <eos>."""
+                       max_length: int | None = None, batch_size: int = 64, progress: bool = False,
+                       desc: str = "transfer") -> list[list[int]]:
+    """Greedy transfers (ids, without <eos>) of sentences given as ids ending in <eos>, batched by
+    `txl.data.style.collate` (also `txl generate --style`'s)."""
     from tqdm.auto import tqdm
 
-    config = model.config
+    from txl.data.style import collate
+
     device = device if device is not None else next(model.parameters()).device
     out: list[list[int]] = []
     for start in tqdm(range(0, len(sentences), batch_size), desc=desc, unit="batch", disable=not progress,
                       leave=False):
-        chunk = sentences[start: start + batch_size]
-        tokens = torch.full((len(chunk), max(len(s) for s in chunk)), config.pad_id, dtype=torch.long)
-        for i, ids in enumerate(chunk):
-            tokens[i, : len(ids)] = torch.tensor(ids)
-        lengths = torch.tensor([len(s) for s in chunk])
-        styles = torch.full((len(chunk),), style, dtype=torch.long)
-        out += model.transfer(tokens.to(device), lengths.to(device), styles.to(device))
+        chunk = list(sentences[start: start + batch_size])
+        batch = collate(chunk, [style] * len(chunk))
+        out += model.transfer(batch.tokens.to(device), batch.lengths.to(device), batch.styles.to(device),
+                              max_length=max_length)
     return out
 
 
